@@ -1,0 +1,181 @@
+"""Offline throughput: fixed random token prompts, greedy, EOS ignored, prefix cache off.
+
+    python benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256,4096x8x512 --peer transformers
+
+Each shape is input x batch x output; we report the median output tokens/s over the timed runs,
+the shape's floor (see floor.py) and our share of it, and each peer's figure in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from configs import PRESETS, config_dict, write_checkpoint_folder  # noqa: E402
+from floor import floor_seconds, measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+
+from compiled_llm import LLM, SamplingParams  # noqa: E402
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(x) for x in s.lower().replace("k", "000").split("x")) for s in text.split(",")]
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 1, (batch, length), generator=g).tolist()
+
+
+def timed(fn, warmup: int, runs: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def run_ours(folder: str, shapes, args) -> tuple[dict, LLM]:
+    longest = max(p + o for p, _, o in shapes)
+    llm = LLM(folder, device=args.device, dtype=args.dtype, load_format=args.load_format, skip_tokenizer_init=True,
+              enable_prefix_caching=False, max_model_len=longest + 16, max_num_seqs=max(b for _, b, _ in shapes),
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              seed=args.seed)
+    vocab = llm.engine.runner.model_config.vocab_size
+    out = {}
+    for p, b, o in shapes:
+        prompts = [{"prompt_token_ids": x} for x in random_prompts(b, p, vocab)]
+        params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
+        times = timed(lambda: llm.generate(prompts, params), args.warmup, args.runs)
+        out[(p, b, o)] = b * o / statistics.median(times)
+        print(f"ours {p}x{b}x{o}: {out[(p, b, o)]:.1f} tok/s (runs: {[round(t, 3) for t in times]})", flush=True)
+    return out, llm
+
+
+def run_transformers(llm: LLM, cfg: dict, shapes, args, static: bool) -> dict:
+    """transformers' own generate on our weights (copied over), eager or with a static cache (compiled)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    kw = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")}
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, args.dtype if args.dtype != "auto" else "bfloat16"))
+    with torch.device(args.device):
+        hf = Gemma4ForCausalLM(Gemma4TextConfig(**kw)).eval()
+    torch.set_default_dtype(prev)
+    missing, unexpected = hf.load_state_dict(llm.engine.runner.model.state_dict(), strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    hf.generation_config.eos_token_id = None
+    out = {}
+    for p, b, o in shapes:
+        ids = torch.tensor(random_prompts(b, p, cfg["vocab_size"]), device=args.device)
+        extra = {"cache_implementation": "static"} if static else {}
+        t0 = time.perf_counter()
+        fn = lambda: hf.generate(ids, max_new_tokens=o, min_new_tokens=o, do_sample=False, pad_token_id=0,  # noqa
+                                 **extra)
+        times = timed(fn, args.peer_warmup, args.peer_runs)
+        out[(p, b, o)] = b * o / statistics.median(times)
+        print(f"transformers{'-static' if static else ''} {p}x{b}x{o}: {out[(p, b, o)]:.1f} tok/s "
+              f"(first call incl. warm-up {time.perf_counter() - t0:.1f}s)", flush=True)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(PRESETS), default="gemma-4-26b-a4b")
+    ap.add_argument("--model", default=None, help="a checkpoint folder instead of a preset config")
+    ap.add_argument("--shapes", default="1024x8x256,4096x8x512,8192x4x512")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--peer", action="append", default=[], choices=["transformers", "transformers-static"])
+    ap.add_argument("--peer-warmup", type=int, default=1)
+    ap.add_argument("--peer-runs", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+
+    shapes = parse_shapes(args.shapes)
+    if args.model:
+        folder = args.model
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    else:
+        folder = str(write_checkpoint_folder(args.config, Path(tempfile.mkdtemp()) / args.config))
+        cfg = config_dict(args.config)
+    on_gpu = args.device == "cuda"
+    bw = measure_copy_bandwidth() if on_gpu else None
+    rate = measure_matmul_rate() if on_gpu else None
+    t0 = time.perf_counter()
+    ours, llm = run_ours(folder, shapes, args)
+    startup_and_runs = time.perf_counter() - t0
+    peers = {}
+    for peer in args.peer:
+        peers[peer] = run_transformers(llm, cfg, shapes, args, static=peer == "transformers-static")
+
+    rows = []
+    for s in shapes:
+        p, b, o = s
+        floor = b * o / floor_seconds(cfg, p, b, o, bw, rate) if on_gpu else None
+        row = {"shape": f"{p}x{b}x{o}", "ours_tok_s": round(ours[s], 1),
+               "floor_tok_s": round(floor, 1) if floor else None,
+               "pct_of_floor": round(100 * ours[s] / floor, 1) if floor else None}
+        for name, res in peers.items():
+            row[f"{name}_tok_s"] = round(res[s], 1)
+            row[f"ratio_vs_{name}"] = round(ours[s] / res[s], 2)
+        rows.append(row)
+    header = list(rows[0])
+    print("\n" + " | ".join(header))
+    for r in rows:
+        print(" | ".join(str(r[h]) for h in header))
+    result = {"config": args.model or args.config, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+              "copy_bandwidth_TBps": bw / 1e12 if bw else None, "matmul_TFLOPs": rate / 1e12 if rate else None,
+              "enforce_eager": args.enforce_eager, "rows": rows, "ours_total_seconds": startup_and_runs,
+              "date": time.strftime("%Y-%m-%d %H:%M")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"throughput_{(args.config if not args.model else Path(args.model).name)}_{time.strftime('%Y%m%d_%H%M%S')}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = ["ours_tok_s", "floor_tok_s"] + [f"{n}_tok_s" for n in peers]
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            ax.bar([j + i * width for j in range(len(rows))], [r[n] or 0 for r in rows], width, label=n)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["shape"] for r in rows])
+        ax.set_ylabel("output tokens/s")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{stem}.png")
+    except ImportError:
+        print("matplotlib missing: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""`python -m compiled_llm {generate,serve,compile-cache}`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from compiled_llm.config import add_engine_args, config_from_args
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: 0.95)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 is off")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise tokens already seen (1 is off)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--json", action="store_true", help="print results as JSON lines")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from compiled_llm.runtime.llm import LLM
+    from compiled_llm.sampling_params import SamplingParams
+
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
+                            seed=args.sample_seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    llm = LLM.from_config(config_from_args(args))
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outs = llm.generate(args.prompts, params)
+    for prompt, out in zip(args.prompts, outs):
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": prompt, "index": c.index, "text": c.text,
+                                  "finish_reason": c.finish_reason, "token_ids": c.token_ids}))
+            else:
+                print(prompt + c.text if not args.chat else c.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m compiled_llm",
+                                     description="LLM inference and serving engine built on torch.compile")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts given on the command line",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=_generate)
+
+    from compiled_llm.server.cli import add_serve_args, run_server
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_serve_args(serve)
+    serve.set_defaults(func=run_server)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

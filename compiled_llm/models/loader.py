@@ -1,0 +1,88 @@
+"""Weights: safetensors (single file, sharded with or without an index), memory-mapped, strict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None) -> torch.dtype:
+    if requested in (None, "auto"):
+        return DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+    if requested not in DTYPES:
+        raise ValueError(f"unsupported dtype {requested!r}; use auto, float32, bfloat16 or float16")
+    return DTYPES[requested]
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise ValueError(f"checkpoint shard missing: {', '.join(missing)}")
+    if not files:
+        raise ValueError(f"no *.safetensors weight file in {folder}")
+    return files
+
+
+def load_weights(model: nn.Module, folder: Path, rename, progress: bool = True) -> None:
+    """Copy every checkpoint tensor into the parameter `rename(name)` names (None: skip it; a
+    (name, index) pair: into `param[index]`, e.g. one expert's slice of a packed parameter).
+    Missing, unexpected or misshapen tensors raise ValueError naming them."""
+    params = dict(model.named_parameters())
+    params.update({k: v for k, v in model.named_buffers() if k.endswith("layer_scalar")})
+    loaded: dict[str, int] = {}  # parameter -> elements written
+    unexpected = []
+    files = checkpoint_files(folder)
+    bar = tqdm(total=len(files), desc="loading weights", unit="file", disable=not progress)
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                ours = rename(name)
+                if ours is None:
+                    continue
+                index = None
+                if isinstance(ours, tuple):
+                    ours, index = ours
+                if ours not in params:
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                target = params[ours] if index is None else params[ours][index]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(tensor.to(target.dtype))
+                loaded[ours] = loaded.get(ours, 0) + tensor.numel()
+        bar.update(1)
+    bar.close()
+    if unexpected:
+        raise ValueError(f"unexpected weight(s) in checkpoint: {', '.join(sorted(unexpected)[:10])}")
+    missing = sorted(p for p in params if loaded.get(p, 0) < params[p].numel())
+    if missing:
+        raise ValueError(f"weight(s) missing from checkpoint: {', '.join(missing[:10])}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes (benchmarks): small normals, norms near one."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            if "norm" in name or name.endswith("scale"):
+                p.normal_(1.0, 0.05, generator=gen)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)

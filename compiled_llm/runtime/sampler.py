@@ -1,0 +1,215 @@
+"""Batched token sampler.
+
+Order of operations for each step (all rows processed together with tensor ops):
+
+1. raw logits -> log_softmax (only when some row asked for logprobs; these are the returned logprobs)
+2. repetition penalty (HF/vLLM: tokens in prompt + output; positive logits divided, negative multiplied)
+3. frequency / presence penalties (OpenAI: output tokens only; logit -= f * count + p * (count > 0))
+4. min_tokens: the row's stop_token_ids are set to -inf while len(output) < min_tokens
+5. greedy rows: argmax of the penalised logits
+6. other rows: temperature, top-k, top-p, min-p, softmax, then an exponential-race draw
+   (argmax(probs / Exp(1))), with the row's own generator when it has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from compiled_llm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence being sampled this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (penalties, min_tokens)
+    generator: torch.Generator | None = None  # per-sequence when params.seed is set, else None (global RNG)
+    # eos ids (unless ignore_eos) + params.stop_token_ids; masked while len(output) < min_tokens
+    stop_token_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # log-softmax of the raw logits at the sampled token
+    rank: int | None = None  # 1-based rank of the sampled token under the raw logits
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # top-N (id, logprob), best first
+
+
+def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max((len(x) for x in lists), default=0)
+    data = [x + [pad] * (width - len(x)) for x in lists]
+    return torch.tensor(data, dtype=torch.long, device=device).view(len(lists), width)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties, in place on ``logits`` [B, V]; returns it."""
+    B, V = logits.shape
+    dev = logits.device
+    rep = [r.params.repetition_penalty for r in rows]
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    use_rep = any(x != 1.0 for x in rep)
+    use_fp = any(x != 0.0 for x in freq) or any(x != 0.0 for x in pres)
+    if not (use_rep or use_fp):
+        return logits
+
+    # Output token counts [B, V]; ids outside [0, V) go to a dummy column V that is dropped.
+    out_ids = _padded([[t if 0 <= t < V else V for t in r.output_token_ids] for r in rows], V, dev)
+    counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=dev)
+    if out_ids.numel():
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :V]
+    out_mask = counts > 0
+
+    if use_rep:
+        prompt_ids = _padded([[t if 0 <= t < V else V for t in r.prompt_token_ids] for r in rows], V, dev)
+        seen = torch.zeros(B, V + 1, dtype=torch.bool, device=dev)
+        if prompt_ids.numel():
+            seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :V] | out_mask
+        rep_t = torch.tensor(rep, dtype=logits.dtype, device=dev).unsqueeze(1)
+        penalty = torch.where(seen, rep_t, torch.ones_like(rep_t))
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+
+    if use_fp:
+        freq_t = torch.tensor(freq, dtype=logits.dtype, device=dev).unsqueeze(1)
+        pres_t = torch.tensor(pres, dtype=logits.dtype, device=dev).unsqueeze(1)
+        logits = logits - freq_t * counts - pres_t * out_mask.to(logits.dtype)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask each row's stop_token_ids to -inf while it has fewer than min_tokens outputs (in place)."""
+    V = logits.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            ids = set(r.stop_token_ids) | set(r.params.stop_token_ids or ())
+            for t in ids:
+                if 0 <= t < V:
+                    row_idx.append(i)
+                    tok_idx.append(t)
+    if row_idx:
+        dev = logits.device
+        logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
+    """Mask logits [B, V] (already temperature-scaled) to -inf outside each row's allowed set.
+
+    top-k keeps the k largest (0 = off); top-p keeps the smallest set of best tokens whose
+    probability (after top-k) reaches p; min-p keeps tokens with prob >= min_p * max prob.
+    """
+    B, V = logits.shape
+    dev = logits.device
+    use_k = any(0 < k < V for k in top_k)
+    use_p = any(p < 1.0 for p in top_p)
+    if use_k or use_p:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        positions = torch.arange(V, device=dev).unsqueeze(0)
+        if use_k:
+            k_t = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev).unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(positions >= k_t, float("-inf"))
+        if use_p:
+            p_t = torch.tensor(top_p, dtype=torch.float32, device=dev).unsqueeze(1)
+            probs = sorted_logits.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each position
+            drop = (before >= p_t) & (p_t < 1.0)
+            drop[:, 0] = False  # always keep the best token
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    if any(m > 0.0 for m in min_p):
+        m_t = torch.tensor(min_p, dtype=logits.dtype, device=dev).unsqueeze(1)
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * m_t
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        B, V = logits.shape
+        if B != len(rows):
+            raise ValueError(f"logits has {B} rows but {len(rows)} SamplingRows were given")
+        if B == 0:
+            return []
+        dev = logits.device
+        logits = logits.to(torch.float32)
+
+        # 1. logprobs of the raw logits (before any processing).
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_logprobs = None
+        if lp_rows:
+            if len(lp_rows) == B:
+                raw_logprobs = torch.log_softmax(logits, dim=-1)
+            else:
+                raw_logprobs = torch.log_softmax(logits[torch.tensor(lp_rows, device=dev)], dim=-1)
+
+        # 2-4. penalties and min_tokens (new tensor; the caller's logits are not modified).
+        logits = logits.clone()
+        logits = apply_penalties(logits, rows)
+        logits = apply_min_tokens(logits, rows)
+
+        # 5. greedy rows take the argmax of the penalised logits.
+        token_ids = logits.argmax(dim=-1)
+
+        # 6. random rows.
+        rand_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand_rows:
+            sub_rows = [rows[i] for i in rand_rows]
+            idx = torch.tensor(rand_rows, device=dev)
+            sub = logits if len(rand_rows) == B else logits[idx]
+            temp = torch.tensor([r.params.temperature for r in sub_rows], dtype=torch.float32, device=dev)
+            sub = sub / temp.unsqueeze(1)
+            sub = apply_top_k_top_p_min_p(
+                sub,
+                [r.params.top_k for r in sub_rows],
+                [r.params.top_p for r in sub_rows],
+                [r.params.min_p for r in sub_rows],
+            )
+            probs = sub.softmax(dim=-1)
+            noise = torch.empty_like(probs)
+            global_rows = [j for j, r in enumerate(sub_rows) if r.generator is None]
+            if len(global_rows) == len(sub_rows):
+                noise.exponential_()
+            else:
+                if global_rows:
+                    g_idx = torch.tensor(global_rows, device=dev)
+                    noise[g_idx] = torch.empty(len(global_rows), V, device=dev).exponential_()
+                for j, r in enumerate(sub_rows):
+                    if r.generator is not None:
+                        noise[j].exponential_(generator=r.generator)
+            noise.clamp_(min=1e-20)
+            sampled = (probs / noise).argmax(dim=-1)
+            token_ids = token_ids.index_copy(0, idx, sampled)
+
+        # Logprob bookkeeping, one device->host transfer per quantity.
+        token_list = token_ids.tolist()
+        results = [SampleResult(token_id=t) for t in token_list]
+        if lp_rows:
+            lp_idx = torch.tensor(lp_rows, device=dev)
+            chosen = token_ids[lp_idx].unsqueeze(1)
+            chosen_lp = raw_logprobs.gather(1, chosen)
+            ranks = (raw_logprobs > chosen_lp).sum(dim=-1) + 1
+            max_n = max(rows[i].params.logprobs for i in lp_rows)
+            if max_n > 0:
+                top_vals, top_ids = raw_logprobs.topk(min(max_n, V), dim=-1)
+                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            chosen_lp, ranks = chosen_lp.squeeze(1).tolist(), ranks.tolist()
+            for j, i in enumerate(lp_rows):
+                res = results[i]
+                res.logprob = chosen_lp[j]
+                res.rank = ranks[j]
+                n = rows[i].params.logprobs
+                if n > 0:
+                    res.top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n]))
+        return results

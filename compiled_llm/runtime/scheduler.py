@@ -1,0 +1,97 @@
+"""Continuous batching: each step takes running sequences first (decodes and unfinished prefill
+chunks), then admits waiting ones, all under one token budget. When blocks run out the most
+recently admitted sequence is preempted and later recomputed (its cached blocks may still hit)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from compiled_llm.runtime.block_manager import BlockManager
+from compiled_llm.runtime.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.token_budget
+        out: list[ScheduledSeq] = []
+        preempted = False
+        for seq in list(self.running):
+            if seq not in self.running or budget == 0:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            while not self.bm.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.bm.allocate(seq, n)
+                out.append(ScheduledSeq(seq, n))
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            plan = self.bm.plan_prefix(seq)
+            cached = plan.num_blocks * self.bm.block_size
+            n = min(len(seq) - cached, budget)
+            if n < len(seq) - cached and not self.chunked:
+                break
+            if not self.bm.can_allocate(seq, n, plan):
+                if not self.running and not out:
+                    raise RuntimeError(f"the KV cache cannot hold a sequence of {len(seq)} tokens; "
+                                       "give the cache more memory or lower max_model_len")
+                break
+            self.waiting.popleft()
+            self.prefix_queries += len(seq)
+            self.prefix_hits += cached
+            self.bm.allocate(seq, n, plan)
+            seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = Status.FINISHED

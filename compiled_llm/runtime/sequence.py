@@ -1,0 +1,67 @@
+"""A sequence: one sample of one request, with its tokens, progress and cache blocks."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+import torch
+
+from compiled_llm.outputs import Logprob
+from compiled_llm.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, arrival_time: float, generator: torch.Generator | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time
+        self.generator = generator
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, tokens that came from the prefix cache at admission
+        self.block_tables: dict[int | None, list[int]] = {}  # kv group -> block ids (-1: released)
+        self.block_hashes: list[int] = []  # hash chain of the full blocks of token_ids
+        self.state_slot: int | None = None  # recurrent-state slot (hybrid models) while it holds blocks
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""
+        self.detokenizer = None
+        self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,119 @@
+"""Per-request sampling parameters (vLLM field names and defaults)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy (same threshold as vLLM).
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off (-1 is normalised to 0)
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N; 0 = only the sampled token's logprob
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # --- normalisation -------------------------------------------------
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string, a list of strings or None, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple, set)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of integers or None, got {self.stop_token_ids!r}"
+            )
+        if _is_int(self.top_k) and self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    # --- validation --------------------------------------------------------
+    def _verify(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        self._check_float("temperature", self.temperature, lo=0.0)
+        self._check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, rng="(0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = disabled), got {self.top_k!r}")
+        self._check_float("min_p", self.min_p, lo=0.0, hi=1.0, rng="[0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._check_float(name, getattr(self, name), lo=-2.0, hi=2.0, rng="[-2, 2]")
+        self._check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True, rng="> 0")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+            )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must contain only integers >= 0, got {t!r}")
+
+    @staticmethod
+    def _check_float(name, value, lo=None, hi=None, lo_open=False, rng=None) -> None:
+        if rng is None:
+            rng = f">= {lo:g}" if hi is None else f"[{lo:g}, {hi:g}]"
+        ok = _is_number(value) and math.isfinite(value)
+        if ok and lo is not None:
+            ok = value > lo if lo_open else value >= lo
+        if ok and hi is not None:
+            ok = value <= hi
+        if not ok:
+            raise ValueError(f"{name} must be in {rng}, got {value!r}")
+
+    # --- helpers -------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        """Deterministic argmax sampling: temperature 0 (below 1e-5) or top_k == 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)

@@ -1,0 +1,169 @@
+"""The Python API and the engine: sampling features, stops, logprobs, bad input, isolation."""
+
+import math
+
+import pytest
+import torch
+
+from compiled_llm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    folder, _ = tiny_ckpt("dense")
+    return LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=96)
+
+
+def test_string_prompt_and_token_prompt_agree(llm):
+    tok = llm.get_tokenizer()
+    text = "The quick brown fox"
+    ids = tok.encode(text)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a, b = llm.generate([text, {"prompt_token_ids": ids}], p)
+    assert a.prompt_token_ids == ids == b.prompt_token_ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].text == tok.decode(a.outputs[0].token_ids, skip_special_tokens=True)
+    assert a.outputs[0].finish_reason == "length" and len(a.outputs[0].token_ids) == 12
+
+
+def test_n_samples_seeded_reproducible_and_distinct(llm):
+    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    first = llm.generate("Once upon a time", p)[0]
+    second = llm.generate("Once upon a time", p)[0]
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+    # a seeded request gives the same tokens whatever else runs beside it
+    busy = llm.generate(["Once upon a time", "Sliding windows keep"], [p, SamplingParams(temperature=1.0,
+                                                                                          max_tokens=10)])
+    assert [o.token_ids for o in busy[0].outputs] == [o.token_ids for o in first.outputs]
+
+
+def test_logprobs_are_log_softmax_of_the_model(llm, tiny_ckpt):
+    _, hf = tiny_ckpt("dense")
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Continuous batching")
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, logprobs=4,
+                                                                 ignore_eos=True))[0].outputs[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids + out.token_ids])).logits[0].float(), -1)
+    for step, entry in enumerate(out.logprobs):
+        row = ref[len(ids) - 1 + step]
+        top = torch.topk(row, 4)
+        assert out.token_ids[step] in entry
+        assert entry[out.token_ids[step]].rank == 1  # greedy picks the best
+        for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert math.isclose(entry[tid].logprob, lp, abs_tol=1e-4)
+    assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)),
+                        abs_tol=1e-5)
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    base = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert len(base.text) > 4
+    stop = base.text[2:4]
+    cut = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=20, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == base.text[:base.text.index(stop)]
+    keep = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=20, stop=[stop],
+                                                    include_stop_str_in_output=True))[0].outputs[0]
+    assert keep.text == base.text[:base.text.index(stop) + len(stop)]
+    tid = base.token_ids[5]
+    by_id = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tid]))[0]
+    out = by_id.outputs[0]
+    assert out.stop_reason == tid and out.token_ids == base.token_ids[:base.token_ids.index(tid) + 1]
+
+
+def test_eos_and_min_tokens(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Once upon")
+    # make EOS the greedy choice: stop at the first generated token unless min_tokens forbids it
+    eos = tok.eos_token_id
+    base = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6,
+                                                                  ignore_eos=True))[0].outputs[0]
+    stop_at = base.token_ids[0]
+    first = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6,
+                                                                   stop_token_ids=[stop_at]))[0].outputs[0]
+    assert first.token_ids == [stop_at]
+    later = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6, min_tokens=3,
+                                                                   stop_token_ids=[stop_at]))[0].outputs[0]
+    assert len(later.token_ids) >= 3 and stop_at not in later.token_ids[:3]
+    assert eos in llm.engine.eos_token_ids
+
+
+def test_max_model_len_caps_generation(llm):
+    ids = list(range(5, 5 + 90))
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=50,
+                                                                 ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 96 - 90 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(min_p=2.0), "min_p"),
+    (dict(presence_penalty=3.0), "presence_penalty"), (dict(logprobs=-1), "logprobs"),
+])
+def test_invalid_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_leave_the_engine_serving(llm):
+    good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = llm.generate("Once upon a time", good)[0].outputs[0].token_ids
+    eng = llm.engine
+    eng.add_request("other", "Once upon a time", good)  # in flight while bad requests arrive
+    for bad in ["", [], list(range(200)), [10 ** 9]]:
+        with pytest.raises(ValueError):
+            eng.add_request("bad", bad, good)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("other", "x", good)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["fine prompt", {"prompt_token_ids": list(range(3, 120))}], good)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in outs] == ["other"] and outs[0].outputs[0].token_ids == ref
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    free = eng.get_stats()["num_free_blocks"]
+    eng.add_request("a", "Once upon a time there was", SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.get_stats()["num_free_blocks"] < free
+    out = eng.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert eng.get_stats()["num_free_blocks"] == free and not eng.has_unfinished_requests()
+
+
+def test_chat_applies_template(llm):
+    msgs = [{"role": "user", "content": "hello"}]
+    text = llm.engine.apply_chat_template(msgs)
+    assert text.startswith("<bos><user>hello") and text.endswith("<model>")
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(text, add_special_tokens=False)
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"role": "wizard", "content": "x"}])
+    with pytest.raises(ValueError, match="empty"):
+        llm.chat([])
+
+
+def test_unknown_architecture_and_missing_weights(tmp_path, tiny_ckpt):
+    import json
+    import shutil
+
+    folder, _ = tiny_ckpt("dense")
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["FancyNewModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*Gemma4ForCausalLM"):
+        LLM(str(bad))
+    nowts = tmp_path / "noweights"
+    shutil.copytree(folder, nowts)
+    (nowts / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(nowts))

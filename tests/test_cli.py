@@ -1,0 +1,43 @@
+"""`python -m compiled_llm generate`: output, help, one-line errors."""
+
+import json
+import subprocess
+import sys
+from dataclasses import fields
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.config import EngineConfig
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "compiled_llm", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_prints_what_the_api_gives(tiny_ckpt):
+    folder, _ = tiny_ckpt("dense")
+    res = run("generate", "--model", str(folder), "--temperature", "0", "--max-tokens", "8", "--ignore-eos",
+              "--enforce-eager", "--json", "Once upon a time", "The quick")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    llm = LLM(str(folder), enforce_eager=True)
+    ref = llm.generate(["Once upon a time", "The quick"], SamplingParams(temperature=0, max_tokens=8,
+                                                                          ignore_eos=True))
+    assert [r["token_ids"] for r in rows] == [o.outputs[0].token_ids for o in ref]
+    assert [r["text"] for r in rows] == [o.outputs[0].text for o in ref]
+
+
+def test_help_documents_every_engine_flag():
+    res = run("generate", "--help")
+    assert res.returncode == 0
+    for f in fields(EngineConfig):
+        if f.name != "extra":
+            assert "--" + f.name.replace("_", "-") in res.stdout, f.name
+
+
+def test_bad_input_is_a_one_line_error(tiny_ckpt, tmp_path):
+    folder, _ = tiny_ckpt("dense")
+    res = run("generate", "--model", str(folder), "--temperature", "-1", "hi")
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: temperature")
+    res = run("generate", "--model", str(tmp_path / "nope"), "hi")
+    assert res.returncode == 2 and "does not exist" in res.stderr.strip().splitlines()[-1]

@@ -1,0 +1,108 @@
+"""Our Gemma 4 against transformers' on the same random weights: logits and greedy tokens."""
+
+import pytest
+import torch
+
+from compiled_llm import LLM, SamplingParams
+from tiny_models import CONFIGS, hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def prompts(vocab: int, lengths=(5, 17, 30), seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def make_llm(folder, **kw):
+    kw.setdefault("enforce_eager", True)
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_model_len", 128)
+    return LLM(str(folder), **kw)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prefill_logits_match(tiny_ckpt, name):
+    folder, hf = tiny_ckpt(name)
+    llm = make_llm(folder)
+    runner = llm.engine.runner
+    ids = prompts(hf.config.vocab_size, (23,))[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    # run the prompt through our runner and keep every position's logits
+    from compiled_llm.runtime.scheduler import ScheduledSeq
+    from compiled_llm.runtime.sequence import Sequence
+    seq = Sequence("x", 0, ids, GREEDY, 1, 0.0)
+    llm.engine.block_manager.allocate(seq, len(ids))
+    input_ids, positions, meta, _ = runner.prepare([ScheduledSeq(seq, len(ids))])
+    from compiled_llm.ops.attention import ForwardContext, set_forward_context
+    with torch.no_grad(), set_forward_context(ForwardContext(meta, runner.kv_caches, runner.specs)):
+        ours = runner.model.compute_logits(runner.model(input_ids, positions))
+    llm.engine.block_manager.free(seq)
+    err = (ours - ref).abs().max().item()
+    assert err <= 1e-4 * ref.abs().max().item(), f"{name}: max abs diff {err}"
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_ckpt):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            folder, hf = tiny_ckpt(name)
+            ps = prompts(hf.config.vocab_size)
+            cache[name] = (ps, [hf_greedy(hf, p, 32) for p in ps])
+        return cache[name]
+
+    return get
+
+
+def generate_ids(llm, ps, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_matches_transformers_batched(tiny_ckpt, hf_reference, name):
+    folder, _ = tiny_ckpt(name)
+    ps, ref = hf_reference(name)
+    assert generate_ids(make_llm(folder), ps) == ref
+
+
+@pytest.mark.parametrize("name", ["all", "short_window", "k_eq_v"])
+def test_greedy_one_at_a_time_and_chunked(tiny_ckpt, hf_reference, name):
+    folder, _ = tiny_ckpt(name)
+    ps, ref = hf_reference(name)
+    llm = make_llm(folder, max_num_batched_tokens=7)  # prompts are prefilled in chunks of <= 7 tokens
+    assert [generate_ids(llm, [p])[0] for p in ps] == ref
+    assert generate_ids(llm, ps) == ref
+
+
+@pytest.mark.parametrize("name", ["all", "short_window", "dense"])
+def test_greedy_under_preemption(tiny_ckpt, hf_reference, name):
+    folder, _ = tiny_ckpt(name)
+    ps, ref = hf_reference(name)
+    llm = make_llm(folder, num_kv_blocks=20, max_model_len=64)  # 80 tokens: the batch cannot fit at once
+    assert generate_ids(llm, ps) == ref
+    assert llm.engine.get_stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("name", ["all", "short_window"])
+def test_prefix_cache_hits_keep_tokens(tiny_ckpt, hf_reference, name):
+    folder, _ = tiny_ckpt(name)
+    ps, ref = hf_reference(name)
+    llm = make_llm(folder)
+    first = generate_ids(llm, ps)
+    before = llm.engine.get_stats()["prefix_cache_hits"]
+    second = generate_ids(llm, ps)
+    stats = llm.engine.get_stats()
+    assert first == ref and second == ref
+    assert stats["prefix_cache_hits"] - before >= 4 * (len(ps[1]) // 4 - 2)
+
+
+def test_prefix_cache_off_counts_no_hits(tiny_ckpt):
+    folder, hf = tiny_ckpt("dense")
+    llm = make_llm(folder, enable_prefix_caching=False)
+    ps = prompts(hf.config.vocab_size)
+    generate_ids(llm, ps)
+    generate_ids(llm, ps)
+    assert llm.engine.get_stats()["prefix_cache_hits"] == 0

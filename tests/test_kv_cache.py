@@ -1,0 +1,86 @@
+"""KV-cache manager: per-group pools, sliding-window release, prefix hits under load."""
+
+import torch
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.runtime.block_manager import BlockManager
+from compiled_llm.runtime.sequence import Sequence
+
+
+def _seq(tokens):
+    return Sequence("r", 0, tokens, SamplingParams(), 8, 0.0)
+
+
+def test_sliding_group_releases_blocks_out_of_window():
+    bm = BlockManager({None: 64, 8: 64}, block_size=4, enable_prefix_caching=True)
+    seq = _seq(list(range(40)))
+    bm.allocate(seq, 40)
+    seq.num_computed_tokens = 40
+    bm.commit(seq)
+    held_sliding = [b for b in seq.block_tables[8] if b >= 0]
+    # the next query sits at position 40 and sees positions 33..40: blocks 8 and 9 only
+    assert len(held_sliding) == 2 and seq.block_tables[8][:8] == [-1] * 8
+    assert len([b for b in seq.block_tables[None] if b >= 0]) == 10
+    assert bm.pools[8].num_used == 2 and bm.pools[None].num_used == 10
+
+
+def test_prefix_plan_needs_window_blocks_only():
+    bm = BlockManager({None: 64, 8: 64}, block_size=4, enable_prefix_caching=True)
+    a = _seq(list(range(40)))
+    bm.allocate(a, 40)
+    a.num_computed_tokens = 40
+    bm.commit(a)
+    bm.free(a)
+    b = _seq(list(range(40)) + [99, 98, 97])
+    plan = bm.plan_prefix(b)
+    assert plan.num_blocks == 10
+    assert plan.tables[8][:8] == [-1] * 8 and all(x >= 0 for x in plan.tables[8][8:])
+    # evict the sliding blocks near the end: the hit must shrink to where the window is still cached
+    pool = bm.pools[8]
+    for h in b.block_hashes[8:10]:
+        blk = pool.by_hash.pop(h)
+        pool.hash_of[blk] = None
+    c = _seq(list(range(40)) + [99])
+    assert bm.plan_prefix(c).num_blocks < 10
+
+
+def test_long_generation_keeps_sliding_blocks_bounded(tiny_ckpt):
+    folder, _ = tiny_ckpt("short_window")  # window 6, block 4
+    llm = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=256, enable_prefix_caching=False)
+    eng = llm.engine
+    eng.add_request("long", {"prompt_token_ids": list(range(3, 43))}["prompt_token_ids"],
+                    SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
+    peak_sliding, peak_full = 0, 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak_sliding = max(peak_sliding, eng.block_manager.pools[6].num_used)
+        peak_full = max(peak_full, eng.block_manager.pools[None].num_used)
+    assert peak_sliding <= 3 + 10  # window + one prefill chunk of 40 tokens at most
+    assert peak_full >= 190 // 4
+
+
+def test_sliding_pool_is_smaller_under_a_byte_budget(tiny_ckpt):
+    folder, _ = tiny_ckpt("short_window")
+    llm = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, kv_cache_memory_bytes=8 << 20)
+    pools = llm.engine.block_manager.pools
+    assert pools[6].num_blocks < pools[None].num_blocks
+    assert pools[6].num_blocks >= 4 * 4 + 8  # every sequence's window plus one step's tokens
+
+
+def test_prefix_hits_survive_many_concurrent_sessions(tiny_ckpt):
+    """Multi-turn sessions run concurrently: every second turn must hit its own first turn,
+    and hits must not change a single token."""
+    folder, _ = tiny_ckpt("all")  # sliding window 7 next to full layers
+    kw = dict(enforce_eager=True, block_size=4, max_model_len=128, max_num_seqs=16)
+    cached, plain = LLM(str(folder), **kw), LLM(str(folder), enable_prefix_caching=False, **kw)
+    g = torch.Generator().manual_seed(5)
+    sessions = [torch.randint(3, 290, (int(n),), generator=g).tolist() for n in torch.randint(20, 40, (12,), generator=g)]
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    turn1 = cached.generate([{"prompt_token_ids": s} for s in sessions], p)
+    follow = [s + o.outputs[0].token_ids + [7, 8, 9, 10, 11] for s, o in zip(sessions, turn1)]
+    turn2 = cached.generate([{"prompt_token_ids": f} for f in follow], p)
+    ref = plain.generate([{"prompt_token_ids": f} for f in follow], p)
+    assert [o.outputs[0].token_ids for o in turn2] == [o.outputs[0].token_ids for o in ref]
+    for s, o in zip(sessions, turn2):
+        assert o.num_cached_tokens >= (len(s) // 4 - 1) * 4, (len(s), o.num_cached_tokens)
