@@ -47,6 +47,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile_cache(args: argparse.Namespace) -> int:
+    """Builds (or checks) the compile cache in --out: starts the engine once, which warms up everything."""
+    from compiled_llm.runtime.engine import LLMEngine
+
+    config = config_from_args(args)
+    config.compile_cache, config.enforce_eager = args.out, False
+    compiler = LLMEngine(config).runner.compiler
+    if compiler is None:
+        print("error: this model runs eager (the compiler is off for it); nothing to cache", file=sys.stderr)
+        return 2
+    cache = compiler.cache
+    print(f"compile cache {cache.dir}: {cache.status}"
+          + (f" (was {cache.problem})" if cache.problem else "") + f", start-up {compiler.startup_seconds:.1f}s")
+    if args.report:
+        print(compiler.report())
+        print("compiles this run: " + ", ".join(f"{k}={v}" for k, v in compiler.summary()["counters"].items()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m compiled_llm",
                                      description="LLM inference and serving engine built on torch.compile")
@@ -64,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_serve_args(serve)
     serve.set_defaults(func=run_server)
+
+    cc = sub.add_parser("compile-cache", help="precompile everything into a folder that `serve --compile-cache` "
+                        "and LLM(compile_cache=...) start from", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cc.add_argument("--out", required=True, metavar="DIR", help="the cache folder (created or rebuilt)")
+    cc.add_argument("--report", action="store_true", help="print per-pass matches, graph pieces and captured graphs")
+    add_engine_args(cc)
+    cc.set_defaults(func=_compile_cache)
     return parser
 
 
@@ -72,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command in ("generate", "serve"):
+            from compiled_llm.runtime.workers import is_engine_process, run_node
+
+            config = config_from_args(args)
+            if not is_engine_process(config):  # another node's ranks, or a torchrun rank other than 0
+                return run_node(config)
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,14 +26,39 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     load_format: str = "auto"  # auto | dummy
     enforce_eager: bool = False
+    # compiler (docs/compiler.md); ignored with enforce_eager
+    compile_cache: str | None = None  # folder of precompiled artefacts (python -m compiled_llm compile-cache)
+    jit_monitor: str = "off"  # off | warn | error: what a JIT compile after start-up warm-up does
+    cudagraph_batch_sizes: str | None = None  # "1,2,4,8"; None: powers of two up to max_num_seqs on CUDA, none on CPU
+    full_graph_decode: str = "auto"  # auto | on | off: capture decode whole (attention included) where faster
+    compile_passes: str | None = None  # comma-separated fusion passes; None: all that apply; "none": no fusion
+    op_providers: str | None = None  # override the op resolver: "attention=reference,rms_norm=triton"
     seed: int = 0
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks)
+    # parallelism (README "Parallelism"): one process per rank, rank 0 is the engine's own
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: experts split across the tensor-parallel ranks
+    distributed_backend: str = "auto"  # auto (nccl on cuda, gloo on cpu) | nccl | gloo
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node) or 29500 (several nodes)
+    nnodes: int = 1
+    node_rank: int = 0
+    # sparse KV for long contexts (docs/sparse_kv.md): None | "streamingllm" | "omnikv"
+    sparse_method: str | None = None
+    sparse_sink_tokens: int = 4
+    sparse_window: int = 1024  # StreamingLLM
+    omnikv_filter_layers: str | None = None  # "5,17"; default: the first full-attention layer
+    omnikv_budget: int = 1024
+    omnikv_recent: int = 64
     extra: dict = field(default_factory=dict)
 
     def resolved_model(self) -> str:
         return str(self.model) if self.model else str(DEMO_MODEL_DIR)
 
+
+_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 
 _HELP = {
     "model": "checkpoint folder in Hugging Face layout (default: the built-in demo model)",
@@ -51,9 +76,36 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "load_format": "auto (safetensors) or dummy (random weights of the right shapes)",
     "enforce_eager": "run the model in eager mode: no torch.compile, no CUDA Graphs",
+    "compile_cache": "folder of precompiled compiler artefacts (build it with `compile-cache`); a stale or corrupt "
+                     "cache is rebuilt there, with a warning",
+    "jit_monitor": "off, warn or error: what a JIT compile after start-up warm-up does (error: raise)",
+    "cudagraph_batch_sizes": "comma-separated token counts compiled statically and captured as CUDA Graphs "
+                             "(default: powers of two up to max-num-seqs on CUDA, none on CPU; 'none' for none)",
+    "full_graph_decode": "auto, on or off: capture decode steps as one CUDA Graph, attention included, when the "
+                         "attention kernels allow it (auto: only where measured faster than piecewise graphs)",
+    "compile_passes": "comma-separated fusion passes to run (add_rms_norm, qk_norm_rope_kv_write, "
+                      "allreduce_rms_norm, router_topk, geglu_moe; default: all that apply; 'none': no fusion)",
+    "op_providers": "override the op provider resolver, e.g. 'attention=reference,rms_norm=triton'",
     "seed": "seed for dummy weights and unseeded sampling",
     "trust_remote_code": "accepted for vLLM compatibility; remote code is never run",
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry no text",
+    "tensor_parallel_size": "ranks that split every layer (attention heads, MLP, vocabulary)",
+    "pipeline_parallel_size": "ranks that split the layer stack into consecutive stages",
+    "enable_expert_parallel": "MoE models: give each tensor-parallel rank whole experts instead of a slice of each",
+    "distributed_backend": "torch.distributed backend: auto (nccl on cuda, gloo on cpu), nccl or gloo",
+    "master_addr": "address of the node running rank 0 (several nodes)",
+    "master_port": "port for the ranks' rendezvous (default: a free port on one node, 29500 on several)",
+    "nnodes": "nodes taking part; each runs the same command with its own --node-rank",
+    "node_rank": "this node's index; node 0 runs the engine (and the server), the others only workers",
+    "sparse_method": "sparse KV for long contexts on the full-attention layers: streamingllm (attention sinks + "
+                     "a recent window; bounded cache) or omnikv (decode attends to tokens picked by filter layers; "
+                     "full cache kept)",
+    "sparse_sink_tokens": "first tokens always kept (attention sinks), streamingllm and omnikv",
+    "sparse_window": "streamingllm: recent tokens each full-attention layer keeps besides the sinks",
+    "omnikv_filter_layers": "omnikv: comma-separated full-attention layers that pick the tokens for the layers "
+                            "after them (default: the first full-attention layer)",
+    "omnikv_budget": "omnikv: tokens a sparse layer attends to at each decode step, sinks and recent included",
+    "omnikv_recent": "omnikv: most recent tokens always kept",
 }
 
 
@@ -68,7 +120,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=_HELP[f.name])
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-        parser.add_argument(flag, type=kind, default=default, help=f"{_HELP[f.name]} (default: {default})")
+        parser.add_argument(*_ALIASES.get(f.name, []), flag, type=kind, default=default,
+                            help=f"{_HELP[f.name]} (default: {default})")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

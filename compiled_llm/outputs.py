@@ -38,6 +38,10 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # sparse KV (sparse_method set): keys attended vs tokens held in the cache, summed over the decode steps
+    # of the request's sequences and the full-attention layers the method applies to
+    sparse_attended_tokens: int | None = None
+    sparse_cached_tokens: int | None = None
 
 
 @dataclass

@@ -3,6 +3,11 @@
 Tokens arrive flattened ([num_tokens]) with their positions; attention goes through the paged
 attention op, so the model holds no cache itself. Parameter names follow the Hugging Face
 checkpoint (model.layers.N.self_attn.q_proj.weight, ...), so loading is a rename at most.
+
+Tensor parallel: projections are column/row-parallel layers (models/parallel_layers.py) that hold this
+rank's slice and sum partial outputs with an all-reduce, which a compiler pass fuses into the RMSNorm
+that follows it; at size 1 they are plain linears. Pipeline parallel: a stage builds its own layers
+(placeholders elsewhere) and hands the next stage the hidden states and the PLE per-layer inputs.
 """
 
 from __future__ import annotations
@@ -11,7 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.gemma4_config import Gemma4TextConfig, LayerShape
+from compiled_llm.models.parallel_layers import (ColumnParallelLinear, ExpertWeights, HeadParallelLinear,
+                                                 ParallelLMHead, PPMissingLayer, RowParallelLinear,
+                                                 VocabParallelEmbedding, local_num_heads, make_layers)
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.rope import apply_rope, rope_inv_freq
 
@@ -37,9 +46,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate)
+        self.down_proj = RowParallelLinear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
@@ -50,8 +59,8 @@ class Attention(nn.Module):
         super().__init__()
         shape: LayerShape = cfg.layers[idx]
         self.idx = idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = shape.num_kv_heads
+        self.num_heads = local_num_heads(cfg.num_attention_heads)  # this rank's heads (all of them at TP 1)
+        self.num_kv_heads = local_num_heads(shape.num_kv_heads)
         self.head_dim = shape.head_dim
         self.shares_kv = shape.kv_source != idx
         self.k_eq_v = shape.k_eq_v
@@ -60,22 +69,22 @@ class Attention(nn.Module):
             shape.head_dim, rope["rope_theta"], rope.get("rope_type", "default"),
             rope.get("partial_rotary_factor", 1.0), rope.get("factor", 1.0)), persistent=False)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.q_proj = HeadParallelLinear(h, cfg.num_attention_heads, self.head_dim)
         self.q_norm = RMSNorm(self.head_dim, eps)
         if not self.shares_kv:
-            self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-            self.v_proj = None if self.k_eq_v else nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+            self.k_proj = HeadParallelLinear(h, shape.num_kv_heads, self.head_dim)
+            self.v_proj = None if self.k_eq_v else HeadParallelLinear(h, shape.num_kv_heads, self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, eps)
             self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, h)
         self.spec = AttentionSpec(
             layer_idx=idx, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             sliding_window=shape.sliding_window, cache_layer=shape.kv_source, scale=1.0, k_eq_v=shape.k_eq_v)
 
     def attention_spec(self) -> AttentionSpec:
+        self.spec.inv_freq = self.inv_freq  # K=V key rebuild; StreamingLLM re-rotates queries for its sinks
         if self.k_eq_v and not self.shares_kv:
             self.spec.k_norm_weight = self.k_norm.weight
-            self.spec.inv_freq = self.inv_freq
         return self.spec
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -86,9 +95,9 @@ class Attention(nn.Module):
         if not self.shares_kv:
             k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
             v = k if self.v_proj is None else self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-            k = apply_rope(self.k_norm(k), positions, self.inv_freq)
-            v = self.v_norm(v)
-            k, v = k.reshape(n, -1), v.reshape(n, -1)
+            # K=V layers cache only the value; keys are rebuilt from it when read
+            k = None if self.k_eq_v else apply_rope(self.k_norm(k), positions, self.inv_freq).reshape(n, -1)
+            v = self.v_norm(v).reshape(n, -1)
         out = attention(q.reshape(n, -1), k, v, self.idx)
         return self.o_proj(out)
 
@@ -114,24 +123,45 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[ids], ids
 
 
-class Experts(nn.Module):
-    """Routed experts with packed [gate, up] weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+class Experts(ExpertWeights):
+    """Routed experts with packed [gate, up] weights: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+    ExpertWeights holds this rank's part (tensor parallel: a slice of every expert; expert parallel:
+    whole experts) and loads it; ids stay global, `local_expert(e)` says where expert e lives here."""
 
     def __init__(self, cfg: Gemma4TextConfig):
-        super().__init__()
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.num_experts = e
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k_experts)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.use_all_to_all(x.shape[0]) and not torch.compiler.is_compiling():
+            return self.dispatch_all_to_all(x, weights, ids, self.routed)
+        return self.combine(self.routed(x, weights, ids))
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the weighted expert outputs (summed over ranks by `combine`)."""
+        if torch.compiler.is_compiling():
+            return self.dense(x, weights, ids)
         out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
+        for e in ids.unique().tolist():  # only the experts that were picked
+            local = self.local_expert(e)
+            if local is None:  # another rank's expert
+                continue
             token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(gelu_tanh(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            gate, up = F.linear(x[token], self.gate_up_proj[local]).chunk(2, dim=-1)
+            y = F.linear(gelu_tanh(gate) * up, self.down_proj[local]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+    def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same sum with static shapes, which torch.compile can trace: every expert on every token,
+        weighted by a [tokens, experts] routing matrix that is zero off the top-k. The GEGLU MoE pass
+        replaces this whole function with the routed geglu_moe op."""
+        t, (e, two_i, h) = x.shape[0], self.gate_up_proj.shape
+        route = torch.zeros(t, self.num_experts, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
+        if self.expert_parallel:  # ids are global: keep the columns of this rank's experts
+            route = route[:, self.first_expert:self.first_expert + self.num_local_experts]
+        gate, up = F.linear(x, self.gate_up_proj.reshape(e * two_i, h)).view(t, e, two_i).chunk(2, dim=-1)
+        y = torch.bmm((gelu_tanh(gate) * up).transpose(0, 1), self.down_proj.transpose(1, 2))  # [e, t, h]
+        return torch.bmm(route.float()[:, None, :], y.float().transpose(0, 1)).view(t, h).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -182,14 +212,19 @@ class Gemma4Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        n = cfg.num_hidden_layers
+        # pipeline stage: layers [start_layer, end_layer); a KV-sharing layer stays with its source
+        ps = get_parallel_state()
+        links = [(s.kv_source, i) for i, s in enumerate(cfg.layers) if s.kv_source != i]
+        self.start_layer, self.end_layer = ps.pp_layer_range(n, links)
+        self.is_first, self.is_last = ps.is_first_stage, ps.is_last_stage
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h) if self.is_first else PPMissingLayer()
         self.embed_scale = h ** 0.5
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = make_layers(n, self.start_layer, self.end_layer, lambda i: DecoderLayer(cfg, i))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps) if self.is_last else PPMissingLayer()
         self.ple = cfg.hidden_size_per_layer_input
-        if self.ple:
-            n = cfg.num_hidden_layers
-            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * self.ple)
+        if self.ple and self.is_first:  # per-layer inputs are computed up front and travel with the hidden states
+            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.vocab_size_per_layer_input, n * self.ple)
             self.per_layer_model_projection = nn.Linear(h, n * self.ple, bias=False)
             self.per_layer_projection_norm = RMSNorm(self.ple, cfg.rms_norm_eps)
 
@@ -206,18 +241,28 @@ class Gemma4Model(nn.Module):
         proj = self.per_layer_projection_norm(proj.view(n, layers, self.ple))
         return (proj + tok.view(n, layers, self.ple)) * (2.0 ** -0.5)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
-        ple = self.per_layer_inputs(input_ids, x) if self.ple else None
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, ple[:, i] if ple is not None else None)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: dict[str, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        if intermediate is None:
+            # inputs_embeds: media embeddings merged in (models/gemma4_mm.py; input_ids hold the pad id there)
+            x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            ple = self.per_layer_inputs(input_ids, x) if self.ple else None
+        else:  # a later pipeline stage: what the previous stage handed over
+            x, ple = intermediate["hidden_states"], intermediate.get("per_layer_inputs")
+        for i in range(self.start_layer, self.end_layer):
+            x = self.layers[i](x, positions, ple[:, i] if ple is not None else None)
+        if not self.is_last:
+            return {"hidden_states": x} if ple is None else {"hidden_states": x, "per_layer_inputs": ple}
         return self.norm(x)
 
 
 class Gemma4ForCausalLM(nn.Module):
     """Text-only Gemma 4. Also serves Gemma4ForConditionalGeneration checkpoints' language model."""
 
-    supports_pipeline_parallel = False
+    supports_pipeline_parallel = True
+    supports_tensor_parallel = True
+    supports_expert_parallel = True
     supports_multimodal = False
     uses_mrope = False
 
@@ -225,8 +270,11 @@ class Gemma4ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Gemma4Model(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.model.is_last:
+            # tied: the embedding is the head, unless it lives on another pipeline stage (then the last
+            # stage keeps its own copy, loaded from the embedding's tensor)
+            tied_here = cfg.tie_word_embeddings and self.model.is_first
+            self.lm_head = self.model.embed_tokens if tied_here else ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
 
     @classmethod
     def config_from_hf(cls, hf: dict) -> Gemma4TextConfig:
@@ -234,28 +282,58 @@ class Gemma4ForCausalLM(nn.Module):
         return Gemma4TextConfig.from_dict(text, top=hf)
 
     def attention_specs(self) -> dict[int, AttentionSpec]:
-        return {layer.self_attn.idx: layer.self_attn.attention_spec() for layer in self.model.layers}
+        """The specs of this stage's layers, with this rank's head counts (the KV cache is sized by them)."""
+        return {layer.self_attn.idx: layer.self_attn.attention_spec() for layer in self.model.layers
+                if not isinstance(layer, PPMissingLayer)}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def intermediate_shapes(self, num_tokens: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What one pipeline stage hands the next, by name: the residual stream (a Gemma layer takes and
+        returns that one tensor) and, for PLE models, every layer's per-layer input. Fixed shapes per
+        token count, so a CUDA-graph runner can keep static buffers for all of them."""
+        out = {"hidden_states": ((num_tokens, self.cfg.hidden_size), dtype)}
+        if self.cfg.hidden_size_per_layer_input:
+            out["per_layer_inputs"] = ((num_tokens, self.cfg.num_hidden_layers, self.cfg.hidden_size_per_layer_input),
+                                       dtype)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: dict[str, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Hidden states after the final norm; on a pipeline stage before the last, what it hands on."""
+        if inputs_embeds is None:
+            return self.model(input_ids, positions, intermediate)
+        return self.model(input_ids, positions, intermediate, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, w)
+        logits = self.lm_head.logits(hidden)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    @staticmethod
-    def hf_to_ours(name: str) -> str | None:
+    def hf_to_ours(self, name: str) -> str | None:
         """Checkpoint tensor name -> parameter name, or None to skip it."""
         for prefix in ("model.language_model.", "language_model.model.", "model.text_model."):
             if name.startswith(prefix):
-                return "model." + name[len(prefix):]
+                return self.on_this_stage("model." + name[len(prefix):])
         if name.startswith(("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
                             "vision_tower.", "audio_tower.", "multi_modal_projector.")):
-            return None  # multimodal towers: not used by the text model
+            return None  # multimodal towers: not used by the text model (under PP: first stage only)
+        return self.on_this_stage(name)
+
+    def on_this_stage(self, name: str) -> str | None:
+        """Pipeline parallel: None for tensors another stage owns; the tied embedding also feeds the
+        last stage's head. Everything this stage owns must then be found ("missing" is per stage)."""
+        m = self.model
+        if name.startswith("model.layers."):
+            return name if m.start_layer <= int(name.split(".")[2]) < m.end_layer else None
+        if name == "model.embed_tokens.weight" and self.cfg.tie_word_embeddings and m.is_last and not m.is_first:
+            return "lm_head.weight"
+        if name.startswith(("model.embed_tokens.", "model.embed_tokens_per_layer.", "model.per_layer_model_projection.",
+                            "model.per_layer_projection_norm.")) and not m.is_first:
+            return None
+        if name.startswith(("model.norm.", "lm_head.")) and not m.is_last:
+            return None
         return name
 
     def skip_missing(self, name: str) -> bool:

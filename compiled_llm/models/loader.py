@@ -40,9 +40,12 @@ def checkpoint_files(folder: Path) -> list[Path]:
 def load_weights(model: nn.Module, folder: Path, rename, progress: bool = True) -> None:
     """Copy every checkpoint tensor into the parameter `rename(name)` names (None: skip it; a
     (name, index) pair: into `param[index]`, e.g. one expert's slice of a packed parameter).
+    A parameter with a `weight_loader` (tensor/expert-parallel layers) is handed the whole checkpoint
+    tensor, checked against its `full_shape`, and copies its own slice (returning the elements written).
     Missing, unexpected or misshapen tensors raise ValueError naming them."""
     params = dict(model.named_parameters())
-    params.update({k: v for k, v in model.named_buffers() if k.endswith("layer_scalar")})
+    extra_buffers = getattr(model, "loaded_buffers", ())  # persistent buffers a model loads (media towers)
+    params.update({k: v for k, v in model.named_buffers() if k.endswith("layer_scalar") or k in extra_buffers})
     loaded: dict[str, int] = {}  # parameter -> elements written
     unexpected = []
     files = checkpoint_files(folder)
@@ -60,7 +63,17 @@ def load_weights(model: nn.Module, folder: Path, rename, progress: bool = True) 
                     unexpected.append(name)
                     continue
                 tensor = f.get_tensor(name)
-                target = params[ours] if index is None else params[ours][index]
+                param = params[ours]
+                loader = getattr(param, "weight_loader", None)  # split parameters take their own slice
+                if loader is not None:
+                    expected = param.full_shape if index is None else param.full_shape[1:]
+                    if tuple(tensor.shape) != tuple(expected):
+                        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
+                                         f"the model expects {tuple(expected)}")
+                    written = loader(param, tensor) if index is None else loader(param, tensor, index)
+                    loaded[ours] = loaded.get(ours, 0) + written
+                    continue
+                target = param if index is None else param[index]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(target.shape)}")

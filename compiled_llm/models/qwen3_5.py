@@ -22,6 +22,7 @@ from compiled_llm.ops.conv1d import causal_conv1d
 from compiled_llm.ops.delta_rule import gated_delta_rule
 from compiled_llm.ops.mrope import apply_mrope, mrope_cos_sin, mrope_owner, rotary_inv_freq
 from compiled_llm.ops.state import StateSpec
+from compiled_llm.ops.swiglu_moe import swiglu_moe
 
 
 class RMSNorm(nn.Module):
@@ -73,13 +74,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return swiglu_moe(x, weights, ids, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -206,8 +201,9 @@ class Qwen3_5Model(nn.Module):
         self.register_buffer("mrope_owner", mrope_owner(len(inv_freq), cfg.mrope_section, cfg.mrope_interleaved),
                              persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_owner, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -221,7 +217,9 @@ class Qwen3_5ForCausalLM(nn.Module):
     """Qwen3.5 dense text model; also serves Qwen3_5ForConditionalGeneration checkpoints text-only."""
 
     supports_pipeline_parallel = False
-    supports_multimodal = False  # the vision tower is not wired in yet: conditional-generation checkpoints run text-only
+    # The engine has no multimodal request path yet: conditional-generation checkpoints run text-only here;
+    # the vision pieces (tower, embedding merge, M-RoPE positions) are in models/qwen3_5_vision.py.
+    supports_multimodal = False
     uses_mrope = True
     moe = False
 
@@ -245,8 +243,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         return {layer.linear_attn.idx: layer.linear_attn.state_spec()
                 for layer in self.model.layers if layer.layer_type == LINEAR}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: [tokens], or [3, tokens] (M-RoPE) for prompts with images or videos, whose
+        embeddings then come in inputs_embeds (see models/qwen3_5_vision.py)."""
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight

@@ -7,8 +7,8 @@ import importlib
 # architecture -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "Gemma4ForCausalLM": ("compiled_llm.models.gemma4", "Gemma4ForCausalLM"),
-    # Served text-only: the language model's weights are loaded, the towers skipped.
-    "Gemma4ForConditionalGeneration": ("compiled_llm.models.gemma4", "Gemma4ForCausalLM"),
+    # Our text backbone plus transformers' vision/audio towers (models/gemma4_mm.py, docs/multimodal.md).
+    "Gemma4ForConditionalGeneration": ("compiled_llm.models.gemma4_mm", "Gemma4ForConditionalGeneration"),
     "Qwen3_5ForCausalLM": ("compiled_llm.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("compiled_llm.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     # Text-only until the vision tower lands: the language model's weights are loaded, `model.visual.*` skipped.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 from compiled_llm.ops.rope import apply_rope
 
 
@@ -33,15 +34,19 @@ class AttentionSpec:
     k_eq_v: bool = False
     k_norm_weight: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None
+    # Sparse KV (set by the runtime on full-attention layers; ops/sparse.py, docs/sparse_kv.md).
+    # StreamingLLM: sink_tokens > 0, with sliding_window = its recent window. OmniKV: "filter" | "sparse".
+    sink_tokens: int = 0
+    omnikv: str | None = None
 
     @property
     def writes_cache(self) -> bool:
         return self.cache_layer == self.layer_idx
 
     @property
-    def kv_group(self) -> int | None:
-        """Layers with the same window share block tables (None: full attention)."""
-        return self.sliding_window
+    def kv_group(self) -> int | tuple[int, int] | None:
+        """Layers with the same window share block tables (None: full attention; (window, sinks): StreamingLLM)."""
+        return (self.sliding_window, self.sink_tokens) if self.sink_tokens else self.sliding_window
 
 
 @dataclass
@@ -90,7 +95,15 @@ def get_forward_context() -> ForwardContext:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, slots: torch.Tensor, spec: AttentionSpec):
-    """Scatter this step's keys and values into their slots (K=V layers store the value only)."""
+    """Scatter this step's keys and values into their slots (K=V layers store the value only).
+    Rows past len(slots) (padding) are ignored, and so are slots < 0 (padded CUDA-graph slots)."""
+    n = slots.shape[0]
+    v = v[:n].reshape(n, spec.num_kv_heads, spec.head_dim)
+    k = None if k is None or spec.k_eq_v else k[:n].reshape(n, spec.num_kv_heads, spec.head_dim)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, v = slots[keep], v[keep]
+        k = None if k is None else k[keep]
     flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
     if spec.k_eq_v:
         flat[0].index_copy_(0, slots, v.to(cache.dtype))
@@ -111,20 +124,45 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.T
     return apply_rope(k, positions, source.inv_freq), v
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
-    """Plain PyTorch paged attention: write new K/V, then attend each sequence over its cached context."""
+def layer_cache(layer_idx: int) -> tuple[ForwardContext, AttentionSpec, torch.Tensor, GroupMetadata]:
+    """The forward context, the layer's spec, the cache it reads and its group's block tables."""
     ctx = get_forward_context()
     spec = ctx.layers[layer_idx]
+    return ctx, spec, ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
+
+
+def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
+    _, spec, cache, group = layer_cache(layer_idx)
+    write_kv(cache, k, v, group.slot_mapping, spec)
+
+
+BIDIR_SPANS_KEY = "bidir_spans"  # ForwardContext.extra: per sequence, [(start, end), ...] token positions
+
+
+def bidirectional_mask(spans: list[tuple[int, int]], q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[queries, keys] True where query and key lie in the same span."""
+    out = torch.zeros(q_pos.shape[0], k_pos.shape[0], dtype=torch.bool, device=q_pos.device)
+    for s, e in spans:
+        out |= ((q_pos >= s) & (q_pos < e))[:, None] & ((k_pos >= s) & (k_pos < e))[None, :]
+    return out
+
+
+def ref_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """Plain PyTorch paged attention: each sequence attends over its cached context (written already).
+    q may carry padding rows past the last sequence; they come back as zeros."""
+    ctx, spec, cache, group = layer_cache(layer_idx)
+    if spec.sink_tokens or spec.omnikv is not None:
+        from compiled_llm.ops.sparse import sparse_attention
+
+        return sparse_attention(q, layer_idx)
     source = ctx.layers[spec.cache_layer]
     meta = ctx.attn_metadata
-    group = meta.groups[spec.kv_group]
-    cache = ctx.kv_caches[spec.cache_layer]
+    # media tokens (one image, one video frame) that see each other both ways: sliding layers only, as in
+    # transformers' Gemma 4 (runtime/model_runner.py execute_media sets them; docs/multimodal.md)
+    bidir = ctx.extra.get(BIDIR_SPANS_KEY)
     num_tokens = q.shape[0]
     q = q.view(num_tokens, spec.num_heads, spec.head_dim)
-    if spec.writes_cache:
-        kk = None if k is None else k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        write_kv(cache, kk, v.view(num_tokens, spec.num_kv_heads, spec.head_dim), group.slot_mapping, spec)
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)
     group_size = spec.num_heads // spec.num_kv_heads
     for i, seq_len in enumerate(meta.seq_lens):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -140,6 +178,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor
         if spec.softcap is not None:
             scores = torch.tanh(scores / spec.softcap) * spec.softcap
         allowed = k_pos[None, :] <= q_pos[:, None]
+        if bidir is not None and bidir[i] and spec.sliding_window is not None:
+            allowed |= bidirectional_mask(bidir[i], q_pos, k_pos)
         if spec.sliding_window is not None:
             allowed &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -148,16 +188,63 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor
     return out.view(num_tokens, spec.num_heads * spec.head_dim)
 
 
+def reference_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
+    """Write (when this layer owns its cache) then attend, in plain PyTorch."""
+    if v is not None and get_forward_context().layers[layer_idx].writes_cache:
+        ref_kv_cache_write(k, v, layer_idx)
+    return ref_attention(q, layer_idx)
+
+
+def _triton_attention(caps: Capabilities, shape: dict) -> str | None:
+    layer: AttentionSpec = shape["layer"]
+    if layer.sink_tokens or layer.omnikv is not None:
+        return "sparse-KV layers (StreamingLLM, OmniKV) run on the reference"
+    if not 32 <= layer.head_dim <= 512 or layer.head_dim % 2:
+        return f"head_dim {layer.head_dim}: the kernels take even head_dim from 32 to 512"
+    bs = shape.get("block_size", 16)
+    if bs & (bs - 1):
+        return f"block size {bs} is not a power of two"
+    return caps.triton_ok()
+
+
+ATTENTION = register(OpSpec("attention", "paged attention over the cache: prefill, decode, sliding window, soft-cap", [
+    Provider("triton", "compiled_llm.ops.triton.providers:attention", _triton_attention),
+    Provider("reference", "compiled_llm.ops.attention:ref_attention"),
+], per_layer=True, splits_graph=True))
+
+KV_CACHE_WRITE = register(OpSpec("kv_cache_write", "scatter this step's k/v into their cache slots", [
+    Provider("triton", "compiled_llm.ops.triton.qk_norm_rope:kv_cache_write", lambda caps, shape: caps.triton_ok()),
+    Provider("reference", "compiled_llm.ops.attention:ref_kv_cache_write"),
+]))
+
+
+@torch.library.custom_op("compiled_llm::kv_cache_write", mutates_args=())
+def kv_cache_write_op(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """Writes k/v into the layer's cache (found through the forward context). Returns an empty marker
+    that the attention op takes, so the write is ordered before the read and never dropped."""
+    KV_CACHE_WRITE.impl(layer_idx)(k, v, layer_idx)
+    return v.new_empty(0)
+
+
+@kv_cache_write_op.register_fake
+def _(k, v, layer_idx):
+    return v.new_empty(0)
+
+
 @torch.library.custom_op("compiled_llm::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
-    return reference_attention(q, k, v, layer_idx)
+def attention_op(q: torch.Tensor, kv_written: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
+    if _CONTEXT is not None and any(_CONTEXT.extra.get(BIDIR_SPANS_KEY) or ()):
+        return ref_attention(q, layer_idx)  # media prefill steps: the span mask is the reference's alone for now
+    return ATTENTION.impl(layer_idx)(q, layer_idx)
 
 
 @attention_op.register_fake
-def _(q, k, v, layer_idx):
+def _(q, kv_written, layer_idx):
     return torch.empty_like(q)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
-    """q: [tokens, heads * head_dim]; k, v: [tokens, kv_heads * head_dim] or None for KV-sharing layers."""
-    return torch.ops.compiled_llm.attention(q, k, v, layer_idx)
+    """q: [tokens, heads * head_dim]; k, v: [tokens, kv_heads * head_dim], or None for layers that read
+    another layer's cache (k alone may be None for K=V layers). Writes k/v, then attends."""
+    written = None if v is None else torch.ops.compiled_llm.kv_cache_write(k, v, layer_idx)
+    return torch.ops.compiled_llm.attention(q, written, layer_idx)

@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 
 from compiled_llm.runtime.sequence import Sequence
 
-Group = int | None  # the sliding window, None for full attention
+# None: full attention; W: sliding window W; (W, S): window W plus S sink tokens (StreamingLLM, whose
+# groups keep the sink blocks and the window's and release the blocks between them).
+Group = int | tuple[int, int] | None
+
+
+def group_window(group: Group) -> int | None:
+    return group[0] if isinstance(group, tuple) else group
+
+
+def group_sinks(group: Group) -> int:
+    return group[1] if isinstance(group, tuple) else 0
 
 
 class BlockPool:
@@ -76,8 +86,12 @@ def block_hash(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> b
 
 class BlockManager:
     def __init__(self, num_blocks: dict[Group, int], block_size: int, enable_prefix_caching: bool,
-                 block_bytes: dict[Group, int] | None = None, num_state_slots: int = 0):
+                 block_bytes: dict[Group, int] | None = None, num_state_slots: int = 0,
+                 hash_prompt_only: bool = False):
         self.block_size = block_size
+        # OmniKV: blocks holding generated tokens are not offered to the prefix cache (their KV came from
+        # sparse decode steps, a fresh prefill of the same tokens would differ)
+        self.hash_prompt_only = hash_prompt_only
         self.pools = {g: BlockPool(n) for g, n in num_blocks.items()}
         self.block_bytes = block_bytes or {g: 1 for g in num_blocks}
         self.prefix_caching = enable_prefix_caching
@@ -90,13 +104,18 @@ class BlockManager:
         while (len(seq.block_hashes) + 1) * bs <= len(seq.token_ids):
             b = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if b else None
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[b * bs:(b + 1) * bs]))
+            extra = seq.mm.block_extra(b, bs) if getattr(seq, "mm", None) is not None else b""  # media hashes
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[b * bs:(b + 1) * bs], extra))
 
     def _window_blocks(self, group: Group, next_pos: int) -> int:
         """First block index still needed by a query at next_pos."""
         if group is None:
             return 0
-        return max(0, next_pos - group + 1) // self.block_size
+        return max(0, next_pos - group_window(group) + 1) // self.block_size
+
+    def _sink_blocks(self, group: Group) -> int:
+        """Leading blocks a StreamingLLM group always keeps (its attention sinks)."""
+        return -(-group_sinks(group) // self.block_size)
 
     # ---- prefix cache ----------------------------------------------------------------------
     def plan_prefix(self, seq: Sequence) -> PrefixPlan:
@@ -113,14 +132,20 @@ class BlockManager:
                 hits = n
         for g, pool in self.pools.items():
             if g is not None:
-                while hits > 0 and not all(seq.block_hashes[b] in pool.by_hash
-                                           for b in range(self._window_blocks(g, hits * self.block_size), hits)):
+                while hits > 0 and not all(seq.block_hashes[b] in pool.by_hash for b in self._needed(g, hits)):
                     hits -= 1
         plan = PrefixPlan(num_blocks=hits)
         for g, pool in self.pools.items():
-            first = self._window_blocks(g, hits * self.block_size)
-            plan.tables[g] = [pool.by_hash[seq.block_hashes[b]] if b >= first else -1 for b in range(hits)]
+            first, sinks = self._window_blocks(g, hits * self.block_size), self._sink_blocks(g)
+            plan.tables[g] = [pool.by_hash[seq.block_hashes[b]] if b >= first or b < sinks else -1
+                              for b in range(hits)]
         return plan
+
+    def _needed(self, group: Group, hits: int) -> list[int]:
+        """Blocks of a windowed group that a prefix of `hits` blocks must still have: the window's
+        (and a StreamingLLM group's sink blocks)."""
+        first = self._window_blocks(group, hits * self.block_size)
+        return list(range(min(self._sink_blocks(group), first))) + list(range(first, hits))
 
     # ---- allocation ------------------------------------------------------------------------
     def _new_blocks(self, seq: Sequence, num_tokens: int, plan: PrefixPlan | None) -> dict[Group, int]:
@@ -160,6 +185,8 @@ class BlockManager:
         if self.prefix_caching:
             self.update_hashes(seq)
             full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
+            if self.hash_prompt_only:
+                full = min(full, seq.num_prompt_tokens // bs)
             for g, pool in self.pools.items():
                 table = seq.block_tables.get(g, [])
                 for b in range(min(full, len(table))):
@@ -169,7 +196,7 @@ class BlockManager:
             if g is None:
                 continue
             table = seq.block_tables.get(g, [])
-            for b in range(min(self._window_blocks(g, seq.num_computed_tokens), len(table))):
+            for b in range(self._sink_blocks(g), min(self._window_blocks(g, seq.num_computed_tokens), len(table))):
                 if table[b] >= 0:
                     pool.release(table[b])
                     table[b] = -1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -10,8 +11,9 @@ import torch
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from compiled_llm.runtime.block_manager import BlockManager
+from compiled_llm.runtime.block_manager import BlockManager, group_sinks, group_window
 from compiled_llm.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from compiled_llm.runtime.errors import EngineDeadError
 from compiled_llm.runtime.model_runner import ModelRunner
 from compiled_llm.runtime.sampler import Sampler, SamplingRow
 from compiled_llm.runtime.scheduler import Scheduler
@@ -25,6 +27,15 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def generation_eos_ids(folder: Path) -> set[int]:
+    """End-of-sequence ids from generation_config.json (chat checkpoints add end-of-turn there)."""
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return {eos} if isinstance(eos, int) else set(eos or [])
 
 
 class _Request:
@@ -44,7 +55,13 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config)
+        self._dead: EngineDeadError | None = None
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            from compiled_llm.runtime.workers import ParallelRunner  # rank 0 here, a process per other rank
+
+            self.runner = ParallelRunner(config)
+        else:
+            self.runner = ModelRunner(config)
         model_path = config.resolved_model()
         self.model_name = Path(model_path).name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or model_path)
@@ -55,7 +72,7 @@ class LLMEngine:
             raise ValueError("max_model_len must be at least 2")
         if not config.enable_chunked_prefill:
             config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
-        self.eos_token_ids = set(mcfg.eos_token_id)
+        self.eos_token_ids = set(mcfg.eos_token_id) | generation_eos_ids(Path(model_path))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
@@ -67,8 +84,10 @@ class LLMEngine:
         num_blocks = self.runner.plan_blocks(config.max_model_len)
         self._check_capacity(num_blocks)
         self.runner.allocate_kv_cache(num_blocks)
+        sparse = self.runner.sparse
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.runner.group_block_bytes(), self.runner.num_state_slots)
+                                          self.runner.group_block_bytes(), self.runner.num_state_slots,
+                                          hash_prompt_only=sparse is not None and not sparse.hash_generated_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()
@@ -81,7 +100,8 @@ class LLMEngine:
     def _check_capacity(self, num_blocks: dict[int | None, int]) -> None:
         bs = self.config.block_size
         for g, n in num_blocks.items():
-            need = self.config.max_model_len if g is None else min(self.config.max_model_len, g + bs)
+            need = self.config.max_model_len if g is None else min(
+                self.config.max_model_len, group_window(g) + bs + -(-group_sinks(g) // bs) * bs)
             if n * bs < need + bs:
                 raise ValueError(f"the KV cache holds {n * bs} tokens for "
                                  f"{'full' if g is None else f'window-{g}'} layers, fewer than max_model_len "
@@ -91,12 +111,19 @@ class LLMEngine:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
+        mm = None
+        if isinstance(prompt, dict):  # {"prompt": text, "multi_modal_data": {...}} (docs/multimodal.md)
+            if self.tokenizer is None:
+                raise ValueError("this engine was started without a tokenizer: multimodal prompts need one")
+            from compiled_llm.multimodal.processor import process_multimodal_prompt
+
+            text, ids, mm = process_multimodal_prompt(self, prompt)
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine was started without a tokenizer: give prompt token ids")
             if not prompt:
@@ -121,6 +148,7 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             seq = Sequence(request_id, i, ids, params, max_tokens, now, gen)
+            seq.mm = mm
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                          params.spaces_between_special_tokens)
@@ -145,10 +173,16 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._dead is not None:
+            raise self._dead
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits = self.runner.execute(batch)
+        try:
+            logits = self.runner.execute(batch)
+        except EngineDeadError as e:  # a worker died: this and every later step fail
+            self._dead = e
+            raise
         done = [item.seq for item in batch if item.seq.num_computed_tokens + item.num_tokens == len(item.seq)]
         for item in batch:
             item.seq.num_computed_tokens += item.num_tokens
@@ -225,13 +259,33 @@ class LLMEngine:
         first = min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
         req.metrics.first_token_time = first
         req.metrics.num_cached_tokens = max(s.num_cached_tokens for s in req.seqs)
+        if self.runner.sparse is not None:
+            req.metrics.sparse_attended_tokens = sum(s.sparse_attended_tokens for s in req.seqs)
+            req.metrics.sparse_cached_tokens = sum(s.sparse_cached_tokens for s in req.seqs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics,
                              num_cached_tokens=req.metrics.num_cached_tokens)
+
+    # ---- health and shutdown -------------------------------------------------------------------
+    def is_healthy(self) -> bool:
+        """False once the engine cannot run any more (a worker process died): /health answers 503."""
+        return self._dead is None and getattr(self.runner, "is_healthy", lambda: True)()
+
+    def shutdown(self) -> None:
+        """Stops the worker processes of a parallel engine (nothing to do for one process)."""
+        runner = getattr(self, "runner", None)
+        if runner is not None and hasattr(runner, "shutdown"):
+            runner.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
 
     # ---- helpers ---------------------------------------------------------------------------
     def get_stats(self) -> dict:
         s = self.scheduler
-        return {
+        stats = {
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "kv_cache_usage": self.block_manager.usage(),
@@ -243,6 +297,9 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }
+        if self.runner.sparse is not None:  # sparse_method, sparse_attended_tokens, sparse_cached_tokens
+            stats.update(self.runner.sparse.stats())
+        return stats
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> str:

@@ -35,6 +35,8 @@ class LLM:
         if isinstance(p, str):
             return p
         if isinstance(p, dict):
+            if p.get("multi_modal_data"):  # media: the engine runs the checkpoint's processor
+                return p
             if "prompt_token_ids" in p:
                 return list(p["prompt_token_ids"])
             if "prompt" in p:

@@ -11,9 +11,14 @@ import torch
 from compiled_llm.config import EngineConfig
 from compiled_llm.models.loader import init_dummy_weights, load_weights, resolve_dtype
 from compiled_llm.models.registry import resolve_model_class
+from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, prepare_media
 from compiled_llm.ops.attention import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
+from compiled_llm.ops.registry import describe, model_facts, select_providers
+from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateMetadata, allocate_states
+from compiled_llm.runtime.block_manager import group_sinks, group_window
 from compiled_llm.runtime.scheduler import ScheduledSeq
+from compiled_llm.runtime.sparse_kv import SparseKV, SparseKVConfig
 
 log = logging.getLogger("compiled_llm")
 
@@ -30,6 +35,7 @@ def read_hf_config(folder: Path) -> dict:
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
+        SparseKVConfig.from_engine_config(config)  # bad sparse-KV parameters fail before the model loads
         folder = Path(config.resolved_model())
         if not folder.is_dir():
             raise ValueError(f"model folder {folder} does not exist")
@@ -54,11 +60,25 @@ class ModelRunner:
             raise ValueError(f"unknown load_format {config.load_format!r}; use auto or dummy")
         self.model = model
         self.specs = model.attention_specs()
+        self.sparse = SparseKV.build(config, self.specs, self.device)  # marks the specs; None without a method
+        # the KV groups the block tables cover (under pipeline parallelism: every stage's, set by the driver)
+        self.kv_groups = {s.kv_group for s in self.specs.values()}
         # Recurrent layers (hybrid models): per-sequence state, one slot per possible running sequence.
         self.state_specs = model.state_specs() if hasattr(model, "state_specs") else {}
         self.num_state_slots = config.max_num_seqs if self.state_specs else 0
         self.state_caches: dict[int, dict[str, torch.Tensor]] = {}
         self.block_size = config.block_size
+        # op providers, resolved once for this device and model; then the compiler (docs/compiler.md)
+        facts = model_facts(self.model_config, block_size=config.block_size)
+        self.op_providers = select_providers(self.device, self.dtype, self.specs, facts, config.op_providers)
+        log.info("op providers: %s", describe(self.op_providers))
+        self.compiler = None
+        if not config.enforce_eager:
+            if self.state_specs or self.sparse is not None or config.pipeline_parallel_size > 1:
+                log.info("compiler off for this run (recurrent state, sparse KV or pipeline parallel): eager")
+            else:
+                from compiled_llm.compiler import ModelCompiler
+                self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts)
 
     # ---- KV cache ------------------------------------------------------------------------
     def group_block_bytes(self) -> dict[int | None, int]:
@@ -83,6 +103,10 @@ class ModelRunner:
             budget = int(free * cfg.gpu_memory_utilization)
         else:
             budget = cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        if self.state_bytes() >= budget:
+            raise ValueError(f"the recurrent state of {self.num_state_slots} sequences takes {self.state_bytes()} "
+                             f"bytes, more than the cache budget ({budget}); lower max_num_seqs or give the cache "
+                             "more memory")
         budget -= self.state_bytes()
         bs = self.block_size
         sliding = {g: b for g, b in bytes_per.items() if g is not None}
@@ -90,12 +114,15 @@ class ModelRunner:
         counts: dict[int | None, int] = {}
         even = budget // sum(bytes_per.values())
         for g, b in sliding.items():
-            per_seq = -(-(g + bs) // bs) + 1
+            per_seq = -(-(group_window(g) + bs) // bs) + 1 + -(-group_sinks(g) // bs)
             need = cfg.max_num_seqs * per_seq + -(-cfg.max_num_batched_tokens // bs)
-            counts[g] = min(even, 2 * need) if full_bytes else budget // b
+            counts[g] = min(even, 2 * need) if full_bytes else need
         if full_bytes:
             rest = budget - sum(counts[g] * sliding[g] for g in sliding)
             counts[None] = rest // full_bytes
+        else:  # windowed groups only (e.g. StreamingLLM on every full layer): the budget in proportion to need
+            need_bytes = sum(counts[g] * sliding[g] for g in sliding)
+            counts = {g: counts[g] * budget // need_bytes for g in sliding}
         return counts
 
     def state_bytes(self) -> int:
@@ -109,12 +136,14 @@ class ModelRunner:
                 shape = (1 if s.k_eq_v else 2, num_blocks[s.kv_group], self.block_size, s.num_kv_heads, s.head_dim)
                 self.kv_caches[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.state_caches = allocate_states(self.state_specs, self.num_state_slots, self.dtype, self.device)
+        if self.compiler is not None:
+            self.compiler.warm_up(self.kv_caches, self.block_size)  # everything compiles before the first request
 
     # ---- one step ------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size
         ids, pos, qsl, seq_lens, logit_rows = [], [], [0], [], []
-        groups = {s.kv_group for s in self.specs.values()}
+        groups = self.kv_groups
         slots: dict = {g: [] for g in groups}
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -148,12 +177,41 @@ class ModelRunner:
                 caches=self.state_caches, slots=[item.seq.state_slot for item in batch],
                 has_initial_state=[item.seq.num_computed_tokens > 0 for item in batch],
                 query_start_loc=meta.query_start_loc)
+        if self.sparse is not None:
+            extra[SPARSE_KEY] = self.sparse.metadata(batch)
         return ForwardContext(meta, self.kv_caches, self.specs, extra)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Runs the batch; returns float32 logits for each sequence that finished its tokens this step."""
         input_ids, positions, meta, rows = self.prepare(batch)
-        with set_forward_context(self.forward_context(batch, meta)):
-            hidden = self.model(input_ids, positions)
+        if has_media(batch):  # a prefill chunk with media placeholders: eager, embeddings merged in
+            return self.execute_media(batch, input_ids, positions, meta, rows)
+        return self.execute_prepared(input_ids, positions, self.forward_context(batch, meta), rows)
+
+    def execute_media(self, batch, input_ids, positions, meta, rows) -> torch.Tensor:
+        """Runs the media towers for the placeholders in this step, merges their soft tokens into the text
+        embeddings and passes the bidirectional spans to the attention op (docs/multimodal.md). Text-only
+        steps never come here, so they keep the compiled path."""
+        ctx = self.forward_context(batch, meta)
+        input_ids, embeds, spans = prepare_media(self.model, batch, input_ids)
+        ctx.extra[BIDIR_KEY] = spans
+        return self.execute_prepared(input_ids, positions, ctx, rows, inputs_embeds=embeds)
+
+    @torch.inference_mode()
+    def execute_prepared(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                         rows: torch.Tensor, intermediate: dict[str, torch.Tensor] | None = None,
+                         inputs_embeds: torch.Tensor | None = None):
+        """The forward pass on prepared inputs (every rank of a parallel run calls this). Under pipeline
+        parallelism a stage after the first gets the previous stage's tensors in `intermediate`, and a
+        stage before the last returns its own (a dict) instead of logits. inputs_embeds: media merged in
+        (eager)."""
+        kwargs = {} if intermediate is None else {"intermediate": intermediate}
+        if inputs_embeds is not None:
+            kwargs["inputs_embeds"] = inputs_embeds
+        forward = self.compiler if self.compiler is not None and not kwargs else self.model
+        with set_forward_context(ctx):
+            hidden = forward(input_ids, positions, **kwargs)
+        if isinstance(hidden, dict):
+            return hidden
         return self.model.compute_logits(hidden[rows]).float()

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from compiled_llm.multimodal.inputs import clamp_chunk
 from compiled_llm.runtime.block_manager import BlockManager
 from compiled_llm.runtime.sequence import Sequence, Status
 
@@ -52,7 +53,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = clamp_chunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed, budget))  # keeps media spans whole
+            if n == 0:
+                continue
             while not self.bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -68,7 +71,9 @@ class Scheduler:
             seq = self.waiting[0]
             plan = self.bm.plan_prefix(seq)
             cached = plan.num_blocks * self.bm.block_size
-            n = min(len(seq) - cached, budget)
+            n = clamp_chunk(seq, cached, min(len(seq) - cached, budget))
+            if n == 0:
+                break
             if n < len(seq) - cached and not self.chunked:
                 break
             if not self.bm.can_allocate(seq, n, plan):

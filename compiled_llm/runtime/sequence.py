@@ -38,6 +38,10 @@ class Sequence:
         self.block_tables: dict[int | None, list[int]] = {}  # kv group -> block ids (-1: released)
         self.block_hashes: list[int] = []  # hash chain of the full blocks of token_ids
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models) while it holds blocks
+        self.mm = None  # multimodal.MultiModalInputs of a prompt with media (None: text only)
+        # sparse KV (runtime/sparse_kv.py): keys attended vs tokens cached, summed over decode steps and layers
+        self.sparse_attended_tokens = 0
+        self.sparse_cached_tokens = 0
         self.logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None

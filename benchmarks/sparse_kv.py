@@ -1,0 +1,253 @@
+"""Sparse KV (StreamingLLM, OmniKV) against dense attention at long inputs: throughput, KV memory, and
+(with --eval) greedy agreement and perplexity.
+
+GPU (Gemma 4 shapes, random weights; one method per call keeps each call under the device's 10 minutes):
+    python benchmarks/sparse_kv.py --config gemma-4-26b-a4b --lengths 32k,64k,128k --output 64 --methods dense
+CPU smoke test (a tiny random Gemma 4, seconds):
+    python benchmarks/sparse_kv.py --tiny --device cpu --dtype float32 --lengths 512,1024 --output 8
+Quality on a real checkpoint (e.g. the demo model), prompts >= 8x the budget:
+    python benchmarks/sparse_kv.py --eval --model compiled_llm/demo_model --device cpu --dtype float32 \
+        --lengths 768 --output 64 --sparse-window 60 --omnikv-budget 64
+
+Per method and input length, one request (or --batch of them) of random token ids, greedy, EOS ignored,
+prefix cache off: prefill seconds (to the first token), decode tokens/s (after it), the KV cache the
+request held at its peak (bytes of the blocks in use, all groups) and the attended/cached token counts
+the engine reports. Each method gets its own engine, built after the previous one is freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from configs import PRESETS, config_dict  # noqa: E402
+
+from compiled_llm import LLM, SamplingParams  # noqa: E402
+
+TINY = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+    "sliding_window": 32, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
+    "layer_types": (["sliding_attention"] * 2 + ["full_attention"]) * 2, "tie_word_embeddings": True,
+    "torch_dtype": "float32", "eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0,
+}
+
+
+def parse_lengths(text: str) -> list[int]:
+    out = []
+    for s in text.split(","):
+        s = s.strip().lower()
+        out.append(int(s[:-1]) * 1024 if s.endswith("k") else int(s))
+    return out
+
+
+def method_kwargs(name: str, args) -> dict:
+    if name == "dense":
+        return {}
+    kw = dict(sparse_method=name, sparse_sink_tokens=args.sparse_sink_tokens)
+    if name == "streamingllm":
+        kw["sparse_window"] = args.sparse_window
+    else:
+        kw.update(omnikv_budget=args.omnikv_budget, omnikv_recent=args.omnikv_recent,
+                  omnikv_filter_layers=args.omnikv_filter_layers)
+    return kw
+
+
+def checkpoint(args, max_len: int) -> str:
+    if args.model:
+        return args.model
+    folder = Path(tempfile.mkdtemp()) / ("tiny" if args.tiny else args.config)
+    folder.mkdir(parents=True)
+    cfg = dict(TINY) if args.tiny else config_dict(args.config)
+    cfg["max_position_embeddings"] = max(max_len, cfg.get("max_position_embeddings", 0))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return str(folder)
+
+
+def make_llm(folder: str, name: str, max_len: int, args) -> LLM:
+    kw = dict(device=args.device, dtype=args.dtype, enable_prefix_caching=False, max_model_len=max_len,
+              max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager, seed=args.seed, block_size=args.block_size)
+    kw["load_format"] = args.load_format or ("auto" if args.model else "dummy")
+    if not (args.eval and args.model):  # token-id prompts: no tokenizer needed
+        kw["skip_tokenizer_init"] = True
+    if args.device == "cuda":
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return LLM(folder, **kw, **method_kwargs(name, args))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kv_bytes_in_use(engine) -> int:
+    bm = engine.block_manager
+    return sum(p.num_used * bm.block_bytes[g] for g, p in bm.pools.items())
+
+
+def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
+    eng = llm.engine
+    before = eng.get_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}-{time.monotonic_ns()}", p, params)
+    sync()
+    t0 = time.perf_counter()
+    t_first = None
+    peak_kv = 0
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        peak_kv = max(peak_kv, kv_bytes_in_use(eng))
+        if t_first is None and outs and all(len(o.outputs[0].token_ids) >= 1 for o in outs) \
+                and len(outs) == len(prompts):
+            sync()
+            t_first = time.perf_counter()
+    sync()
+    t_end = time.perf_counter()
+    after = eng.get_stats()
+    decode_tokens = len(prompts) * (output - 1)
+    row = {"prefill_s": round(t_first - t0, 3), "decode_tok_s": round(decode_tokens / max(t_end - t_first, 1e-9), 2),
+           "peak_kv_MiB": round(peak_kv / 2 ** 20, 2)}
+    if torch.cuda.is_available():
+        row["peak_gpu_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+    if "sparse_attended_tokens" in after:
+        att = after["sparse_attended_tokens"] - before["sparse_attended_tokens"]
+        cached = after["sparse_cached_tokens"] - before["sparse_cached_tokens"]
+        row["attended_per_cached"] = round(att / cached, 4) if cached else None
+    return row
+
+
+def bench(args) -> list[dict]:
+    lengths = parse_lengths(args.lengths)
+    max_len = max(lengths) + args.output + 64
+    folder = checkpoint(args, max_len)
+    rows = []
+    for name in args.methods.split(","):
+        llm = make_llm(folder, name, max_len, args)
+        vocab = llm.engine.runner.model_config.vocab_size
+        g = torch.Generator().manual_seed(args.seed)
+        run_one(llm, [torch.randint(10, vocab - 1, (min(lengths[0], 512),), generator=g).tolist()], 4)  # warm-up
+        for n in lengths:
+            prompts = torch.randint(10, vocab - 1, (args.batch, n), generator=g).tolist()
+            row = {"method": name, "input": n, "batch": args.batch, "output": args.output,
+                   **run_one(llm, prompts, args.output)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def eval_text_tokens(llm: LLM, need: int) -> list[int]:
+    """Real English text for a real checkpoint: Python's pydoc topics, concatenated."""
+    from pydoc_data.topics import topics
+
+    ids: list[int] = []
+    for key in sorted(topics):
+        ids += llm.engine.tokenize(topics[key], add_special_tokens=not ids)
+        if len(ids) >= need:
+            break
+    return ids[:need]
+
+
+def evaluate(args) -> list[dict]:
+    from compiled_llm.runtime.sparse_eval import agreement, greedy, perplexity, teacher_forced_logprobs
+
+    lengths = parse_lengths(args.lengths)
+    max_len = max(lengths) + args.output + 64
+    folder = checkpoint(args, max_len)
+    llms = {name: make_llm(folder, name, max_len, args) for name in ["dense"] + args.methods.split(",")
+            if name}
+    rows = []
+    for n in lengths:
+        if llms["dense"].engine.tokenizer is not None and args.model:
+            text = eval_text_tokens(llms["dense"], n * args.batch + args.output * args.batch)
+            prompts = [text[i * n:(i + 1) * n] for i in range(args.batch)]
+            targets = [text[args.batch * n + i * args.output:args.batch * n + (i + 1) * args.output]
+                       for i in range(args.batch)]
+        else:
+            g = torch.Generator().manual_seed(args.seed)
+            vocab = llms["dense"].engine.runner.model_config.vocab_size
+            prompts = torch.randint(10, vocab - 1, (args.batch, n), generator=g).tolist()
+            targets = None
+        ref = greedy(llms["dense"], prompts, args.output)
+        targets = targets or ref
+        ppl = {name: perplexity([lp for p, t in zip(prompts, targets) for lp in teacher_forced_logprobs(llm, p, t)])
+               for name, llm in llms.items()}
+        for name, llm in llms.items():
+            toks = greedy(llm, prompts, args.output)
+            agree = [agreement(t, r) for t, r in zip(toks, ref)]
+            row = {"method": name, "input": n, "output": args.output,
+                   "greedy_match_rate": round(sum(a["match_rate"] for a in agree) / len(agree), 4),
+                   "first_divergence": [a["first_divergence"] for a in agree],
+                   "perplexity": round(ppl[name], 4), "dense_perplexity": round(ppl["dense"], 4)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(PRESETS), default="gemma-4-26b-a4b")
+    ap.add_argument("--model", default=None, help="a checkpoint folder instead of a preset config")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random Gemma 4 (CPU smoke test)")
+    ap.add_argument("--eval", action="store_true", help="greedy agreement and perplexity instead of speed")
+    ap.add_argument("--methods", default="dense,streamingllm,omnikv")
+    ap.add_argument("--lengths", default="32k,64k,128k")
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--sparse-sink-tokens", type=int, default=4)
+    ap.add_argument("--sparse-window", type=int, default=2044)
+    ap.add_argument("--omnikv-budget", type=int, default=2048)
+    ap.add_argument("--omnikv-recent", type=int, default=64)
+    ap.add_argument("--omnikv-filter-layers", default=None)
+    ap.add_argument("--load-format", default=None, help="default: dummy for a preset, auto for --model")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="prefill chunk: the PyTorch attention paths hold [heads, chunk, context] scores")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.15,
+                    help="KV share of free memory: low, the PyTorch attention paths need room for their scores")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    if args.eval and args.methods.startswith("dense"):
+        args.methods = ",".join(m for m in args.methods.split(",") if m != "dense")
+
+    t0 = time.perf_counter()
+    rows = evaluate(args) if args.eval else bench(args)
+    header = list(dict.fromkeys(k for r in rows for k in r))
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(h)) for h in header) + " |")
+    on_gpu = args.device == "cuda" and torch.cuda.is_available()
+    result = {"mode": "eval" if args.eval else "bench", "config": args.model or ("tiny" if args.tiny else args.config),
+              "device": torch.cuda.get_device_name() if on_gpu else "cpu", "args": vars(args), "rows": rows,
+              "seconds": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d %H:%M")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = Path(args.model).name if args.model else ("tiny" if args.tiny else args.config)
+    stem = f"sparse_kv_{'eval_' if args.eval else ''}{name}_{time.strftime('%Y%m%d_%H%M%S')}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out / stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The compiler: torch.compile with our backend (split at attention, piecewise Inductor compiles with our
+fusion passes, CUDA Graphs per batch size), JIT warm-up and the compile cache. See docs/compiler.md.
+
+The runtime uses one object: `ModelCompiler(model, config, ...)` replaces the model's forward, and
+`warm_up(kv_caches, block_size)` compiles everything at start-up (from the compile cache if given).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from compiled_llm.compiler.backend import CompilerConfig
+from compiled_llm.compiler.cache import CompileCache, compile_counters, count_cpp_builds
+from compiled_llm.compiler.model import CompiledModel
+from compiled_llm.compiler.warmup import warm_up
+from compiled_llm.ops.registry import OPS
+
+log = logging.getLogger("compiled_llm")
+
+DEFAULT_CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def parse_sizes(text: str | None, device: torch.device, max_num_seqs: int) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; None: powers of two up to max_num_seqs on CUDA, none on CPU; '' or 'none': none."""
+    if text is None:
+        if device.type != "cuda":
+            return []
+        return sorted({s for s in DEFAULT_CUDA_SIZES if s <= max_num_seqs} | {max_num_seqs})
+    if text.strip().lower() in ("", "none"):
+        return []
+    sizes = sorted({int(s) for s in text.split(",") if s.strip()})
+    if sizes and sizes[0] < 1:
+        raise ValueError("cudagraph batch sizes must be positive")
+    return sizes
+
+
+def parse_passes(text: str | None) -> tuple[str, ...] | None:
+    if text is None or text.strip().lower() == "all":
+        return None
+    if text.strip().lower() in ("", "none"):
+        return ()
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _tp_group_name() -> str | None:
+    try:
+        from compiled_llm.distributed.parallel_state import get_parallel_state
+    except ImportError:
+        return None
+    ps = get_parallel_state()
+    return ps.tp_group_name if ps.tp_size > 1 else None
+
+
+class ModelCompiler:
+    def __init__(self, model: torch.nn.Module, config, device: torch.device, dtype: torch.dtype, specs: dict,
+                 hf_config: dict, facts: dict | None = None):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.specs = specs
+        self.hf_config = {k: v for k, v in hf_config.items() if k != "_name_or_path"}  # no paths in the key
+        self.facts = dict(facts or {}, dtype=dtype, layers=specs)
+        ccfg = CompilerConfig(
+            batch_sizes=parse_sizes(config.cudagraph_batch_sizes, self.device, config.max_num_seqs),
+            cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode,
+            passes=parse_passes(config.compile_passes), dtype=dtype, tp_group=_tp_group_name(),
+            jit_monitor=config.jit_monitor)
+        attention = {k: name for k, (name, _) in OPS["attention"].chosen.items()}
+        self.compiled = CompiledModel(model, ccfg, self.device, attention)
+        self.cache: CompileCache | None = None
+        self.startup_seconds = 0.0
+        count_cpp_builds()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.compiled(input_ids, positions)
+
+    def cache_flags(self) -> dict:
+        c = self.config
+        providers = {op: sorted({name for name, _ in spec.chosen.values()}) for op, spec in OPS.items()}
+        return {"dtype": str(self.dtype), "block_size": c.block_size, "max_num_seqs": c.max_num_seqs,
+                "max_num_batched_tokens": c.max_num_batched_tokens, "max_model_len": c.max_model_len,
+                "batch_sizes": self.compiled.sizes, "passes": self.compiled.pass_manager.config,
+                "full_graph_decode": c.full_graph_decode, "providers": providers, "tp": self.compiled.config.tp_group}
+
+    def warm_up(self, kv_caches: dict, block_size: int, context_factory=None, progress: bool = True) -> None:
+        """Compiles everything before the first request: from the compile cache when one is given."""
+        t0 = time.perf_counter()
+        max_len = self.config.max_model_len or 0
+        self.compiled.max_blocks = -(-max_len // block_size) + 1
+
+        def run():
+            warm_up(self.compiled, self.specs, kv_caches, block_size, self.config.max_num_batched_tokens, self.facts,
+                    self.device, self.config.jit_monitor, progress, context_factory)
+
+        if self.config.compile_cache:
+            self.cache = CompileCache(self.config.compile_cache, self.hf_config, self.cache_flags(), self.device)
+            with self.cache.session(self.summary):
+                run()
+        else:
+            run()
+        self.startup_seconds = time.perf_counter() - t0
+        log.info("compiled in %.1fs%s\n%s", self.startup_seconds,
+                 f" (compile cache: {self.cache.status})" if self.cache else "", self.report())
+
+    def summary(self) -> dict:
+        out = self.compiled.summary()
+        out["counters"] = compile_counters()
+        return out
+
+    def report(self) -> str:
+        """Per pass, the matches it replaced; the graph pieces and captured graphs."""
+        s = self.summary()
+        lines = ["passes (matches replaced in the dynamic-shape compile):"]
+        for name, p in s["passes"].items():
+            lines.append(f"  {name:<24} {p['fusion']:<34} {p['matches']}")
+        lines.append(f"graph pieces: {s['pieces']} compiled, {s['attention_ops']} attention ops between them")
+        lines.append(f"static batch sizes: {s['static_sizes'] or 'none'}; captured CUDA graphs: {s['captured_graphs']}"
+                     + (f" (whole-graph decode at {s['whole_graph_decode_sizes']})" if s["whole_graph_decode_sizes"]
+                        else ""))
+        return "\n".join(lines)
+
+
+__all__ = ["ModelCompiler", "CompilerConfig", "CompiledModel", "CompileCache", "parse_sizes"]

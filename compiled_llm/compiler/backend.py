@@ -1,0 +1,123 @@
+"""The torch.compile backend: split the Dynamo graph at the attention ops, compile each piece between
+them with Inductor (our fusion passes hooked in as its post-grad custom pass), and return the split
+module, whose pieces dispatch on the token count (see piecewise.py).
+
+The attention ops stay outside the compiled pieces: they read per-step metadata through the forward
+context, which CUDA Graphs cannot replay, so on CUDA each piece is captured on its own and attention
+runs eagerly between replays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from compiled_llm.compiler.piecewise import PieceRunner
+from compiled_llm.ops.jit import MONITOR
+from compiled_llm.passes.manager import PassManager
+
+log = logging.getLogger("compiled_llm")
+
+def split_ops() -> set:
+    """Ops that read per-step metadata through the forward context (attention, recurrent-state ops):
+    they run eagerly between the compiled pieces."""
+    from compiled_llm.ops.registry import OPS
+
+    ops = set()
+    for name, spec in OPS.items():
+        if spec.splits_graph:
+            packet = getattr(torch.ops.compiled_llm, name)
+            ops |= {packet, packet.default}
+    return ops
+
+
+def is_split_node(node: torch.fx.Node, ops: set | None = None) -> bool:
+    return node.op == "call_function" and node.target in (ops if ops is not None else split_ops())
+
+
+@dataclass
+class CompilerConfig:
+    batch_sizes: list[int] = field(default_factory=list)  # static compiles (and CUDA graphs) for these token counts
+    cudagraphs: bool = False  # capture each piece per batch size (CUDA only)
+    full_graph_decode: str = "auto"  # auto: measure piecewise vs whole-graph capture of decode; on; off
+    passes: tuple[str, ...] | None = None  # None: every pass that applies
+    dtype: torch.dtype = torch.float32
+    tp_group: str | None = None  # process-group name of tensor parallelism (all-reduce fusion)
+    jit_monitor: str = "off"  # what a compile after warm-up does while this model runs: off | warn | error
+
+
+def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
+    """Each attention call becomes its own submodule; the nodes between them form the compute pieces.
+    Returns (split module, compute piece names, attention piece names)."""
+    ops = split_ops()
+    part, ids = 0, {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if is_split_node(node, ops):
+            part += 1
+            ids[node] = part
+            part += 1
+        else:
+            ids[node] = part
+    split = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
+    compute, attn = [], []
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            sub = getattr(split, node.target)
+            (attn if any(is_split_node(n, ops) for n in sub.graph.nodes) else compute).append(node.target)
+    return split, compute, attn
+
+
+class _PieceCompiler(torch.fx.Interpreter):
+    """Runs the split module on Dynamo's fake inputs; each compute piece is compiled for the dynamic
+    token count with the fake (symbolic) inputs it sees, and swapped for its PieceRunner."""
+
+    def __init__(self, split: torch.fx.GraphModule, compute: list[str], backend: "Backend"):
+        super().__init__(split)
+        self.compute = set(compute)
+        self.backend = backend
+
+    def call_module(self, target, args, kwargs):
+        sub = self.fetch_attr(target)
+        out = super().call_module(target, args, kwargs)
+        if target in self.compute:
+            runner = PieceRunner(target, sub, self.backend)
+            runner.compile_dynamic(list(args))
+            self.module.__dict__[target] = runner  # the split module now calls the runner
+            self.backend.pieces.append(runner)
+        return out
+
+
+class Backend:
+    """One per compiled model. Dynamo calls it with the whole forward graph (once; a second call is a
+    recompile, which the JIT monitor reports)."""
+
+    def __init__(self, config: CompilerConfig, pass_manager: PassManager, state):
+        self.config = config
+        self.pass_manager = pass_manager
+        self.state = state  # compiler.model.RunState: the bucket this call runs at, capture flags
+        self.pieces: list[PieceRunner] = []
+        self.attention_pieces: list[str] = []
+        self.split_gm: torch.fx.GraphModule | None = None
+        self.graph_count = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        MONITOR.compile_event("dynamo", f"graph {self.graph_count}")
+        self.graph_count += 1
+        t0 = time.perf_counter()
+        split, compute, attn = split_at_attention(gm)
+        self.split_gm, self.attention_pieces = split, attn
+        self.pieces.clear()
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        with fake_mode:
+            _PieceCompiler(split, compute, self).run(*fake_args)
+        log.info("compiled %d pieces around %d attention ops for a dynamic token count in %.1fs",
+                 len(compute), len(attn), time.perf_counter() - t0)
+        return split

@@ -1,0 +1,220 @@
+"""CompiledModel: what the runtime calls instead of the model's forward when compiling.
+
+One torch.compile (our backend) serves every token count: the token dimension is dynamic, and batch
+sizes listed in the config run padded to the next listed size, through pieces compiled for that size
+(and on CUDA, replayed CUDA Graphs). Decode batches may instead replay one graph of the whole forward,
+attention included, when every attention layer's kernel can be captured and that measured faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+from compiled_llm.compiler.backend import Backend, CompilerConfig
+from compiled_llm.ops.attention import GroupMetadata, get_forward_context, set_forward_context
+from compiled_llm.ops.jit import MONITOR
+from compiled_llm.passes.manager import PassManager
+
+log = logging.getLogger("compiled_llm")
+
+CAPTURABLE = {"triton"}
+_NO_01_SPECIALISATION = {"backed_size_oblivious": True} if hasattr(fx_config, "backed_size_oblivious") else {}  # attention / KV-write providers whose launches a CUDA graph can replay
+
+
+@dataclasses.dataclass
+class RunState:
+    bucket: int | None = None  # the static size this call runs at (None: dynamic)
+    cudagraphs: bool = False
+    capturing_full_graph: bool = False
+    pool: Any = None
+
+    def graph_pool(self):
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
+
+class StaticBatch:
+    """Buffers of one batch size: padded inputs and, for CUDA graphs, the per-step metadata the captured
+    kernels read (slot mappings; for whole-graph decode also block tables, sequence lengths, offsets)."""
+
+    def __init__(self, size: int, groups, device, max_blocks: int):
+        self.size = size
+        self.ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.pos = torch.zeros(size, dtype=torch.long, device=device)
+        self.slots = {g: torch.full((size,), -1, dtype=torch.long, device=device) for g in groups}
+        self.tables = {g: torch.zeros(size, max_blocks, dtype=torch.int32, device=device) for g in groups}
+        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
+        self.qsl = torch.zeros(size + 1, dtype=torch.int32, device=device)
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        n = input_ids.shape[0]
+        self.ids[:n].copy_(input_ids)
+        self.ids[n:].zero_()
+        self.pos[:n].copy_(positions)
+        self.pos[n:].zero_()
+
+    def stage(self, ctx, n: int, full: bool):
+        """A copy of the forward context whose tensors live in these buffers (padded slots are -1)."""
+        meta = ctx.attn_metadata
+        groups = {}
+        for g, gm in meta.groups.items():
+            self.slots[g][:n].copy_(gm.slot_mapping)
+            self.slots[g][n:].fill_(-1)
+            tables = gm.block_tables
+            if full:
+                rows, cols = tables.shape
+                self.tables[g][:rows, :cols].copy_(tables)
+                self.tables[g][rows:].zero_()
+                tables = self.tables[g]
+            groups[g] = GroupMetadata(tables, self.slots[g])
+        meta = dataclasses.replace(meta, groups=groups)
+        if full:
+            s = len(meta.seq_lens)
+            self.seq_lens[:s].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32), non_blocking=True)
+            self.seq_lens[s:].zero_()
+            self.qsl[:s + 1].copy_(torch.tensor(meta.query_start_loc, dtype=torch.int32), non_blocking=True)
+            self.qsl[s + 1:].fill_(meta.query_start_loc[-1])
+            meta.seq_lens_tensor, meta.query_start_loc_tensor = self.seq_lens, self.qsl
+        return dataclasses.replace(ctx, attn_metadata=meta)
+
+
+class FullGraph:
+    """The whole forward of one decode batch size captured as one CUDA graph."""
+
+    def __init__(self, run, pool):
+        run()  # outside the graph first: static compiles, lazy initialisation
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = run()
+
+    def replay(self):
+        self.graph.replay()
+        return self.out
+
+
+class CompiledModel:
+    def __init__(self, model: torch.nn.Module, config: CompilerConfig, device: torch.device,
+                 attention_providers: dict[int, str] | None = None, max_blocks_per_seq: int = 1):
+        self.model = model
+        self.config = config
+        self.device = torch.device(device)
+        self.sizes = sorted(set(config.batch_sizes))
+        providers = set((attention_providers or {}).values())
+        self.state = RunState(cudagraphs=config.cudagraphs and self.device.type == "cuda")
+        self.full_graph_ok = (self.state.cudagraphs and config.full_graph_decode != "off" and bool(providers)
+                              and providers <= CAPTURABLE)
+        self.pass_manager = PassManager(config.passes, config.dtype, self.device, config.tp_group)
+        self.backend = Backend(config, self.pass_manager, self.state)
+        self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
+        self.max_blocks = max_blocks_per_seq
+        self.buffers: dict[int, StaticBatch] = {}
+        self.full: dict[int, FullGraph] = {}  # decode sizes that replay the whole-graph capture
+        self.decode_timings: dict[int, tuple[float, float | None]] = {}  # size -> (piecewise ms, full ms)
+
+    # ---- calls -------------------------------------------------------------------------------
+    def bucket_for(self, n: int) -> int | None:
+        for s in self.sizes:
+            if s >= n:
+                return s
+        return None
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, size: int | None) -> torch.Tensor:
+        self.state.bucket = size
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        with fx_config.patch(**_NO_01_SPECIALISATION):  # one compile serves a single token too
+            return self.compiled(input_ids, positions)
+
+    def static_batch(self, size: int) -> StaticBatch:
+        if size not in self.buffers:
+            groups = get_forward_context().attn_metadata.groups.keys()
+            self.buffers[size] = StaticBatch(size, groups, self.device, self.max_blocks)
+        return self.buffers[size]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        with MONITOR.watch(self.config.jit_monitor):
+            return self._call(input_ids, positions)
+
+    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[0]
+        size = self.bucket_for(n)
+        if size is None:
+            return self._forward(input_ids, positions, None)
+        buf = self.static_batch(size)
+        buf.load(input_ids, positions)
+        if not self.state.cudagraphs:
+            return self._forward(buf.ids, buf.pos, size)[:n]
+        ctx = get_forward_context()
+        full = size in self.full and len(ctx.attn_metadata.seq_lens) == n  # a decode batch
+        with set_forward_context(buf.stage(ctx, n, full)):
+            out = self.full[size].replay() if full else self._forward(buf.ids, buf.pos, size)
+        return out[:n]
+
+    # ---- whole-graph decode ------------------------------------------------------------------
+    def choose_decode_graph(self, size: int, repeats: int = 20) -> None:
+        """Captures the whole forward for a decode batch of `size` (under the warm-up's decode context),
+        times it against the piecewise replay, and keeps it only if faster."""
+        if not self.full_graph_ok:
+            return
+        buf = self.static_batch(size)
+        ctx = get_forward_context()
+        n = len(ctx.attn_metadata.seq_lens)
+
+        staged_pieces, staged_full = buf.stage(ctx, n, False), buf.stage(ctx, n, True)  # copies stay outside captures
+
+        def piecewise():
+            with set_forward_context(staged_pieces):
+                return self._forward(buf.ids, buf.pos, size)
+
+        def whole():
+            self.state.capturing_full_graph = True
+            try:
+                with set_forward_context(staged_full):
+                    return self._forward(buf.ids, buf.pos, size)
+            finally:
+                self.state.capturing_full_graph = False
+
+        piecewise()  # captures the per-piece graphs if not yet
+        entry = FullGraph(whole, self.state.graph_pool())
+        t_piece = _time(piecewise, repeats)
+        with set_forward_context(staged_full):
+            t_full = _time(entry.replay, repeats)
+        self.decode_timings[size] = (t_piece, t_full)
+        if self.config.full_graph_decode == "on" or t_full < t_piece:
+            self.full[size] = entry
+        log.info("decode batch %d: piecewise CUDA graphs %.3f ms, whole-graph %.3f ms -> %s", size, t_piece, t_full,
+                 "whole graph" if size in self.full else "piecewise")
+
+    # ---- report ------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        matches: Counter = Counter()
+        for piece in self.backend.pieces:
+            matches.update(piece.matches.get("dynamic", Counter()))
+        graphs = sum(len(p.graphs) for p in self.backend.pieces) + len(self.full)
+        return {
+            "passes": {name: {"fusion": fusion, "matches": matches.get(name, 0)}
+                       for name, fusion in self.pass_manager.fusions().items()},
+            "pieces": len(self.backend.pieces),
+            "attention_ops": len(self.backend.attention_pieces),
+            "static_sizes": self.sizes,
+            "captured_graphs": graphs,
+            "whole_graph_decode_sizes": sorted(self.full),
+            "decode_timings_ms": {str(k): v for k, v in self.decode_timings.items()},
+        }
+
+
+def _time(fn, repeats: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / repeats

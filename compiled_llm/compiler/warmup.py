@@ -1,0 +1,93 @@
+"""Start-up warm-up: compile everything the server will need before it takes a request.
+
+Work items, in order, behind one progress bar: the dynamic-token-count compile (a prefill-shaped
+forward), each static batch size (a decode-shaped forward: static compile and, on CUDA, the per-piece
+graph captures; then the whole-graph decode capture and its timing), then every key that the JIT
+kernels of the selected providers registered and no forward has launched yet. Afterwards the JIT
+monitor (ops/jit.py) reports any compile as a key missing from the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from compiled_llm.ops.attention import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
+from compiled_llm.ops.jit import MONITOR, REGISTRY
+from compiled_llm.ops.registry import OPS
+
+log = logging.getLogger("compiled_llm")
+
+
+def dummy_context(specs: dict, kv_caches: dict, block_size: int, num_seqs: int, tokens_per_seq: int,
+                  device: torch.device) -> ForwardContext:
+    """num_seqs sequences of tokens_per_seq new tokens each, every block table pointing at block 0
+    (the cache is empty at start-up; what warm-up writes there is overwritten before it is read)."""
+    n = num_seqs * tokens_per_seq
+    blocks = -(-tokens_per_seq // block_size)
+    groups = {}
+    for g in {s.kv_group for s in specs.values()}:
+        tables = torch.zeros(num_seqs, blocks, dtype=torch.int32, device=device)
+        slots = (torch.arange(n, device=device) % tokens_per_seq) % block_size
+        groups[g] = GroupMetadata(tables, slots)
+    meta = AttentionMetadata(query_start_loc=[i * tokens_per_seq for i in range(num_seqs + 1)],
+                             seq_lens=[tokens_per_seq] * num_seqs, block_size=block_size, groups=groups)
+    return ForwardContext(meta, kv_caches, specs)
+
+
+def kernel_keys(facts: dict) -> list[tuple]:
+    """(kernel, key) pairs the selected providers' JIT kernels registered for this model."""
+    out = []
+    for kernel in REGISTRY.values():
+        spec = OPS.get(kernel.op)
+        if spec is None or kernel.provider not in {name for name, _ in spec.chosen.values()}:
+            continue
+        out.extend((kernel, key) for key in kernel.keys(facts))
+    return out
+
+
+@torch.inference_mode()
+def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: int, facts: dict, device,
+            mode: str = "off", progress: bool = True, context_factory=None) -> float:
+    """model: a CompiledModel. context_factory(num_seqs, tokens_per_seq) -> ForwardContext, for models
+    whose ops need more than the KV cache (recurrent state); default: dummy_context. Returns seconds."""
+    device = torch.device(device)
+    make = context_factory or (lambda s, t: dummy_context(specs, kv_caches, block_size, s, t, device))
+
+    def forward(num_seqs: int, tokens: int):
+        n = num_seqs * tokens
+        with set_forward_context(make(num_seqs, tokens)):
+            model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device) % tokens)
+
+    def decode_graph(size: int):
+        with set_forward_context(make(size, 1)):
+            model.choose_decode_graph(size)
+
+    sizes = sorted(model.sizes, reverse=True)  # largest first: later captures reuse the graph pool's memory
+    prefill = max(2, min(max_tokens, (sizes[0] + 1) if sizes else 16))
+    items = [(f"compile ({prefill}-token prefill, dynamic token count)", lambda: forward(1, prefill))]
+    for size in sizes:
+        items.append((f"batch size {size}", lambda s=size: forward(s, 1)))
+        if model.full_graph_ok:
+            items.append((f"whole-graph decode {size}", lambda s=size: decode_graph(s)))
+    keys = kernel_keys(facts)
+    for kernel, key in keys:
+        items.append((f"{kernel.name} {key}", lambda k=kernel, key=key: (
+            None if (k.name, key) in MONITOR.seen else k.compile(key, device))))
+
+    t0 = time.perf_counter()
+    MONITOR.begin_warmup(mode)
+    try:
+        with tqdm(total=len(items), desc="JIT warm-up", unit="item", disable=not progress) as bar:
+            for name, fn in items:
+                bar.set_postfix_str(name[:60])
+                fn()
+                bar.update()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        MONITOR.end_warmup()
+    return time.perf_counter() - t0

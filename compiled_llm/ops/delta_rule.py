@@ -1,0 +1,151 @@
+"""Gated delta rule (Gated DeltaNet linear attention) with a per-sequence recurrent state. Plain PyTorch reference.
+
+Per head, with state S [Dk, Dv], for each token t:
+    S <- exp(g_t) * S
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T
+    o_t = S^T q_t
+q and k are L2-normalised and q scaled by Dk^-0.5 first; the state is kept in float32.
+Prefill uses the chunked form (a unit-lower-triangular solve per chunk, then one state update per chunk);
+decode steps the recurrence once for all single-token sequences of a batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_llm.ops.registry import OpSpec, Provider, register
+from compiled_llm.ops.state import get_state_metadata
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., Hk, Dk] -> float32, normalised, scaled q, each k head repeated for its Hv // Hk value heads."""
+    q, k = l2norm(q.float()), l2norm(k.float())
+    q = q * q.shape[-1] ** -0.5
+    rep = num_v_heads // q.shape[-2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+    return q, k
+
+
+def recurrent_delta_rule(q, k, v, g, beta, state):
+    """Token by token. q, k: [B, T, H, Dk] (prepared); v: [B, T, H, Dv]; g, beta: [B, T, H];
+    state: [B, H, Dk, Dv] float32. Returns o [B, T, H, Dv] float32 and the final state."""
+    v, g, beta = v.float(), g.float(), beta.float()
+    s = state.float()
+    outs = []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        pred = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+        delta = (v[:, t] - pred) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+    return torch.stack(outs, dim=1), s
+
+
+def chunk_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Same contract as recurrent_delta_rule, computed chunk by chunk.
+
+    Within a chunk with cumulative log decay c_t, the corrections d_t = beta_t (v_t - S_{t-1}'^T k_t) solve
+    (I + L) d = beta V - (beta exp(c) K) S0 with L[i, j] = beta_i exp(c_i - c_j) k_i.k_j (j < i), so
+    d = U - W S0; outputs are exp(c_t) q_t S0 + sum_{s<=t} exp(c_t - c_s) (q_t.k_s) d_s."""
+    b, t_len, h, dk = q.shape
+    v, g, beta = v.float(), g.float(), beta.float()
+    pad = (-t_len) % chunk_size
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = (t_len + pad) // chunk_size
+
+    def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...]
+        x = x.reshape(b, n, chunk_size, h, *x.shape[3:])
+        return x.permute(0, 3, 1, 2, *range(4, x.dim()))
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    c = g.cumsum(dim=-1)  # [B, H, N, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [B, H, N, C, C]
+    kb = k * beta[..., None]
+    system = (kb @ k.transpose(-1, -2)) * decay  # unit diagonal implied by the solve
+    strict = system.masked_fill(~causal.tril(-1), 0.0)
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    rhs = torch.cat([v * beta[..., None], kb * c.exp()[..., None]], dim=-1)
+    sol = torch.linalg.solve_triangular(eye + strict, rhs, upper=False, unitriangular=True)
+    u, w = sol[..., :v.shape[-1]], sol[..., v.shape[-1]:]
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * c.exp()[..., None]
+    k_dec = k * (c[..., -1:] - c).exp()[..., None]
+    s = state.float()
+    outs = []
+    for i in range(n):
+        d = u[:, :, i] - w[:, :, i] @ s
+        outs.append(q_dec[:, :, i] @ s + intra[:, :, i] @ d)
+        s = s * c[:, :, i, -1].exp()[..., None, None] + k_dec[:, :, i].transpose(-1, -2) @ d
+    o = torch.stack(outs, dim=2)  # [B, H, N, C, Dv]
+    o = o.permute(0, 2, 3, 1, 4).reshape(b, n * chunk_size, h, -1)[:, :t_len]
+    return o, s
+
+
+def gated_delta_rule_with_state(q, k, v, g, beta, cache: torch.Tensor, slots: list[int],
+                                has_initial_state: list[bool], query_start_loc: list[int]) -> torch.Tensor:
+    """Flat tokens of a batch. q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv];
+    cache: [num_slots, Hv, Dk, Dv] read and updated in place. Returns o [n, Hv, Dv] in v's dtype."""
+    hv = v.shape[1]
+    qp, kp = prepare_qk(q, k, hv)
+    out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # rows past the last sequence stay zero
+    single = [i for i in range(len(slots)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    if single:  # decode tokens, batched
+        dev = v.device
+        rows = torch.tensor([query_start_loc[i] for i in single], device=dev)
+        slot_t = torch.tensor([slots[i] for i in single], device=dev)
+        keep = torch.tensor([has_initial_state[i] for i in single], device=dev)
+        state = torch.where(keep[:, None, None, None], cache.index_select(0, slot_t).float(), 0.0)
+        pick = lambda x: x.index_select(0, rows)[:, None]  # noqa: E731
+        o, new = recurrent_delta_rule(pick(qp), pick(kp), pick(v), pick(g), pick(beta), state)
+        out.index_copy_(0, rows, o[:, 0])
+        cache.index_copy_(0, slot_t, new.to(cache.dtype))
+    done = set(single)
+    for i, slot in enumerate(slots):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        if i in done or end == start:
+            continue
+        state = cache[slot].float()[None] if has_initial_state[i] else v.new_zeros((1, *cache.shape[1:]),
+                                                                                    dtype=torch.float32)
+        sl = slice(start, end)
+        o, new = chunk_delta_rule(qp[None, sl], kp[None, sl], v[None, sl], g[None, sl], beta[None, sl], state)
+        out[sl] = o[0]
+        cache[slot] = new[0].to(cache.dtype)
+    return out.to(v.dtype)
+
+
+def ref_gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
+    meta = get_state_metadata()
+    return gated_delta_rule_with_state(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.slots,
+                                       meta.has_initial_state, meta.query_start_loc)
+
+
+GATED_DELTA_RULE = register(OpSpec(
+    "gated_delta_rule", "Gated DeltaNet linear attention with per-sequence state: chunked prefill, recurrent decode", [
+        Provider("triton", "compiled_llm.ops.triton.delta_rule:gated_delta_rule", lambda caps, shape: caps.triton_ok()),
+        Provider("reference", "compiled_llm.ops.delta_rule:ref_gated_delta_rule"),
+    ], splits_graph=True))
+
+
+@torch.library.custom_op("compiled_llm::gated_delta_rule", mutates_args=())
+def gated_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        layer_idx: int) -> torch.Tensor:
+    return GATED_DELTA_RULE.impl()(q, k, v, g, beta, layer_idx)
+
+
+@gated_delta_rule_op.register_fake
+def _(q, k, v, g, beta, layer_idx):
+    return torch.empty_like(v)
+
+
+def gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
+    """q, k: [tokens, Hk, Dk]; v: [tokens, Hv, Dv]; g (log decay, <= 0), beta: [tokens, Hv].
+    Uses and updates the layer's "ssm" state in the forward context."""
+    return torch.ops.compiled_llm.gated_delta_rule(q, k, v, g, beta, layer_idx)

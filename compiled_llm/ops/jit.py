@@ -1,0 +1,123 @@
+"""JIT warm-up registry and monitor.
+
+Every JIT-compiled kernel registers a `JitKernel`: the compile keys it will need for a model (from the
+model's shape facts) and how to compile one key (a launch on dummy inputs). Start-up warm-up
+(compiler/warmup.py) compiles them all; launchers call `MONITOR.note(kernel, key)` on every launch,
+and Dynamo/Inductor compiles are reported through `MONITOR.compile_event`. Once warm-up is over, a
+key or compile that was not seen is reported: logged (`warn`) or raised (`error`), so tests catch
+keys missing from the registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import torch
+
+log = logging.getLogger("compiled_llm")
+
+
+class JitCompileAfterWarmup(RuntimeError):
+    pass
+
+
+@dataclass
+class JitKernel:
+    name: str
+    op: str  # the op whose provider launches it
+    provider: str  # the provider it belongs to ("triton", "flashinfer")
+    keys: Callable[[dict], list[Hashable]]  # model facts -> the compile keys it will need
+    compile: Callable[[Hashable, torch.device], None]  # compiles one key (launches on dummy inputs)
+
+
+REGISTRY: dict[str, JitKernel] = {}
+
+
+def register_kernel(kernel: JitKernel) -> JitKernel:
+    REGISTRY[kernel.name] = kernel
+    return kernel
+
+
+class JitMonitor:
+    """Process-wide record; the policy (off | warn | error) is the one of the compiled model running now
+    (`watch`), so an eager engine in the same process is never policed. Compiles while some model warms
+    up are expected."""
+
+    def __init__(self):
+        self.mode = "off"
+        self.seen: set[tuple[str, Hashable]] = set()
+        self.compiles: Counter = Counter()  # kind -> compiles seen (whole process)
+        self.late: list[str] = []  # compiles after warm-up
+        self._warming = 0
+        self._warmed = False
+        self._lock = threading.Lock()
+        self._hooked = False
+
+    def begin_warmup(self, mode: str) -> None:
+        if mode not in ("off", "warn", "error"):
+            raise ValueError(f"jit monitor mode must be off, warn or error, not {mode!r}")
+        with self._lock:
+            self._warming += 1
+        self.install_triton_hook()
+
+    @contextlib.contextmanager
+    def watch(self, mode: str):
+        """Compiles inside are judged by `mode` (the running compiled model's --jit-monitor)."""
+        prev, self.mode = self.mode, mode
+        try:
+            yield
+        finally:
+            self.mode = prev
+
+    def end_warmup(self) -> None:
+        with self._lock:
+            self._warming -= 1
+            self._warmed = True
+
+    @property
+    def active(self) -> bool:
+        return self._warmed and not self._warming and self.mode != "off"
+
+    def note(self, kernel: str, key: Hashable) -> None:
+        """Called by launchers on every launch; a set lookup unless the key is new."""
+        item = (kernel, key)
+        if item in self.seen:
+            return
+        self.seen.add(item)
+        self.compile_event(kernel, repr(key))
+
+    def compile_event(self, kind: str, what: str) -> None:
+        self.compiles[kind] += 1
+        if self.active:
+            msg = f"JIT compile after warm-up: {kind} {what} (its key is missing from the warm-up registry)"
+            self.late.append(msg)
+            if self.mode == "error":
+                raise JitCompileAfterWarmup(msg)
+            log.warning(msg)
+
+    def install_triton_hook(self) -> None:
+        """Every Triton compile (ours and Inductor's) is an event, through triton's post-compile hook."""
+        if self._hooked:
+            return
+        self._hooked = True
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        if not hasattr(knobs, "runtime") or not hasattr(knobs.runtime, "jit_post_compile_hook"):
+            return
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def hook(*args, **kwargs):
+            self.compile_event("triton", getattr(kwargs.get("fn"), "name", "kernel"))
+            return previous(*args, **kwargs) if previous else False
+
+        knobs.runtime.jit_post_compile_hook = hook
+
+
+MONITOR = JitMonitor()

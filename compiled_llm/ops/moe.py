@@ -1,0 +1,87 @@
+"""Mixture-of-experts ops: router_topk (Gemma 4's router) and geglu_moe (routed experts, GELU-tanh GEGLU
+over packed [gate, up] weights)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compiled_llm.ops.norm import ref_rms_norm
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
+
+
+def ref_router_topk(x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Tensor, per_expert_scale: torch.Tensor,
+                    top_k: int, eps: float, root_size: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscaled RMSNorm, learned scale, softmax over experts (float32), top-k, renormalise, per-expert scale.
+    Returns (weights [tokens, k] float32, expert ids [tokens, k] int64)."""
+    h = ref_rms_norm(x, None, eps) * scale * root_size
+    probs = torch.softmax(F.linear(h, proj_weight), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * per_expert_scale[ids], ids
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def ref_geglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                  down_proj: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * down[e] @ (gelu_tanh(gate) * up), [gate, up] = gate_up[e] @ x[t], e = ids[t, j].
+    Loops over the experts that were picked (data-dependent); while a CUDA graph is being captured it
+    computes every expert densely instead, which has static shapes."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return dense_geglu_moe(x, weights, ids, gate_up_proj, down_proj)
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(gelu_tanh(gate) * up, down_proj[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def dense_geglu_moe(x, weights, ids, gate_up_proj, down_proj):
+    route = torch.zeros(x.shape[0], gate_up_proj.shape[0], dtype=weights.dtype, device=x.device)
+    route.scatter_(1, ids, weights)
+    gate, up = torch.einsum("th,efh->tef", x, gate_up_proj).chunk(2, dim=-1)
+    y = torch.einsum("tei,ehi->teh", gelu_tanh(gate) * up, down_proj)
+    return torch.einsum("teh,te->th", y.float(), route.float()).to(x.dtype)
+
+
+def _triton(caps: Capabilities, shape: dict) -> str | None:
+    return caps.triton_ok()
+
+
+ROUTER_TOPK = register(OpSpec("router_topk", "Gemma 4 router: norm, scale, softmax, top-k, renormalise, expert scale", [
+    Provider("triton", "compiled_llm.ops.triton.providers:router_topk", _triton),
+    Provider("reference", "compiled_llm.ops.moe:ref_router_topk"),
+]))
+
+GEGLU_MOE = register(OpSpec("geglu_moe", "routed experts, GELU-tanh GEGLU over packed [gate, up] weights", [
+    Provider("triton", "compiled_llm.ops.triton.providers:geglu_moe", _triton),
+    Provider("reference", "compiled_llm.ops.moe:ref_geglu_moe"),
+]))
+
+
+@torch.library.custom_op("compiled_llm::router_topk", mutates_args=())
+def router_topk(x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Tensor, per_expert_scale: torch.Tensor,
+                top_k: int, eps: float, root_size: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return ROUTER_TOPK.impl()(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
+
+
+@router_topk.register_fake
+def _(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size):
+    n = x.shape[0]
+    return x.new_empty(n, top_k, dtype=torch.float32), x.new_empty(n, top_k, dtype=torch.long)
+
+
+@torch.library.custom_op("compiled_llm::geglu_moe", mutates_args=())
+def geglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+              down_proj: torch.Tensor) -> torch.Tensor:
+    return GEGLU_MOE.impl()(x, weights, ids, gate_up_proj, down_proj)
+
+
+@geglu_moe.register_fake
+def _(x, weights, ids, gate_up_proj, down_proj):
+    return torch.empty_like(x)

@@ -1,0 +1,70 @@
+"""RMSNorm ops: rms_norm and fused_add_rms_norm (residual add + RMSNorm).
+
+The reference implementations compute exactly what the models' plain RMSNorm computes (float32
+statistics, optional weight, cast back), so a fused graph gives the same numbers as the eager one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        h = h * weight.float()
+    return h.type_as(x)
+
+
+def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = residual + x
+    return ref_rms_norm(s, weight, eps), s
+
+
+def _triton_rows(caps: Capabilities, shape: dict) -> str | None:
+    return caps.triton_ok()
+
+
+def _flashinfer_norm(caps: Capabilities, shape: dict) -> str | None:
+    why = caps.flashinfer_ok()
+    if why is None and shape.get("dtype") not in (torch.float16, torch.bfloat16):
+        return "FlashInfer norms take float16/bfloat16 only"
+    return why
+
+
+RMS_NORM = register(OpSpec("rms_norm", "y = x / sqrt(mean(x^2) + eps) * weight, statistics in float32", [
+    Provider("triton", "compiled_llm.ops.triton.norm:rms_norm", _triton_rows),
+    Provider("flashinfer", "compiled_llm.ops.flashinfer:rms_norm", _flashinfer_norm),
+    Provider("reference", "compiled_llm.ops.norm:ref_rms_norm"),
+]))
+
+FUSED_ADD_RMS_NORM = register(OpSpec("fused_add_rms_norm", "s = residual + x; returns (rms_norm(s), s)", [
+    Provider("triton", "compiled_llm.ops.triton.norm:fused_add_rms_norm", _triton_rows),
+    Provider("flashinfer", "compiled_llm.ops.flashinfer:fused_add_rms_norm", _flashinfer_norm),
+    Provider("reference", "compiled_llm.ops.norm:ref_fused_add_rms_norm"),
+]))
+
+
+@torch.library.custom_op("compiled_llm::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return RMS_NORM.impl()(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("compiled_llm::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return FUSED_ADD_RMS_NORM.impl()(x, residual, weight, eps)
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)

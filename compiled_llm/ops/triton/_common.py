@@ -1,0 +1,45 @@
+"""Small Triton device helpers shared by the kernels in this package."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 2 * sigmoid(2x) - 1; saturates cleanly for large |x| (exp -> inf gives -1, -> 0 gives 1)
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 * x * (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3)
+    z = 1.5957691216057308 * (x + 0.044715 * x * x * x)
+    return x / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _reduce_angle(a):
+    # Cody-Waite reduction to [-pi, pi]: 2pi = 6.28125 (exact, 8 bits) + 0.00193530717958647...
+    k = tl.floor(a * 0.15915494309189535 + 0.5)
+    r = a - k * 6.28125
+    return r - k * 0.0019353071795864769
+
+
+@triton.jit
+def _gelu_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, _gelu_tanh(x).to(Y.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise gelu(approximate='tanh') (mainly to test the device helper the MoE epilogue uses)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.numel()
+    _gelu_kernel[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+    return y

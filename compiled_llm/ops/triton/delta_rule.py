@@ -1,0 +1,238 @@
+"""Gated delta rule kernels (Gated DeltaNet) over a varlen batch with per-sequence state slots.
+
+Same contract as the reference in compiled_llm/ops/delta_rule.py: q, k [tokens, Hk, Dk], v [tokens, Hv, Dv],
+g (log decay) and beta [tokens, Hv]; q/k are L2-normalised in-kernel and q scaled by Dk^-0.5; value head h
+reads key head h // (Hv // Hk); the state [slots, Hv, Dk, Dv] is float32 and updated in place.
+
+- recurrent kernel (decode, short pieces): one program per (sequence, value head, block of BV value
+  channels) keeps its [Dk, BV] slice of the state in registers and steps token by token.
+- chunked prefill, C tokens a chunk. With cumulative log decay c inside the chunk and
+  L[i, j] = beta_i exp(c_i - c_j) k_i.k_j (j < i), the corrections are d = u - w S with
+  u = (I + L)^-1 beta V and w = (I + L)^-1 beta exp(c) K, the inverse being the product
+  (I - L)(I + L^2)(I + L^4)... (L is nilpotent). A prep kernel computes u, w and the masked scores
+  A = tril(exp(c_i - c_j) q_i.k_j) for all chunks in parallel; the state kernel then walks each sequence's
+  chunks: o = exp(c) Q S + A d, S <- exp(c_C) S + (exp(c_C - c) K)^T d.
+Matmuls run as 3xTF32 (float32-grade) for float32 models, so results track the reference, TF32 otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.ops.state import get_state_metadata
+
+RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recurrent kernel
+CHUNK = 64
+
+
+@triton.jit
+def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT,
+                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_n, ss_h, ss_k,
+                          scale, eps,
+                          REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    start = tl.load(QSL + seq).to(tl.int64)
+    end = tl.load(QSL + seq + 1).to(tl.int64)
+    slot = tl.load(SLOTS + seq).to(tl.int64)
+    init = tl.load(INIT + seq)
+    hk = hv // REP
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mk = ok < DK
+    mv = ov < DV
+    m2 = mk[:, None] & mv[None, :]
+    s_ptr = S + slot * ss_n + hv * ss_h + ok[:, None] * ss_k + ov[None, :]
+    s = tl.load(s_ptr, mask=m2, other=0.0).to(tl.float32)
+    s = tl.where(init != 0, s, 0.0)  # first piece: start from zeros (the slot may hold anything)
+    for t64 in range(start, end):
+        q = tl.load(Q + t64 * sq_t + hk * sq_h + ok, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(K + t64 * sk_t + hk * sk_h + ok, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(V + t64 * sv_t + hv * sv_h + ov, mask=mv, other=0.0).to(tl.float32)
+        g = tl.load(G + t64 * sg_t + hv).to(tl.float32)
+        beta = tl.load(B + t64 * sb_t + hv).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+        s = s * tl.exp(g)
+        delta = (v - tl.sum(s * k[:, None], 0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(O + t64 * so_t + hv * so_h + ov, o.to(O.dtype.element_ty), mask=mv)
+    tl.store(s_ptr, s.to(S.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _gdr_chunk_prep_kernel(Q, K, V, G, B, U, W, A, CUM, CH_START, CH_END,
+                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, su_t, su_h, sw_t, sw_h, sc_t,
+                           scale, eps,
+                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                           BDV: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr):
+    """Per (chunk, value head), independent of the state: u = T beta V, w = T beta exp(c) K with
+    T = (I + L)^-1, the masked intra-chunk scores A = tril(exp(c_i - c_j) q_i.k_j) and c."""
+    cid = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(CH_START + cid).to(tl.int64)
+    end = tl.load(CH_END + cid).to(tl.int64)
+    hk = hv // REP
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BDV)
+    oc = tl.arange(0, C)
+    mk = ok < DK
+    mv = ov < DV
+    t = start + oc
+    mt = t < end
+    mqk = mt[:, None] & mk[None, :]
+    mtv = mt[:, None] & mv[None, :]
+    # rows past the chunk's end load zeros (k = v = beta = g = 0): they change nothing
+    q = tl.load(Q + t[:, None] * sq_t + hk * sq_h + ok[None, :], mask=mqk, other=0.0).to(tl.float32)
+    k = tl.load(K + t[:, None] * sk_t + hk * sk_h + ok[None, :], mask=mqk, other=0.0).to(tl.float32)
+    v = tl.load(V + t[:, None] * sv_t + hv * sv_h + ov[None, :], mask=mtv, other=0.0).to(tl.float32)
+    g = tl.load(G + t * sg_t + hv, mask=mt, other=0.0).to(tl.float32)
+    beta = tl.load(B + t * sb_t + hv, mask=mt, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, 1) + eps) * scale)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
+    c = tl.cumsum(g, 0)
+    lower = oc[:, None] >= oc[None, :]
+    decay = tl.exp(tl.where(lower, c[:, None] - c[None, :], float("-inf")))
+    kt = tl.trans(k)
+    eye = tl.where(oc[:, None] == oc[None, :], 1.0, 0.0)
+    lmat = tl.where(oc[:, None] > oc[None, :], tl.dot(k, kt, input_precision=PREC) * decay * beta[:, None], 0.0)
+    inv = eye - lmat  # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
+    power = tl.dot(lmat, lmat, input_precision=PREC)
+    for _ in tl.static_range(LOG2C - 1):
+        inv = tl.dot(inv, eye + power, input_precision=PREC)
+        power = tl.dot(power, power, input_precision=PREC)
+    u = tl.dot(inv, v * beta[:, None], input_precision=PREC)
+    w = tl.dot(inv, k * (beta * tl.exp(c))[:, None], input_precision=PREC)
+    scores = tl.where(lower, tl.dot(q, kt, input_precision=PREC) * decay, 0.0)
+    tl.store(U + t[:, None] * su_t + hv * su_h + ov[None, :], u, mask=mtv)
+    tl.store(W + t[:, None] * sw_t + hv * sw_h + ok[None, :], w, mask=mqk)
+    tl.store(CUM + t * sc_t + hv, c, mask=mt)
+    a_ptr = A + (cid * tl.num_programs(1) + hv).to(tl.int64) * C * C
+    tl.store(a_ptr + oc[:, None] * C + oc[None, :], scores)
+
+
+@triton.jit
+def _gdr_chunk_state_kernel(Q, K, U, W, A, CUM, O, S, QSL, SLOTS, INIT, CH_FIRST,
+                            sq_t, sq_h, sk_t, sk_h, su_t, su_h, sw_t, sw_h, sc_t, so_t, so_h, ss_n, ss_h, ss_k,
+                            scale, eps,
+                            REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    """Per (sequence, value head, value block), chunk after chunk: d = u - w S, o = exp(c) q S + A d,
+    S <- exp(c_C) S + (exp(c_C - c) k)^T d."""
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    num_hv = tl.num_programs(1)
+    start = tl.load(QSL + seq).to(tl.int64)
+    end = tl.load(QSL + seq + 1).to(tl.int64)
+    first = tl.load(CH_FIRST + seq)
+    last = tl.load(CH_FIRST + seq + 1)
+    slot = tl.load(SLOTS + seq).to(tl.int64)
+    init = tl.load(INIT + seq)
+    hk = hv // REP
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    oc = tl.arange(0, C)
+    mk = ok < DK
+    mv = ov < DV
+    m2 = mk[:, None] & mv[None, :]
+    s_ptr = S + slot * ss_n + hv * ss_h + ok[:, None] * ss_k + ov[None, :]
+    s = tl.load(s_ptr, mask=m2, other=0.0).to(tl.float32)
+    s = tl.where(init != 0, s, 0.0)  # first piece: start from zeros (the slot may hold anything)
+    for cid in range(first, last):
+        cstart = start + (cid - first) * C
+        t = cstart + oc
+        mt = t < end
+        mqk = mt[:, None] & mk[None, :]
+        mtv = mt[:, None] & mv[None, :]
+        q = tl.load(Q + t[:, None] * sq_t + hk * sq_h + ok[None, :], mask=mqk, other=0.0).to(tl.float32)
+        k = tl.load(K + t[:, None] * sk_t + hk * sk_h + ok[None, :], mask=mqk, other=0.0).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + eps) * scale)[:, None]
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
+        c = tl.load(CUM + t * sc_t + hv, mask=mt, other=0.0)
+        c_last = tl.sum(tl.where(t == tl.minimum(end, cstart + C) - 1, c, 0.0), 0)
+        u = tl.load(U + t[:, None] * su_t + hv * su_h + ov[None, :], mask=mtv, other=0.0)
+        w = tl.load(W + t[:, None] * sw_t + hv * sw_h + ok[None, :], mask=mqk, other=0.0)
+        a = tl.load(A + (cid * num_hv + hv).to(tl.int64) * C * C + oc[:, None] * C + oc[None, :])
+        d = u - tl.dot(w, s, input_precision=PREC)
+        o = tl.dot(q * tl.exp(c)[:, None], s, input_precision=PREC) + tl.dot(a, d, input_precision=PREC)
+        tl.store(O + t[:, None] * so_t + hv * so_h + ov[None, :], o.to(O.dtype.element_ty), mask=mtv)
+        kd = tl.where(mt[:, None], k * tl.exp(c_last - c)[:, None], 0.0)
+        s = s * tl.exp(c_last) + tl.dot(tl.trans(kd), d, input_precision=PREC)
+    tl.store(s_ptr, s.to(S.dtype.element_ty), mask=m2)
+
+
+def _lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _plan_chunks(loc: list[int], chunk: int) -> tuple[list[int], list[int], list[int]]:
+    """Chunk starts and ends (the sequence's end) in token order, and each sequence's first chunk index."""
+    starts, ends, first = [], [], [0]
+    for a, b in zip(loc[:-1], loc[1:]):
+        starts.extend(range(a, b, chunk))
+        ends.extend([b] * len(range(a, b, chunk)))
+        first.append(len(starts))
+    return starts, ends, first
+
+
+def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, loc: list[int], slots: torch.Tensor,
+                            has_initial_state: torch.Tensor, chunk: int = CHUNK,
+                            query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens of sequence i are loc[i]:loc[i + 1]; slots and has_initial_state are int32 per sequence."""
+    q, k, v = _lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v)
+    g, beta = g.contiguous(), beta.contiguous()
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    assert cache.stride(-1) == 1 and cache.shape[1:] == (hv, dk, dv), (cache.shape, (hv, dk, dv))
+    dev = v.device
+    o = torch.zeros(v.shape, dtype=v.dtype, device=dev)
+    num_seqs = len(loc) - 1
+    if n == 0 or num_seqs == 0:
+        return o
+    if query_start_loc is None:
+        query_start_loc = torch.tensor(loc, dtype=torch.int32, device=dev)
+    max_len = max(b - a for a, b in zip(loc[:-1], loc[1:]))
+    bk = max(16, triton.next_power_of_2(dk))
+    bv = max(16, min(32, triton.next_power_of_2(dv)))
+    prec = "tf32x3" if v.dtype == torch.float32 else "tf32"  # tf32x3: float32-grade products on tensor cores
+    grid = (num_seqs, hv, triton.cdiv(dv, bv))
+    scale, eps = dk ** -0.5, 1e-6
+    if max_len <= RECURRENT_MAX_LEN:
+        _gdr_recurrent_kernel[grid](
+            q, k, v, g, beta, o, cache, query_start_loc, slots, has_initial_state,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+            o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps,
+            REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+        return o
+    starts, ends, first = _plan_chunks(loc, chunk)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+    u = torch.empty((n, hv, dv), dtype=torch.float32, device=dev)
+    w = torch.empty((n, hv, dk), dtype=torch.float32, device=dev)
+    cum = torch.empty((n, hv), dtype=torch.float32, device=dev)
+    scores = torch.empty((len(starts), hv, chunk, chunk), dtype=torch.float32, device=dev)
+    _gdr_chunk_prep_kernel[(len(starts), hv)](
+        q, k, v, g, beta, u, w, scores, cum, i32(starts), i32(ends),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        u.stride(0), u.stride(1), w.stride(0), w.stride(1), cum.stride(0), scale, eps,
+        REP=hv // hk, DK=dk, DV=dv, BK=bk, BDV=max(16, triton.next_power_of_2(dv)), C=chunk,
+        LOG2C=chunk.bit_length() - 1, PREC=prec, num_warps=4)
+    _gdr_chunk_state_kernel[grid](
+        q, k, u, w, scores, cum, o, cache, query_start_loc, slots, has_initial_state, i32(first),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), u.stride(0), u.stride(1), w.stride(0), w.stride(1),
+        cum.stride(0), o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps,
+        REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, PREC=prec, num_warps=4,
+        num_stages=2 if chunk <= 32 else 1)  # the pipelined [C, Dk] float32 tiles must fit in shared memory
+    return o
+
+
+def gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
+    """The op's Triton provider: state and batch layout from the forward context."""
+    meta = get_state_metadata()
+    qsl, slots, init = meta.device_tensors(v.device)
+    return gated_delta_rule_varlen(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.query_start_loc, slots,
+                                   init, query_start_loc=qsl)

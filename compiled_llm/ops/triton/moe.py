@@ -1,0 +1,283 @@
+"""Gemma 4 routed experts: fused router (norm + scale + proj + softmax + top-k + renorm + per-expert scale)
+and a GEGLU grouped GEMM over tokens sorted by expert.
+
+Expert weights are the checkpoint's packed layout: gate_up_proj [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up),
+down_proj [E, H, I]. y_t = sum_k w_tk * down_e(gelu_tanh(gate_e(x_t)) * up_e(x_t)).
+Everything here avoids host syncs, so it can be captured in a CUDA graph. Token-count arguments are
+do_not_specialize, so the only builds are one per launch-policy tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.ops.triton._common import _gelu_tanh
+
+# ----------------------------------------------------------------------------------------------------
+# alignment
+
+
+def moe_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the padded length: every expert that has a pair may add block_m - 1 padding rows."""
+    n = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(n, block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort (token, slot) pairs by expert and pad each expert's segment to a multiple of block_m.
+
+    Returns (sorted_ids [P] int32: flat pair index t * k + j, padding rows hold T * k;
+             expert_ids [P / block_m] int32: expert of each block, -1 past the end;
+             num_padded [1] int32: the used length). P = moe_max_padded(T * k, E, block_m) is known on the host.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    seg_start = ends - padded
+    order = torch.sort(flat, stable=True).indices
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    size = moe_max_padded(n, num_experts, block_m)
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
+    sorted_ids[seg_start[sorted_e] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, size, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, block_start, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch policy
+
+
+@dataclass(frozen=True)
+class MoELaunch:
+    block_m: int
+    # gate/up kernel (block_n columns of gate and the same of up)
+    a_block_n: int
+    a_block_k: int
+    a_warps: int
+    a_stages: int
+    # down kernel
+    b_block_n: int
+    b_block_k: int
+    b_warps: int
+    b_stages: int
+
+
+def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
+    """Decode-sized batches are weight-bandwidth bound: small block_m, narrow N tiles for more programs.
+    Prefill-sized batches are compute bound: large tiles."""
+    pairs_per_expert = num_tokens * top_k / max(1, num_experts)
+    if pairs_per_expert <= 2:  # decode (T <= ~32 for E=128, k=8)
+        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4)
+    if pairs_per_expert <= 16:
+        return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3)
+    if pairs_per_expert <= 96:
+        return MoELaunch(32, 64, 64, 4, 4, 128, 64, 4, 4)
+    if pairs_per_expert <= 256:
+        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3)
+    return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# grouped GEMMs
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(
+    X, W, SortedIds, ExpertIds, NumPadded, Act,
+    num_pairs, N, K,
+    stride_xt, stride_we, stride_wn, stride_an,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # act[row] = gelu_tanh(x @ gate[e].T) * (x @ up[e].T) for a block of rows sorted by expert
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    e = tl.load(ExpertIds + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + rows)
+    rmask = pair < num_pairs
+    tok = (pair // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    a_ptr = X + tok[:, None] * stride_xt + kk[None, :]
+    g_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+    u_ptr = g_ptr + N * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = kk < K - k0
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bmask = kmask[:, None] & cmask[None, :]
+        acc_g += tl.dot(a, tl.load(g_ptr, mask=bmask, other=0.0))
+        acc_u += tl.dot(a, tl.load(u_ptr, mask=bmask, other=0.0))
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K
+        u_ptr += BLOCK_K
+    act = _gelu_tanh(acc_g) * acc_u
+    out_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + cols[None, :]
+    tl.store(out_ptr, act.to(Act.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(
+    Act, W, SortedIds, ExpertIds, NumPadded, TopkWeights, Y,
+    num_pairs, N, K,
+    stride_an, stride_we, stride_wn, stride_yt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # y[pair] = w_pair * act[row] @ down[e].T, scattered to the pair's row of [T * k, H]
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    e = tl.load(ExpertIds + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + rows)
+    rmask = pair < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    a_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + kk[None, :]
+    b_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = kk < K - k0
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc += tl.dot(a, b)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    w = tl.load(TopkWeights + pair, mask=rmask, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    y_ptr = Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :]
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def fused_geglu_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, policy: MoELaunch | None = None) -> torch.Tensor:
+    """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k] (fp32); topk_ids [T, k].
+    Returns [T, H] in x.dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    assert gate_up_proj.shape[2] == hidden and down_proj.shape == (num_experts, hidden, inter)
+    assert x.stride(1) == 1 and gate_up_proj.stride(2) == 1 and down_proj.stride(2) == 1
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    pol = policy or moe_launch_policy(num_tokens, top_k, num_experts, hidden, inter)
+    num_pairs = num_tokens * top_k
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, pol.block_m)
+    num_blocks = expert_ids.numel()
+    act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, pol.a_block_n))](
+        x, gate_up_proj, sorted_ids, expert_ids, num_padded, act,
+        num_pairs, inter, hidden,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
+        num_warps=pol.a_warps, num_stages=pol.a_stages,
+    )
+    weights = topk_weights.to(torch.float32).contiguous()
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, pol.b_block_n))](
+        act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
+        num_pairs, hidden, inter,
+        act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
+        BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k,
+        num_warps=pol.b_warps, num_stages=pol.b_stages,
+    )
+    if top_k == 1:
+        return y
+    return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# router
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_kernel(
+    X, Scale, W, ExpertScale, OutW, OutIds,
+    T, H, E, eps, root,
+    stride_xt, stride_we,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    hh = tl.arange(0, BLOCK_H)
+    e = tl.arange(0, BLOCK_E)
+    emask = e < E
+    x_row = X + t.to(tl.int64)[:, None] * stride_xt
+    # pass 1: RMS of each row
+    ss = tl.zeros([BLOCK_T], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hmask = hh < H - h0
+        xv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(xv * xv, 1)
+    rstd = tl.rsqrt(ss / H + eps)
+    # pass 2: logits = (x * rstd * scale * H^-0.5) @ W.T
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hmask = hh < H - h0
+        xv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        sc = tl.load(Scale + h0 + hh, mask=hmask, other=0.0).to(tl.float32) * root
+        hv = (xv * rstd[:, None] * sc[None, :]).to(X.dtype.element_ty)
+        wv = tl.load(W + e[None, :] * stride_we + h0 + hh[:, None], mask=hmask[:, None] & emask[None, :], other=0.0)
+        acc += tl.dot(hv, wv.to(X.dtype.element_ty))
+    # softmax over experts (fp32)
+    logits = tl.where(emask[None, :], acc, float("-inf"))
+    mx = tl.max(logits, 1)
+    p = tl.exp(logits - mx[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    # top-k by repeated argmax (lowest index wins ties)
+    kk = tl.arange(0, BLOCK_K)
+    sel_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    sel_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        idx = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), 1)
+        sel_w = tl.where(kk[None, :] == i, best[:, None], sel_w)
+        sel_i = tl.where(kk[None, :] == i, idx[:, None], sel_i)
+        p = tl.where(e[None, :] == idx[:, None], -1.0, p)
+    kmask = kk < TOP_K
+    sel_w = sel_w / tl.sum(sel_w, 1)[:, None]
+    omask = tmask[:, None] & kmask[None, :]
+    es = tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
+    o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
+    tl.store(OutW + o_off, sel_w * es, mask=omask)
+    tl.store(OutIds + o_off, sel_i, mask=omask)
+
+
+def fused_router_topk(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.Tensor,
+                      per_expert_scale: torch.Tensor, top_k: int, eps: float):
+    """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
+    Returns (weights [T, k] fp32, ids [T, k] int32), experts in descending probability."""
+    num_tokens, hidden = x.shape
+    num_experts = proj_weight.shape[0]
+    assert x.stride(1) == 1 and proj_weight.stride(1) == 1 and top_k <= num_experts
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    if num_tokens == 0:
+        return weights, ids
+    block_t = 16 if num_tokens <= 1024 else 32
+    _router_kernel[(triton.cdiv(num_tokens, block_t),)](
+        x, scale.contiguous(), proj_weight, per_expert_scale.contiguous(), weights, ids,
+        num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5),
+        x.stride(0), proj_weight.stride(0),
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=64, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4, num_stages=2,
+    )
+    return weights, ids

@@ -1,0 +1,528 @@
+"""Paged attention kernels for the layers FlashInfer does not serve (head_dim 512, K=V global layers).
+
+Cache per layer: [2 (K, V) or 1 (K=V), num_blocks, block_size, num_kv_heads, head_dim]. Block tables
+[num_seqs, max_blocks] int32, -1 where a block was released (only ever outside the window, never read).
+Query at position p sees keys j with p - W < j <= p (W = sliding window, or everything when None).
+K=V layers cache only v (normalised, unrotated); keys are rebuilt in-kernel as rope(v * k_norm_weight).
+
+Both kernels work on head_dim split into two halves (the rotate-half pairs), so the K=V rebuild needs no
+shuffles and head_dim 512 is processed as two 256-wide chunks. One program owns one KV head and all
+the query heads of its GQA group, so every K/V tile is read once per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.ops.triton._common import _reduce_angle, _tanh
+
+# Per-step integers (split counts, batch sizes, block-table width) are marked do_not_specialize so that a
+# new value never triggers a fresh build mid-serving (Triton would otherwise specialise on ==1 / %16).
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch policy
+
+
+@dataclass(frozen=True)
+class AttnLaunch:
+    num_splits: int = 1  # decode: split-K chunks per (sequence, KV head)
+    block_n: int = 32  # keys per tile (independent of the page size)
+    block_m: int = 64  # prefill: rows per program = query tokens x query heads of one GQA group
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, num_kv_heads: int = 1,
+                            sliding_window: int | None = None, k_eq_v: bool = False, prefill: bool = False,
+                            num_sms: int = 132) -> AttnLaunch:
+    """Tile sizes and split count. Pass a fixed max_seq_len (e.g. the block-table width x page size) to
+    keep the choice stable across CUDA-graph replays."""
+    # Register/smem figures from ptxas (triton 3.8, sm_90a, bf16) are noted per choice.
+    if prefill:
+        # H200 sweep (benchmarks/NOTES.md, 2026-11-29): 64-row tiles halve the d=512 prefill (6.2 vs 12.1 ms
+        # at 8192 tokens); 128x64 tiles are 15% faster than 64x32 at d=256.
+        if head_dim >= 512:  # K from the dense rebuilt buffer
+            return AttnLaunch(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        if head_dim >= 256:
+            return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        return AttnLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    if head_dim >= 512:
+        # K=V: the in-loop key rebuild keeps fp32 cos/sin tables live: 16-key tiles (248 regs, no spill;
+        # 32-key tiles spill). K!=V, 32-key tiles: 196 regs.
+        block_n = 16 if k_eq_v else 32
+    elif head_dim >= 256:
+        block_n = 16 if k_eq_v else 32  # K!=V: ~100-120 regs
+    else:
+        block_n = 32
+    warps, stages = 4, (2 if head_dim < 512 else 3)  # H200 sweep: 2 stages 18% faster for d=256 decode
+    ctx = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    base = max(1, num_seqs * num_kv_heads)
+    want = triton.next_power_of_2(triton.cdiv(2 * num_sms, base))  # ~2 waves of programs
+    by_len = _pow2_floor(triton.cdiv(ctx, 256))  # at least ~256 keys per split
+    splits = max(1, min(want, by_len, 128))
+    return AttnLaunch(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+# ----------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _rope_base(inv, BLOCK_N: tl.constexpr):
+    # cos/sin of n * inv_freq for the key offsets n in one tile (tile-invariant, computed once per program)
+    b = tl.arange(0, BLOCK_N).to(tl.float32)[:, None] * inv[None, :]
+    b = _reduce_angle(b)
+    return tl.cos(b), tl.sin(b)
+
+
+@triton.jit
+def _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart):
+    """Keys of the tile at positions kstart + n from the K=V cache: rope(v * k_norm_weight), both halves.
+    cos/sin((kstart + n) f) via the angle-sum formula: only head_dim/2 transcendentals per tile."""
+    ks = tl.zeros_like(inv) + kstart
+    a = ks * inv
+    a_err = tl.fma(ks, inv, -a)  # exact residual of the product, keeps large positions accurate
+    a = _reduce_angle(a) + a_err
+    ca = tl.cos(a)[None, :]
+    sa = tl.sin(a)[None, :]
+    c = ca * cos_b - sa * sin_b
+    s = sa * cos_b + ca * sin_b
+    x1 = v1.to(tl.float32) * w1[None, :]
+    x2 = v2.to(tl.float32) * w2[None, :]
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
+    # log2-domain scores (exp2 in the softmax)
+    if SOFTCAP:
+        return _tanh(qk * (scale / softcap)) * (softcap * 1.4426950408889634)
+    else:
+        return qk * (scale * 1.4426950408889634)
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode: one query token per sequence, split-K over the context
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+def _decode_kernel(
+    Q, K, V, BlockTables, SeqLens, KNorm, InvFreq, Out, MidO, MidLse,
+    stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_os, stride_oh,
+    stride_ms, stride_mh, stride_ls, stride_lh,
+    scale, softcap, window, num_splits,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + seq)
+    first = seq_len * 0
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    # this split's key range [start, end), a whole number of tiles
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < GROUP
+    head = kvh * GROUP + h
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    qmask = hmask[:, None] & dmask[None, :]
+    q_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + d[None, :]
+    q1 = tl.load(q_ptr, mask=qmask, other=0.0)
+    q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
+
+    if K_EQ_V:
+        w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        inv = tl.load(InvFreq + d, mask=dmask, other=0.0).to(tl.float32)
+        cos_b, sin_b = _rope_base(inv, BLOCK_N)
+
+    n = tl.arange(0, BLOCK_N)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for kstart in range(start, end, BLOCK_N):
+        pos = kstart + n
+        pmask = pos < end
+        page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+        slot = pos % PAGE
+        kvmask = pmask[:, None] & dmask[None, :]
+        v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+        v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
+        v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
+        if K_EQ_V:
+            k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart)
+            k1 = k1.to(q1.dtype)
+            k2 = k2.to(q1.dtype)
+        else:
+            k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+            k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
+            k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+        qk = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        s = _scores(qk, scale, softcap, SOFTCAP)
+        s = tl.where(pmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(v1.dtype)
+        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1)
+        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o1 = acc1 / l_safe[:, None]
+    o2 = acc2 / l_safe[:, None]
+    if DIRECT:
+        o_ptr = Out + seq * stride_os + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, o1.to(Out.dtype.element_ty), mask=qmask)
+        tl.store(o_ptr + HALF, o2.to(Out.dtype.element_ty), mask=qmask)
+    else:
+        o_ptr = MidO + seq * stride_ms + head[:, None] * stride_mh + split * (2 * HALF) + d[None, :]
+        tl.store(o_ptr, o1, mask=qmask)
+        tl.store(o_ptr + HALF, o2, mask=qmask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(MidLse + seq * stride_ls + head * stride_lh + split, lse, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine_kernel(
+    MidO, MidLse, Out, num_splits,
+    stride_ms, stride_mh, stride_ls, stride_lh, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    lse_ptr = MidLse + seq * stride_ls + head * stride_lh
+    lse = tl.load(lse_ptr + sp, mask=sp < num_splits, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    denom = tl.sum(tl.exp2(lse - mx), 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    dv = tl.arange(0, BLOCK_DV)
+    dmask = dv < HEAD_DIM
+    o_base = MidO + seq * stride_ms + head * stride_mh + dv
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for i in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_ptr + i) - mx)
+        acc += w * tl.load(o_base + i * HEAD_DIM, mask=dmask, other=0.0)
+    tl.store(Out + seq * stride_os + head * stride_oh + dv, (acc / denom).to(Out.dtype.element_ty), mask=dmask)
+
+
+def _kv_views(cache: torch.Tensor, num_kv_heads: int, head_dim: int):
+    assert cache.dim() == 5 and cache.shape[3] == num_kv_heads and cache.shape[4] == head_dim, cache.shape
+    k, v = cache[0], cache[-1]
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    return k, v
+
+
+def _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim):
+    if not k_eq_v:
+        return q, q  # unused placeholders
+    assert k_norm_weight is not None and inv_freq is not None, "K=V needs k_norm_weight and inv_freq"
+    assert k_norm_weight.numel() == head_dim and inv_freq.numel() == head_dim // 2
+    return (k_norm_weight.to(q.device).contiguous(),
+            inv_freq.to(device=q.device, dtype=torch.float32).contiguous())
+
+
+def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
+                 scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                 k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
+                 inv_freq: torch.Tensor | None = None, num_kv_heads: int, head_dim: int,
+                 max_seq_len: int | None = None, policy: AttnLaunch | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence (at position seq_len - 1). q: [num_seqs, num_heads(*head_dim)];
+    seq_lens: [num_seqs] int32 on the device. Returns [num_seqs, num_heads, head_dim]."""
+    num_seqs = seq_lens.shape[0]
+    q = q.view(num_seqs, -1, head_dim)
+    assert q.stride(-1) == 1
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and head_dim % 2 == 0
+    k_cache, v_cache = _kv_views(cache, num_kv_heads, head_dim)
+    page = cache.shape[2]
+    assert page & (page - 1) == 0, "page size must be a power of two"
+    knw, inv = _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim)
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * page  # host-side bound, no device sync
+    pol = policy or attention_launch_policy(num_seqs, max_seq_len, head_dim, num_kv_heads=num_kv_heads,
+                                            sliding_window=sliding_window, k_eq_v=k_eq_v)
+    if out is None:
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    splits = max(1, pol.num_splits)
+    direct = splits == 1
+    if direct:
+        mid_o, mid_lse = out, out
+    else:
+        mid_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    half = head_dim // 2
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, knw, inv, out, mid_o, mid_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1),
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), splits,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half,
+        BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n,
+        SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
+        num_warps=pol.num_warps, num_stages=pol.num_stages,
+    )
+    if not direct:
+        _combine_kernel[(num_seqs, num_heads)](
+            mid_o, mid_lse, out, splits,
+            mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_DV=triton.next_power_of_2(head_dim),
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# prefill: variable-length chunked prefill over the paged context
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
+def _prefill_kernel(
+    Q, K, V, BlockTables, SeqLens, QueryStart, KNorm, InvFreq, Out,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    scale, softcap, window, num_seqs,
+    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
+):
+    # K_DENSE: keys come pre-rebuilt from a dense [num_seqs, positions, kv_heads, head_dim] buffer (K)
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # Sequence of this query tile: sequence s owns tiles [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1).
+    lo = pid * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(QueryStart + mid) // BLOCK_Q + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_begin = tl.load(QueryStart + seq)
+    q_len = tl.load(QueryStart + seq + 1) - q_begin
+    q_off = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if q_off >= q_len:
+        return
+    seq_len = tl.load(SeqLens + seq)
+    ctx0 = seq_len - q_len  # position of the first new token
+
+    r = tl.arange(0, BLOCK_M)
+    tok = q_off + r // GP
+    g = r % GP
+    rmask = (tok < q_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    qpos = ctx0 + tok
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    qmask = rmask[:, None] & dmask[None, :]
+    q_ptr = Q + (q_begin + tok).to(tl.int64)[:, None] * stride_qt + (head * stride_qh)[:, None] + d[None, :]
+    q1 = tl.load(q_ptr, mask=qmask, other=0.0)
+    q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
+
+    if K_EQ_V and not K_DENSE:
+        w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        inv = tl.load(InvFreq + d, mask=dmask, other=0.0).to(tl.float32)
+        cos_b, sin_b = _rope_base(inv, BLOCK_N)
+
+    # keys this tile can see: [first, last)
+    last = tl.minimum(ctx0 + q_off + BLOCK_Q, seq_len)
+    first = last * 0
+    if SLIDING:
+        first = tl.maximum(ctx0 + q_off - window + 1, 0)
+
+    n = tl.arange(0, BLOCK_N)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for kstart in range(first, last, BLOCK_N):
+        pos = kstart + n
+        pmask = pos < last
+        page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+        slot = pos % PAGE
+        kvmask = pmask[:, None] & dmask[None, :]
+        v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+        v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
+        v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
+        if K_DENSE:
+            k_off = seq.to(tl.int64) * stride_kb + (pos * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+            k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
+            k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+        elif K_EQ_V:
+            k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart)
+            k1 = k1.to(q1.dtype)
+            k2 = k2.to(q1.dtype)
+        else:
+            k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+            k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
+            k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+        qk = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        s = _scores(qk, scale, softcap, SOFTCAP)
+        allowed = pmask[None, :] & (pos[None, :] <= qpos[:, None])
+        if SLIDING:
+            allowed = allowed & (pos[None, :] > qpos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(v1.dtype)
+        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1)
+        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o_ptr = Out + (q_begin + tok).to(tl.int64)[:, None] * stride_ot + (head * stride_oh)[:, None] + d[None, :]
+    tl.store(o_ptr, (acc1 / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
+    tl.store(o_ptr + HALF, (acc2 / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _rebuild_k_kernel(
+    V, BlockTables, SeqLens, QueryStart, KNorm, InvFreq, KD,
+    stride_vb, stride_vs, stride_vh, stride_bt, stride_ds, stride_dp, stride_dh,
+    window,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+):
+    """K=V layers, prefill: write rope(v * k_norm_weight) for every position some query of the step can see
+    into a dense [num_seqs, positions, kv_heads, head_dim] buffer: once per key, not once per query tile."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(2)
+    seq_len = tl.load(SeqLens + seq)
+    first = seq_len * 0
+    if SLIDING:
+        q_len = tl.load(QueryStart + seq + 1) - tl.load(QueryStart + seq)
+        first = tl.maximum(seq_len - q_len - window + 1, 0)
+    pos0 = first + tl.program_id(1) * BLOCK_N
+    if pos0 >= seq_len:
+        return
+    pos = pos0 + tl.arange(0, BLOCK_N)
+    pmask = pos < seq_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    mask = pmask[:, None] & dmask[None, :]
+    page = tl.load(BlockTables + seq.to(tl.int64) * stride_bt + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+    v_off = page[:, None] * stride_vb + ((pos % PAGE) * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+    x1 = tl.load(V + v_off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(V + v_off + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = x1 * tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    x2 = x2 * tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    inv = tl.load(InvFreq + d, mask=dmask, other=0.0)
+    pf = pos.to(tl.float32)[:, None] + tl.zeros_like(inv)[None, :]
+    a = pf * inv[None, :]
+    a = _reduce_angle(a) + tl.fma(pf, inv[None, :] + tl.zeros_like(pf), -a)
+    c = tl.cos(a)
+    s = tl.sin(a)
+    out = KD + seq.to(tl.int64) * stride_ds + (pos * stride_dp + kvh * stride_dh)[:, None] + d[None, :]
+    tl.store(out, (x1 * c - x2 * s).to(KD.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, (x2 * c + x1 * s).to(KD.dtype.element_ty), mask=mask)
+
+
+# dense rebuilt-key buffers above this size fall back to rebuilding keys inside the attention loop
+DENSE_K_LIMIT_BYTES = 1 << 30
+
+
+def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, *, scale: float, sliding_window: int | None = None,
+                  softcap: float | None = None, k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
+                  inv_freq: torch.Tensor | None = None, num_kv_heads: int, head_dim: int,
+                  max_seq_len: int | None = None, policy: AttnLaunch | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Variable-length chunked prefill: sequence i's new tokens are q[qsl[i]:qsl[i+1]] at positions
+    seq_len - q_len .. seq_len - 1 (their K/V already written to the cache); they attend to the cached
+    context and causally to each other. query_start_loc [num_seqs + 1] and seq_lens [num_seqs] are int32
+    device tensors. max_seq_len: optional host bound on seq_lens (sizes the K=V key buffer; defaults to the
+    block-table width). Returns [num_tokens, num_heads, head_dim]."""
+    num_tokens = q.shape[0]
+    num_seqs = seq_lens.shape[0]
+    q = q.view(num_tokens, -1, head_dim)
+    assert q.stride(-1) == 1
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and head_dim % 2 == 0
+    k_cache, v_cache = _kv_views(cache, num_kv_heads, head_dim)
+    page = cache.shape[2]
+    assert page & (page - 1) == 0, "page size must be a power of two"
+    knw, inv = _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim)
+    pol = policy or attention_launch_policy(num_seqs, 0, head_dim, prefill=True)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    gp = triton.next_power_of_2(group)
+    block_m = max(pol.block_m, gp, 16)
+    block_q = block_m // gp
+    half = head_dim // 2
+    block_d = triton.next_power_of_2(half)
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * page
+    dense = k_eq_v and num_seqs * max_seq_len * num_kv_heads * head_dim * q.element_size() <= DENSE_K_LIMIT_BYTES
+    k_src, ks = k_cache, (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    if dense:
+        # rows are positions; for sliding windows only the visible ones are written (and read)
+        k_src = torch.empty(num_seqs, max_seq_len, num_kv_heads, head_dim, dtype=q.dtype, device=q.device)
+        ks = (k_src.stride(0), k_src.stride(1), k_src.stride(2))
+        rows = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + num_tokens)
+        _rebuild_k_kernel[(num_seqs, triton.cdiv(rows, 16), num_kv_heads)](
+            v_cache, block_tables, seq_lens, query_start_loc, knw, inv, k_src,
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *ks,
+            int(sliding_window or 0),
+            HALF=half, BLOCK_D=block_d, PAGE=page, BLOCK_N=16, SLIDING=sliding_window is not None, num_warps=8,
+        )
+    block_n = pol.block_n
+    if k_eq_v and not dense:
+        block_n = min(block_n, 16)  # in-loop rebuild keeps fp32 cos/sin tables live
+    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_src, v_cache, block_tables, seq_lens, query_start_loc, knw, inv, out,
+        q.stride(0), q.stride(1),
+        *ks,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), num_seqs,
+        GROUP=group, GP=gp, BLOCK_Q=block_q, BLOCK_M=block_m, HALF=half, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=block_n,
+        SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, K_DENSE=dense,
+        num_warps=pol.num_warps, num_stages=pol.num_stages,
+    )
+    return out

@@ -1,0 +1,147 @@
+"""Triton providers of the attention and MoE ops: adapters from the op signatures (per-step data from
+the forward context) to the kernels in paged_attention.py and moe.py, and their JIT warm-up keys.
+
+Attention: a batch whose sequences each bring one token goes to the split-K decode kernel, anything
+else to the varlen prefill kernel. The metadata tensors (sequence lengths, query offsets) come from the
+forward context when the compiler staged them in static buffers (whole-graph decode capture), else
+they are built once per step and kept on the metadata. Padding rows of q come back as zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+
+from compiled_llm.ops.attention import (AttentionMetadata, AttentionSpec, ForwardContext, GroupMetadata,
+                                        get_forward_context, layer_cache, set_forward_context)
+from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
+from compiled_llm.ops.triton.moe import fused_geglu_moe, fused_router_topk
+from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
+
+SPLITS = [1 << i for i in range(8)]  # decode split-K counts the launch policy can pick
+
+
+def _meta_tensors(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if meta.seq_lens_tensor is None:
+        meta.seq_lens_tensor = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
+    if meta.query_start_loc_tensor is None:
+        meta.query_start_loc_tensor = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
+    return meta.seq_lens_tensor, meta.query_start_loc_tensor
+
+
+def _layer_kwargs(spec: AttentionSpec, source: AttentionSpec) -> dict:
+    return dict(scale=spec.scale, sliding_window=spec.sliding_window, softcap=spec.softcap, k_eq_v=source.k_eq_v,
+                k_norm_weight=source.k_norm_weight, inv_freq=source.inv_freq, num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim)
+
+
+def _layer_key(spec: AttentionSpec, source: AttentionSpec, dtype) -> tuple:
+    return (dtype, spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.sliding_window is not None,
+            spec.softcap is not None, source.k_eq_v)
+
+
+def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    ctx, spec, cache, group = layer_cache(layer_idx)
+    source = ctx.layers[spec.cache_layer]
+    meta = ctx.attn_metadata
+    seq_lens, qsl = _meta_tensors(meta, q.device)
+    num_seqs = seq_lens.shape[0]
+    kw = _layer_kwargs(spec, source)
+    key = _layer_key(spec, source, q.dtype)
+    tables = group.block_tables
+    if len(meta.seq_lens) == meta.query_start_loc[-1]:  # decode: one new token per sequence
+        max_len = tables.shape[1] * cache.shape[2]
+        policy = attention_launch_policy(num_seqs, max_len, spec.head_dim, num_kv_heads=spec.num_kv_heads,
+                                         sliding_window=spec.sliding_window, k_eq_v=source.k_eq_v)
+        MONITOR.note("paged_decode", key + (policy.num_splits,))
+        out = torch.zeros(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
+        paged_decode(q[:num_seqs], cache, tables, seq_lens, policy=policy, out=out[:num_seqs], **kw)
+    else:
+        MONITOR.note("paged_prefill", key)
+        out = torch.zeros(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
+        paged_prefill(q, cache, tables, qsl, seq_lens, out=out, **kw)
+    return out.view(q.shape[0], -1)
+
+
+def router_topk(x, proj_weight, scale, per_expert_scale, top_k: int, eps: float, root_size: float):
+    if abs(root_size - x.shape[-1] ** -0.5) > 1e-12 * root_size:
+        from compiled_llm.ops.moe import ref_router_topk  # the kernel scales by hidden ** -0.5
+
+        return ref_router_topk(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
+    MONITOR.note("router_topk", (x.dtype, x.shape[-1], proj_weight.shape[0], top_k))
+    weights, ids = fused_router_topk(x.contiguous(), scale, proj_weight, per_expert_scale, top_k, eps)
+    return weights, ids.long()
+
+
+def geglu_moe(x, weights, ids, gate_up_proj, down_proj):
+    MONITOR.note("geglu_moe", (x.dtype, gate_up_proj.shape, ids.shape[1]))
+    return fused_geglu_moe(x.contiguous(), gate_up_proj, down_proj, weights, ids)
+
+
+# ---- JIT warm-up ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def scratch_context(head_dim: int, dtype, device, k_eq_v: bool = False, num_heads: int = 2, num_kv_heads: int = 1,
+                    window: int | None = None, softcap: float | None = None, block_size: int = 16,
+                    num_seqs: int = 2, tokens: int = 1, width: int = 2):
+    """A throwaway one-layer cache and forward context, to compile kernels that read one."""
+    spec = AttentionSpec(0, num_heads, num_kv_heads, head_dim, window, 0, 1.0, softcap, k_eq_v)
+    if k_eq_v:
+        spec.k_norm_weight = torch.ones(head_dim, dtype=dtype, device=device)
+        spec.inv_freq = torch.zeros(head_dim // 2, device=device)
+    cache = torch.zeros(1 if k_eq_v else 2, width, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    n = num_seqs * tokens
+    group = GroupMetadata(torch.zeros(num_seqs, width, dtype=torch.int32, device=device),
+                          torch.zeros(n, dtype=torch.long, device=device))
+    meta = AttentionMetadata([i * tokens for i in range(num_seqs + 1)], [tokens] * num_seqs, block_size,
+                             {spec.kv_group: group})
+    with set_forward_context(ForwardContext(meta, {0: cache}, {0: spec})):
+        yield get_forward_context()
+
+
+def _attention_keys(facts: dict) -> list:
+    dtype, keys = facts["dtype"], set()
+    layers = facts.get("layers", {})
+    for spec in layers.values():
+        keys.add(("attention",) + _layer_key(spec, layers[spec.cache_layer], dtype))
+    return sorted(keys, key=repr)
+
+
+def _attention_compile(key, device) -> None:
+    """Prefill once, and decode at every split count the policy can choose (each is its own build)."""
+    _, dtype, head_dim, group, sliding, softcap, k_eq_v = key
+    kw = dict(k_eq_v=k_eq_v, num_heads=group, window=64 if sliding else None, softcap=30.0 if softcap else None)
+    with scratch_context(head_dim, dtype, device, tokens=3, **kw):
+        attention(torch.zeros(6, group * head_dim, dtype=dtype, device=device), 0)
+    for splits in SPLITS:
+        width = max(1, splits * 256 // 16)  # a context long enough for the policy to pick this split count
+        with scratch_context(head_dim, dtype, device, num_seqs=1, width=width, **kw) as ctx:
+            ctx.attn_metadata.seq_lens = [width * 16]
+            ctx.attn_metadata.seq_lens_tensor = torch.tensor([width * 16], dtype=torch.int32, device=device)
+            attention(torch.zeros(1, group * head_dim, dtype=dtype, device=device), 0)
+
+
+def _moe_keys(facts: dict) -> list:
+    if not facts.get("num_experts"):
+        return []
+    return [(facts["dtype"], facts["hidden_size"], facts["num_experts"], facts["moe_intermediate_size"],
+             facts["top_k_experts"])]
+
+
+def _moe_compile(key, device) -> None:
+    dtype, hidden, experts, inter, top_k = key
+    for tokens in (1, 64):  # the launch policy differs for small and large batches
+        x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
+        w, ids = router_topk(x, torch.zeros(experts, hidden, dtype=dtype, device=device),
+                             torch.ones(hidden, dtype=dtype, device=device),
+                             torch.ones(experts, dtype=dtype, device=device), top_k, 1e-6, hidden ** -0.5)
+        geglu_moe(x, w, ids, torch.zeros(experts, 2 * inter, hidden, dtype=dtype, device=device),
+                  torch.zeros(experts, hidden, inter, dtype=dtype, device=device))
+
+
+register_kernel(JitKernel("paged_attention", "attention", "triton", _attention_keys, _attention_compile))
+register_kernel(JitKernel("geglu_moe", "geglu_moe", "triton", _moe_keys, _moe_compile))
+
+__all__ = ["attention", "router_topk", "geglu_moe", "scratch_context", "triton"]

@@ -1,0 +1,208 @@
+"""Triton qk_norm_rope_kv_write and kv_cache_write.
+
+One program per (token, head), q heads first, then KV heads: per-head RMSNorm (float32 statistics,
+rounded to the input dtype like the reference), rotate-half RoPE on the two halves of the head
+(angles reduced before cos/sin so large positions stay accurate), and for KV heads the store of k and
+v into the paged cache at the token's slot. Rows past the slot mapping and slots < 0 (CUDA-graph
+padding) write nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.ops.attention import layer_cache
+from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
+from compiled_llm.ops.triton._common import _reduce_angle
+
+
+@triton.jit
+def _norm(x1, x2, w1, w2, eps, D: tl.constexpr, HAS_W: tl.constexpr):
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+    x1 = x1 * rstd
+    x2 = x2 * rstd
+    if HAS_W:
+        x1 = x1 * w1
+        x2 = x2 * w2
+    return x1, x2
+
+
+@triton.jit
+def _qk_norm_rope_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
+                         n_slots, eps,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_ot, stride_oh, stride_cs, stride_ch,
+                         H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                         HAS_K: tl.constexpr, HAS_V: tl.constexpr, NORM_V: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    dm = d < HALF
+    pos = tl.load(Pos + t).to(tl.float32)
+    ang = _reduce_angle(pos * tl.load(Inv + d, mask=dm, other=0.0))
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
+    if h < H:
+        w1 = tl.load(QW + d, mask=dm, other=0.0).to(tl.float32)
+        w2 = tl.load(QW + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        p = Q + t * stride_qt + h * stride_qh + d
+        x1, x2 = _norm(tl.load(p, mask=dm, other=0.0), tl.load(p + HALF, mask=dm, other=0.0), w1, w2, eps,
+                       2 * HALF, True)
+        x1 = x1.to(QOut.dtype.element_ty).to(tl.float32)
+        x2 = x2.to(QOut.dtype.element_ty).to(tl.float32)
+        o = QOut + t * stride_ot + h * stride_oh + d
+        tl.store(o, (x1 * cos - x2 * sin).to(QOut.dtype.element_ty), mask=dm)
+        tl.store(o + HALF, (x2 * cos + x1 * sin).to(QOut.dtype.element_ty), mask=dm)
+    elif HAS_V:
+        kvh = h - H
+        slot = tl.load(Slots + t, mask=t < n_slots, other=-1)
+        if slot >= 0:
+            c = slot * stride_cs + kvh * stride_ch + d
+            if HAS_K:
+                w1 = tl.load(KW + d, mask=dm, other=0.0).to(tl.float32)
+                w2 = tl.load(KW + HALF + d, mask=dm, other=0.0).to(tl.float32)
+                p = K + t * stride_kt + kvh * stride_kh + d
+                x1, x2 = _norm(tl.load(p, mask=dm, other=0.0), tl.load(p + HALF, mask=dm, other=0.0), w1, w2,
+                               eps, 2 * HALF, True)
+                x1 = x1.to(KC.dtype.element_ty).to(tl.float32)
+                x2 = x2.to(KC.dtype.element_ty).to(tl.float32)
+                tl.store(KC + c, (x1 * cos - x2 * sin).to(KC.dtype.element_ty), mask=dm)
+                tl.store(KC + c + HALF, (x2 * cos + x1 * sin).to(KC.dtype.element_ty), mask=dm)
+            p = V + t * stride_vt + kvh * stride_vh + d
+            v1 = tl.load(p, mask=dm, other=0.0)
+            v2 = tl.load(p + HALF, mask=dm, other=0.0)
+            if NORM_V:
+                v1, v2 = _norm(v1, v2, v1, v2, eps, 2 * HALF, False)
+            tl.store(VC + c, v1.to(VC.dtype.element_ty), mask=dm)
+            tl.store(VC + c + HALF, v2.to(VC.dtype.element_ty), mask=dm)
+
+
+def _planes(cache: torch.Tensor, spec):
+    """The K and V planes of a layer cache, flattened to [slots, kv_heads, head_dim]."""
+    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
+    return flat[0], flat[-1]
+
+
+def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, positions: torch.Tensor,
+                          inv_freq: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None, eps: float,
+                          norm_v: bool, layer_idx: int) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    half = head_dim // 2
+    q_out = torch.empty_like(q)
+    has_v = v is not None
+    kv_heads = 0
+    kc = vc = q_out
+    slots = positions
+    n_slots, s_cs, s_ch = 0, 0, 0
+    if has_v:
+        _, spec, cache, group = layer_cache(layer_idx)
+        kc, vc = _planes(cache, spec)
+        slots, n_slots = group.slot_mapping, group.slot_mapping.shape[0]
+        s_cs, s_ch = kc.stride(0), kc.stride(1)
+        kv_heads = v.shape[1]
+        if spec.k_eq_v:
+            k = None
+    has_k = k is not None
+    kk = k if has_k else q
+    vv = v if has_v else q
+    inv = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+    block = triton.next_power_of_2(half)
+    MONITOR.note("qk_norm_rope_kv_write", (q.dtype, head_dim, has_k, has_v, norm_v))
+    if n:
+        _qk_norm_rope_kernel[(n, num_heads + kv_heads)](
+            q, kk, vv, positions, inv, q_weight, k_weight if k_weight is not None else q_weight, slots, q_out, kc, vc,
+            n_slots, float(eps),
+            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
+            q_out.stride(0), q_out.stride(1), s_cs, s_ch,
+            H=num_heads, HALF=half, BLOCK=block, HAS_K=has_k, HAS_V=has_v, NORM_V=norm_v,
+            num_warps=1 if block <= 128 else 4)
+    return q_out
+
+
+@triton.jit
+def _kv_write_kernel(K, V, Slots, KC, VC, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+                     D: tl.constexpr, BLOCK: tl.constexpr, HAS_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(Slots + t)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK)
+        dm = d < D
+        c = slot * stride_cs + h * stride_ch + d
+        if HAS_K:
+            tl.store(KC + c, tl.load(K + t * stride_kt + h * stride_kh + d, mask=dm).to(KC.dtype.element_ty), mask=dm)
+        tl.store(VC + c, tl.load(V + t * stride_vt + h * stride_vh + d, mask=dm).to(VC.dtype.element_ty), mask=dm)
+
+
+def kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
+    _, spec, cache, group = layer_cache(layer_idx)
+    kc, vc = _planes(cache, spec)
+    slots = group.slot_mapping
+    n = slots.shape[0]
+    v = v.view(v.shape[0], spec.num_kv_heads, spec.head_dim)
+    has_k = k is not None and not spec.k_eq_v
+    k = k.view(k.shape[0], spec.num_kv_heads, spec.head_dim) if has_k else v
+    block = triton.next_power_of_2(spec.head_dim)
+    MONITOR.note("kv_cache_write", (v.dtype, spec.head_dim, has_k))
+    if n:
+        _kv_write_kernel[(n, spec.num_kv_heads)](
+            k, v, slots, kc, vc, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
+            D=spec.head_dim, BLOCK=block, HAS_K=has_k)
+
+
+def _qk_keys(facts: dict) -> list:
+    dtype = facts["dtype"]
+    layers = facts.get("layers", {})
+    keys = set()
+    for spec in layers.values():
+        if spec.writes_cache:
+            keys.add((dtype, spec.head_dim, not spec.k_eq_v, True, True))
+        else:
+            keys.add((dtype, spec.head_dim, False, False, False))
+    return sorted(keys, key=repr)
+
+
+def _qk_compile(key, device) -> None:
+    dtype, head_dim, has_k, has_v, norm_v = key
+    if has_v:  # the KV path reads a forward context: launch on a throwaway one-layer cache
+        from compiled_llm.ops.triton.providers import scratch_context
+
+        with scratch_context(head_dim, dtype, device, k_eq_v=not has_k):
+            _qk_launch(key, device, 0)
+    else:
+        _qk_launch(key, device, None)
+
+
+def _qk_launch(key, device, layer):
+    dtype, head_dim, has_k, has_v, norm_v = key
+    q = torch.zeros(2, 2, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(2, 1, head_dim, dtype=dtype, device=device)
+    pos = torch.zeros(2, dtype=torch.long, device=device)
+    inv = torch.zeros(head_dim // 2, dtype=torch.float32, device=device)
+    w = torch.ones(head_dim, dtype=dtype, device=device)
+    qk_norm_rope_kv_write(q, kv if has_k else None, kv if has_v else None, pos, inv, w, w, 1e-6, norm_v,
+                          layer if layer is not None else -1)
+
+
+register_kernel(JitKernel("qk_norm_rope_kv_write", "qk_norm_rope_kv_write", "triton", _qk_keys, _qk_compile))
+
+
+def _kv_keys(facts: dict) -> list:
+    return sorted({(facts["dtype"], s.head_dim, not s.k_eq_v) for s in facts.get("layers", {}).values()
+                   if s.writes_cache}, key=repr)
+
+
+def _kv_compile(key, device) -> None:
+    from compiled_llm.ops.triton.providers import scratch_context
+
+    dtype, head_dim, has_k = key
+    with scratch_context(head_dim, dtype, device, k_eq_v=not has_k):
+        kv = torch.zeros(2, head_dim, dtype=dtype, device=device)
+        kv_cache_write(kv if has_k else None, kv, 0)
+
+
+register_kernel(JitKernel("kv_cache_write", "kv_cache_write", "triton", _kv_keys, _kv_compile))

@@ -1,0 +1,77 @@
+"""The pass manager: Inductor's post-grad custom pass. Runs each enabled fusion pass over every compiled
+piece and keeps the match counts. Its uuid (part of Inductor's FX-graph cache key) hashes the source
+of the passes and ops and the pass configuration, so editing a pass or an op recompiles."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from compiled_llm.passes.base import FusionPass
+
+log = logging.getLogger("compiled_llm")
+
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def source_hash(*folders: str) -> str:
+    """sha256 over the .py files under the given package folders (relative names, so the hash moves)."""
+    h = hashlib.sha256()
+    for folder in folders:
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            h.update(str(path.relative_to(PACKAGE)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def all_passes() -> dict[str, type[FusionPass]]:
+    from compiled_llm.passes.add_rms_norm import AddRMSNormPass
+    from compiled_llm.passes.allreduce_rms_norm import AllReduceRMSNormPass
+    from compiled_llm.passes.geglu_moe import GegluMoEPass
+    from compiled_llm.passes.qk_norm_rope import QKNormRopeKVWritePass
+    from compiled_llm.passes.router_topk import RouterTopKPass
+
+    return {p.name: p for p in (AddRMSNormPass, QKNormRopeKVWritePass, AllReduceRMSNormPass, RouterTopKPass,
+                                GegluMoEPass)}
+
+
+class PassManager(CustomGraphPass):
+    def __init__(self, enabled: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", tp_group: str | None = None):
+        known = all_passes()
+        names = list(known) if enabled is None else list(enabled)
+        unknown = set(names) - set(known)
+        if unknown:
+            raise ValueError(f"unknown passes {sorted(unknown)}; passes: {', '.join(known)}")
+        if tp_group is None and "allreduce_rms_norm" in names and enabled is None:
+            names.remove("allreduce_rms_norm")  # only under tensor parallelism
+        dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
+        device = torch.device(device).type
+        self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group)
+        self.passes: list[FusionPass] = []
+        for name in names:
+            cls = known[name]
+            self.passes.append(cls(dtypes, device, tp_group) if name == "allreduce_rms_norm" else cls(dtypes, device))
+        self._uuid = None
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+        if os.environ.get("COMPILED_LLM_DUMP_GRAPHS"):
+            log.warning("post-grad graph after our passes:\n%s", graph)
+
+    def uuid(self) -> str:
+        if self._uuid is None:
+            self._uuid = hashlib.sha256((source_hash("passes", "ops") + repr(self.config)).encode()).hexdigest()
+        return self._uuid
+
+    def inductor_config(self) -> dict:
+        return {"post_grad_custom_post_pass": self}
+
+    def fusions(self) -> dict[str, str]:
+        return {p.name: p.fusion for p in self.passes}

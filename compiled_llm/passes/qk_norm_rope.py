@@ -1,0 +1,57 @@
+"""QK-norm + RoPE + KV-cache write: per-head RMSNorm of q and k, RoPE with the layer's frequencies, the
+value norm and the kv_cache_write op -> one qk_norm_rope_kv_write op. Three shapes of attention layer:
+q, k and v (the usual), q and v (K=V layers: the cache keeps the value only), and q alone (layers that
+read another layer's cache: norm + RoPE, no write)."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_llm.ops.norm import ref_rms_norm
+from compiled_llm.ops.rope import apply_rope
+from compiled_llm.passes.base import EPS, LAYER, FusionPass, empty
+
+
+class QKNormRopeKVWritePass(FusionPass):
+    name = "qk_norm_rope_kv_write"
+    fusion = "QK-norm + RoPE + KV-cache write"
+
+    def register(self) -> None:
+        op = torch.ops.compiled_llm.qk_norm_rope_kv_write
+
+        def search_qkv(q, k, v, positions, inv_freq, q_weight, k_weight, eps, layer_idx):
+            n = q.shape[0]
+            q = apply_rope(ref_rms_norm(q, q_weight, eps), positions, inv_freq)
+            k = apply_rope(ref_rms_norm(k, k_weight, eps), positions, inv_freq).reshape(n, -1)
+            v = ref_rms_norm(v, None, eps).reshape(n, -1)
+            return torch.ops.compiled_llm.kv_cache_write(k, v, layer_idx), q
+
+        def replace_qkv(q, k, v, positions, inv_freq, q_weight, k_weight, eps, layer_idx):
+            out = op(q, k, v, positions, inv_freq, q_weight, k_weight, eps, True, layer_idx)
+            return out[1], out[0]
+
+        def search_qv(q, v, positions, inv_freq, q_weight, eps, layer_idx):
+            n = q.shape[0]
+            q = apply_rope(ref_rms_norm(q, q_weight, eps), positions, inv_freq)
+            v = ref_rms_norm(v, None, eps).reshape(n, -1)
+            return torch.ops.compiled_llm.kv_cache_write(None, v, layer_idx), q
+
+        def replace_qv(q, v, positions, inv_freq, q_weight, eps, layer_idx):
+            out = op(q, None, v, positions, inv_freq, q_weight, None, eps, True, layer_idx)
+            return out[1], out[0]
+
+        def search_q(q, positions, inv_freq, q_weight, eps):
+            return apply_rope(ref_rms_norm(q, q_weight, eps), positions, inv_freq)
+
+        def replace_q(q, positions, inv_freq, q_weight, eps):
+            return op(q, None, None, positions, inv_freq, q_weight, None, eps, False, -1)[0]
+
+        for dt in self.dtypes:
+            # distinct tensors: tracing merges an input passed twice
+            q, k, v = empty(7, 4, 16, dtype=dt), empty(7, 2, 16, dtype=dt), empty(7, 2, 16, dtype=dt)
+            pos, inv = empty(7, dtype=torch.long), empty(8)
+            qw, kw = empty(16, dtype=dt), empty(16, dtype=dt)
+            scalars = {"eps": EPS, "layer_idx": LAYER}
+            self.add(search_qkv, replace_qkv, [q, k, v, pos, inv, qw, kw], scalars)
+            self.add(search_qv, replace_qv, [q, v, pos, inv, qw], scalars)
+            self.add(search_q, replace_q, [q, pos, inv, qw], {"eps": EPS}, stage=1)

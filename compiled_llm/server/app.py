@@ -1,0 +1,158 @@
+"""The FastAPI app: routes, API-key check, lifespan of the engine thread."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from compiled_llm.server.async_engine import AsyncEngine
+from compiled_llm.server.chat import create_chat_completion
+from compiled_llm.server.completions import create_completion
+from compiled_llm.server.errors import APIError, error_response, install_error_handlers
+from compiled_llm.server.inputs import chat_messages, chat_prompt, check_token_ids
+from compiled_llm.server.metrics import Metrics
+from compiled_llm.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ResponseObject,
+    ResponsesRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from compiled_llm.server.responses import create_response
+from compiled_llm.server.state import ServerState
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
+
+
+def _streamable(model) -> dict:
+    return {200: {"model": model, "content": {"text/event-stream": {}}}, **_ERRORS}
+
+
+class APIKeyMiddleware:
+    """Plain ASGI middleware: /v1 routes need `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                response = error_response(401, "Incorrect or missing API key; send `Authorization: Bearer <key>`.",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
+               chat_template: str | None = None, media_policy=None) -> FastAPI:
+    """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does."""
+    names = list(served_model_names or [getattr(engine, "model_name", "model")])
+    aengine = AsyncEngine(engine, Metrics(names[0]))
+    state = ServerState(aengine, names, chat_template=chat_template, api_key=api_key)
+    if media_policy is not None:  # multimodal.media.MediaPolicy (--allowed-media-domains, ...)
+        state.media_policy = media_policy
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        try:
+            yield
+        finally:
+            await aengine.stop()
+
+    app = FastAPI(title="compiled_llm OpenAI-compatible server", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app, lambda request, _status: state.count_error(request.url.path))
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        if not aengine.healthy:
+            return error_response(503, str(aengine.error or "engine is not running"), code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        text = aengine.metrics.render(aengine.stats, aengine.healthy)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.get("/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models():
+        return ModelList(data=[_card(state, n) for n in names])
+
+    @v1.get("/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model: str):
+        return _card(state, state.model_name(model))
+
+    @v1.post("/chat/completions", response_model=None, responses=_streamable(ChatCompletionResponse))
+    async def chat(req: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, req, request)
+
+    @v1.post("/completions", response_model=None, responses=_streamable(CompletionResponse))
+    async def completions(req: CompletionRequest, request: Request):
+        return await create_completion(state, req, request)
+
+    @v1.post("/responses", response_model=None, responses=_streamable(ResponseObject))
+    async def responses(req: ResponsesRequest, request: Request):
+        return await create_response(state, req, request)
+
+    app.include_router(v1)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest):
+        state.model_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = chat_prompt(state.engine, state.tokenizer, chat_messages(req.messages), req.add_generation_prompt,
+                              state.chat_template, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=add))
+        strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest):
+        state.model_name(req.model)
+        check_token_ids(req.tokens, state.vocab_size, "tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+
+    _document_400_not_422(app)
+    return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """Validation errors are 400 here: drop the 422 responses FastAPI puts in the schema."""
+    build = app.openapi
+
+    def openapi():
+        schema = build()
+        for ops in schema.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        return schema
+
+    app.openapi = openapi
+
+
+def _card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, root=state.engine.config.resolved_model(),
+                     max_model_len=state.max_model_len)

@@ -1,0 +1,83 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+
+from compiled_llm.server.errors import APIError
+from compiled_llm.server.generation import Generation
+from compiled_llm.server.inputs import chat_engine_prompt, sampling_params
+from compiled_llm.server.logprobs import chat_entries
+from compiled_llm.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+)
+from compiled_llm.server.state import ServerState, new_id
+from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    model = state.model_name(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens=max_tokens, vocab_size=state.vocab_size,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt)  # media: a dict
+    rid = new_id("chatcmpl-")
+    gen = Generation(state.aengine, rid, [prompt], params)
+    await gen.start()
+    created = int(time.time())
+    top_n = params.logprobs
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return stream(gen, _chunks(state, gen, rid, created, model, top_n, include_usage),
+                      on_error=state.error_observer(request.url.path))
+
+    try:
+        await run_generation(request, gen)
+    except ClientGone:
+        return client_gone_response()
+    choices = []
+    for c in gen.choices:
+        lps = None
+        if top_n is not None:
+            lps = ChoiceLogprobs(content=chat_entries(c.token_ids, c.logprobs, top_n, state.token_text))
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=lps,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
+
+
+async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, model: str, top_n: int | None,
+                  include_usage: bool):
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    if include_usage:
+        base["usage"] = None
+
+    def chunk(choice: dict) -> str:
+        return sse({**base, "choices": [choice]})
+
+    for c in gen.choices:
+        yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None})
+    async for deltas in gen.deltas():
+        for d in deltas:
+            if not d.text and not d.finished and top_n is None:
+                continue
+            choice = {"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
+                      "logprobs": None, "finish_reason": None}
+            if top_n is not None:
+                choice["logprobs"] = {"content": chat_entries(d.token_ids, d.logprobs, top_n, state.token_text)}
+            if d.finished:
+                choice["finish_reason"] = d.choice.finish_reason
+                choice["stop_reason"] = d.choice.stop_reason
+            yield chunk(choice)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": gen.usage().model_dump()})
+    yield sse("[DONE]")

@@ -1,0 +1,135 @@
+"""One HTTP request's generation: its engine requests, per-choice state and streamed deltas."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from compiled_llm.outputs import Logprob
+from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.server.async_engine import AsyncEngine, EngineDeadError, Update
+from compiled_llm.server.errors import APIError
+from compiled_llm.server.protocol import PromptTokensDetails, Usage
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""  # latest full text from the engine
+    sent: int = 0  # characters already streamed
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Delta:
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]]
+    finished: bool  # the choice finished in this update
+
+
+class Generation:
+    """Runs one engine request per prompt (each with params.n samples); choice i*n+j is sample j of prompt i."""
+
+    def __init__(self, aengine: AsyncEngine, request_id: str, prompts: list[str | list[int]],
+                 params: SamplingParams):
+        self.aengine = aengine
+        self.params = params
+        self.prompts = prompts
+        self.rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self._prompt_index = {rid: i for i, rid in enumerate(self.rids)}
+        self.choices = [Choice(i) for i in range(len(prompts) * params.n)]
+        self.prompt_tokens = [0] * len(prompts)
+        self.cached_tokens = [0] * len(prompts)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished: set[str] = set()
+        # A stop string can complete in a later step and cut text off; hold back enough to never
+        # stream text that may be cut.
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    async def start(self) -> None:
+        """Submit every prompt at once; if one is rejected abort the others and raise APIError."""
+        self._unfinished.update(self.rids)
+        try:
+            results = await asyncio.gather(
+                *(self.aengine.add(rid, p, self.params, self._queue) for rid, p in zip(self.rids, self.prompts)),
+                return_exceptions=True)
+        except BaseException:
+            self.close()
+            raise
+        for i, res in enumerate(results):
+            if isinstance(res, BaseException):
+                self.close()
+                if isinstance(res, EngineDeadError):
+                    raise APIError(503, str(res), code="engine_dead") from res
+                if isinstance(res, (ValueError, TypeError, OverflowError)):  # the request's own input
+                    raise APIError(400, str(res), param="prompt" if len(self.rids) == 1 else f"prompt.{i}") from res
+                raise res
+
+    def close(self) -> None:
+        """Abort what has not finished (client gone, error, shutdown)."""
+        for rid in self._unfinished:
+            self.aengine.abort(rid)
+        self._unfinished.clear()
+
+    async def deltas(self):
+        """Yields a list of Delta after each engine update until every choice finished."""
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            deltas = self._apply(item)
+            if deltas:
+                yield deltas
+
+    async def run(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+    def _apply(self, upd: Update) -> list[Delta]:
+        p = self._prompt_index[upd.request_id]
+        self.prompt_tokens[p] = upd.num_prompt_tokens
+        self.cached_tokens[p] = upd.num_cached_tokens
+        out = []
+        for s in upd.seqs:
+            c = self.choices[p * self.params.n + s.index]
+            if c.finish_reason is not None:
+                continue
+            c.token_ids.extend(s.new_token_ids)
+            if s.new_logprobs:
+                c.logprobs.extend(s.new_logprobs)
+            c.text = s.text
+            done = s.finish_reason is not None
+            end = len(c.text) if done else max(len(c.text) - self._holdback, c.sent)
+            text = c.text[c.sent:end]
+            c.sent = max(c.sent, end)
+            if done:
+                c.finish_reason, c.stop_reason = s.finish_reason, s.stop_reason
+            if text or s.new_token_ids or done:
+                out.append(Delta(c, text, s.new_token_ids, s.new_logprobs or [], done))
+        if upd.finished:
+            self._unfinished.discard(upd.request_id)
+        return out
+
+    # --- usage -------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self.prompt_tokens)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached_tokens)
+
+    def usage(self) -> Usage:
+        p, c = self.num_prompt_tokens, self.num_generated_tokens
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))

@@ -1,0 +1,115 @@
+"""Turning API requests into engine inputs: prompts (chat template, token ids) and SamplingParams."""
+
+from __future__ import annotations
+
+import asyncio
+
+from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.server.errors import APIError
+from compiled_llm.server.multimodal import is_media_part, media_placeholders, media_prompt, placeholder_for
+from compiled_llm.server.protocol import ChatMessage, InputMessage
+
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+             "repetition_penalty")
+_PASSTHROUGH = ("n", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                "skip_special_tokens", "spaces_between_special_tokens")
+
+
+def sampling_params(req, *, max_tokens: int | None, logprobs: int | None, vocab_size: int,
+                    **overrides) -> SamplingParams:
+    """SamplingParams from the request's fields; its ValueError becomes a 400 naming the field."""
+    kw = {name: getattr(req, name) for name in _PASSTHROUGH if hasattr(req, name)}
+    kw.update({name: getattr(req, name) for name in _OPTIONAL if getattr(req, name, None) is not None})
+    kw.update(max_tokens=max_tokens, logprobs=logprobs, **overrides)
+    if kw.get("stop_token_ids"):
+        check_token_ids(kw["stop_token_ids"], vocab_size, "stop_token_ids")
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as exc:
+        first = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=first if first in kw else None) from exc
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"token id {t} is out of the vocabulary [0, {vocab_size})", param=param)
+
+
+def _content(content, media: list | None = None, placeholders: dict[str, str] | None = None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if not is_media_part(part):
+            texts.append(part.text)
+            continue
+        texts.append(placeholder_for(part, placeholders or {}))  # 400 when this model takes no such media
+        if media is not None:
+            media.append(part)
+    return "\n".join(texts)
+
+
+def has_media(messages: list[ChatMessage | InputMessage]) -> bool:
+    return any(not isinstance(m.content, (str, type(None))) and any(is_media_part(p) for p in m.content)
+               for m in messages)
+
+
+def chat_messages(messages: list[ChatMessage | InputMessage], instructions: str | None = None,
+                  media: list | None = None, placeholders: dict[str, str] | None = None) -> list[dict]:
+    """API messages -> template messages (text parts joined; developer is system). Media parts become the
+    processor's placeholder text and are appended to `media` (server/multimodal.py)."""
+    out = [{"role": "system", "content": instructions}] if instructions else []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": _content(m.content, media, placeholders)})
+    return out
+
+
+def chat_media_prompt(state, messages: list[dict], media: list, add_generation_prompt: bool,
+                      chat_template: str | None) -> dict:
+    """The engine prompt of a chat with media: the rendered template (placeholders in it) and the decoded
+    media (400 for bad or too many media)."""
+    try:
+        text = state.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                chat_template=chat_template)
+    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    return media_prompt(text, media, state.media_policy)
+
+
+def chat_prompt(engine, tokenizer, messages: list[dict], add_generation_prompt: bool,
+                chat_template: str | None, add_special_tokens: bool = False) -> list[int]:
+    """Render the chat template and tokenize it (the template already has the special tokens)."""
+    try:
+        text = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template)
+    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> one engine prompt per entry (the engine checks
+    token ids against the model's vocabulary)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
+                             instructions: str | None = None) -> list[int] | dict:
+    """Token ids of a text-only chat; for a chat with media parts, a multimodal prompt dict (its media fetched
+    and decoded off the event loop)."""
+    if not has_media(api_messages):
+        return chat_prompt(state.engine, state.tokenizer, chat_messages(api_messages, instructions),
+                           add_generation_prompt, state.chat_template)
+    media: list = []
+    placeholders = media_placeholders(state.engine)
+    messages = chat_messages(api_messages, instructions, media, placeholders)
+    return await asyncio.to_thread(chat_media_prompt, state, messages, media, add_generation_prompt,
+                                   state.chat_template)

@@ -1,0 +1,344 @@
+"""Pydantic models of the OpenAI-compatible API: requests, responses and errors."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+# Strict scalars: "1" is not an int and 1 is not a string, as in the OpenAI API.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # ints are accepted
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1)]
+
+
+class APIModel(BaseModel):
+    # Unknown fields are ignored (clients send fields we do not use); NaN/Infinity are rejected.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------- errors
+class ErrorInfo(APIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(APIModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------- shared request fields
+class StreamOptions(APIModel):
+    include_usage: Bool = False
+
+
+class SamplingFields(APIModel):
+    """Sampling fields shared by chat and completions (vLLM extensions included)."""
+
+    model: Str | None = None
+    n: Int = Field(1, ge=1, le=128)
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    seed: Seed | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    stop: Str | list[Str] | None = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = 0
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    user: Str | None = None
+
+
+# ---------------------------------------------------------------- chat completions
+class TextPart(APIModel):
+    type: Literal["text"]
+    text: Str
+
+
+class MediaURL(APIModel):
+    url: Str
+    detail: Str | None = None
+
+
+class ImageURLPart(APIModel):  # media parts: docs/multimodal.md
+    type: Literal["image_url"]
+    image_url: MediaURL | Str
+
+
+class VideoURLPart(APIModel):
+    type: Literal["video_url"]
+    video_url: MediaURL | Str
+
+
+class InputAudio(APIModel):
+    data: Str  # base64 WAV
+    format: Str | None = None
+
+
+class InputAudioPart(APIModel):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart | InputAudioPart, Field(discriminator="type")]
+
+
+class ChatMessage(APIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Str | list[ContentPart] | None = None
+    name: Str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    add_generation_prompt: Bool = True
+
+
+class TopLogprob(APIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(APIModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(APIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(APIModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class PromptTokensDetails(APIModel):
+    cached_tokens: int = 0
+
+
+class Usage(APIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatCompletionResponse(APIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+# ---------------------------------------------------------------- completions
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Str
+        | Annotated[list[Str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool = False
+    suffix: Str | None = None
+
+
+class CompletionLogprobs(APIModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(APIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(APIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+# ---------------------------------------------------------------- responses API
+class InputText(APIModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: Str
+
+
+class InputImage(APIModel):
+    type: Literal["input_image"]
+    image_url: Str
+    detail: Str | None = None
+
+
+class InputVideo(APIModel):
+    type: Literal["input_video"]
+    video_url: Str
+
+
+InputPart = Annotated[InputText | InputImage | InputVideo | InputAudioPart, Field(discriminator="type")]
+
+
+class InputMessage(APIModel):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Str | list[InputPart]
+
+
+class ResponsesRequest(APIModel):
+    model: Str | None = None
+    input: Str | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: Str | None = None
+    max_output_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    seed: Seed | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    top_logprobs: Int | None = None
+    include: list[Str] | None = None
+    stream: Bool = False
+    store: Bool | None = None
+    previous_response_id: Str | None = None
+    metadata: dict[Str, Str] | None = None
+    user: Str | None = None
+
+
+class OutputText(APIModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class OutputMessage(APIModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(APIModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(APIModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(APIModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(APIModel):
+    reason: str
+
+
+class ResponseObject(APIModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    incomplete_details: IncompleteDetails | None = None
+    error: ErrorInfo | None = None
+    model: str
+    instructions: str | None = None
+    output: list[OutputMessage]
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = []
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str] | None = None
+    text: dict[str, Any] = {"format": {"type": "text"}}
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+
+
+# ---------------------------------------------------------------- models, tokenizer
+class ModelCard(APIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "compiled_llm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(APIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(APIModel):
+    """vLLM's /tokenize: either a prompt or chat messages."""
+
+    model: Str | None = None
+    prompt: Str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: Bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
+
+
+class TokenizeResponse(APIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(APIModel):
+    model: Str | None = None
+    tokens: list[Int]
+
+
+class DetokenizeResponse(APIModel):
+    prompt: str

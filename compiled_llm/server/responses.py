@@ -1,0 +1,121 @@
+"""POST /v1/responses (text in, one text message out; no tools, no stored conversations)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+
+from compiled_llm.server.errors import APIError
+from compiled_llm.server.generation import Generation
+from compiled_llm.server.inputs import chat_engine_prompt, sampling_params
+from compiled_llm.server.logprobs import responses_entries
+from compiled_llm.server.protocol import (
+    IncompleteDetails,
+    InputMessage,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from compiled_llm.server.state import ServerState, new_id
+from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
+    model = state.model_name(req.model)
+    if req.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported: responses are not stored",
+                       param="previous_response_id")
+    items = [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    want_lps = req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or [])
+    params = sampling_params(req, max_tokens=req.max_output_tokens, vocab_size=state.vocab_size,
+                             logprobs=(req.top_logprobs or 0) if want_lps else None)
+    prompt = await chat_engine_prompt(state, items, True, req.instructions)  # media: a dict
+    builder = _Builder(state, req, model, want_lps)
+    gen = Generation(state.aengine, builder.id, [prompt], params)
+    await gen.start()
+
+    if req.stream:
+        return stream(gen, builder.events(gen), error_event=builder.error_event,
+                      on_error=state.error_observer(request.url.path))
+    try:
+        await run_generation(request, gen)
+    except ClientGone:
+        return client_gone_response()
+    return builder.response(gen, done=True)
+
+
+class _Builder:
+    """Builds the response object and the stream events of one response."""
+
+    def __init__(self, state: ServerState, req: ResponsesRequest, model: str, want_lps: bool):
+        self.state, self.req, self.model = state, req, model
+        self.id, self.msg_id = new_id("resp_"), new_id("msg_")
+        self.created = int(time.time())
+        self.top_n = (req.top_logprobs or 0) if want_lps else None
+        self.seq = 0
+
+    def _lps(self, token_ids, lps):
+        if self.top_n is None:
+            return []
+        return responses_entries(token_ids, lps, self.top_n, self.state.token_text)
+
+    def _part(self, text: str, token_ids=(), lps=()) -> OutputText:
+        return OutputText(text=text, logprobs=self._lps(list(token_ids), list(lps)) if self.top_n is not None else None)
+
+    def _message(self, status: str, parts: list[OutputText]) -> OutputMessage:
+        return OutputMessage(id=self.msg_id, status=status, content=parts)
+
+    def response(self, gen: Generation | None, done: bool) -> ResponseObject:
+        status, incomplete, output, usage = "in_progress", None, [], None
+        if done:
+            c = gen.choices[0]
+            status = "incomplete" if c.finish_reason == "length" else "completed"
+            if status == "incomplete":
+                incomplete = IncompleteDetails(reason="max_output_tokens")
+            output = [self._message(status, [self._part(c.text, c.token_ids, c.logprobs)])]
+            i, o = gen.num_prompt_tokens, gen.num_generated_tokens
+            usage = ResponseUsage(input_tokens=i, input_tokens_details=InputTokensDetails(cached_tokens=gen.num_cached_tokens),
+                                  output_tokens=o, output_tokens_details=OutputTokensDetails(), total_tokens=i + o)
+        return ResponseObject(id=self.id, created_at=self.created, status=status, incomplete_details=incomplete,
+                              model=self.model, instructions=self.req.instructions, output=output,
+                              temperature=self.req.temperature, top_p=self.req.top_p,
+                              max_output_tokens=self.req.max_output_tokens, metadata=self.req.metadata,
+                              usage=usage)
+
+    def _event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse(data, event=kind)
+
+    def error_event(self, status: int, message: str, code: str | None) -> str:
+        return self._event("error", code=code or str(status), message=message, param=None)
+
+    async def events(self, gen: Generation):
+        where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        start = self.response(None, done=False).model_dump(mode="json")
+        yield self._event("response.created", response=start)
+        yield self._event("response.in_progress", response=start)
+        yield self._event("response.output_item.added", output_index=0,
+                          item=self._message("in_progress", []).model_dump(mode="json"))
+        yield self._event("response.content_part.added", **where,
+                          part=OutputText(text="").model_dump(mode="json", exclude_none=True))
+        async for deltas in gen.deltas():
+            for d in deltas:
+                if d.text or (self.top_n is not None and d.token_ids):
+                    yield self._event("response.output_text.delta", **where, delta=d.text,
+                                      logprobs=self._lps(d.token_ids, d.logprobs))
+        final = self.response(gen, done=True)
+        part = final.output[0].content[0]
+        yield self._event("response.output_text.done", **where, text=part.text, logprobs=part.logprobs or [])
+        yield self._event("response.content_part.done", **where, part=part.model_dump(mode="json", exclude_none=True))
+        yield self._event("response.output_item.done", output_index=0,
+                          item=final.output[0].model_dump(mode="json", exclude_none=True))
+        kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
+        yield self._event(kind, response=final.model_dump(mode="json"))

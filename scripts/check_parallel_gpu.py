@@ -1,0 +1,64 @@
+"""Parallel engine on 2+ GPUs (NCCL): TP2, PP2 and TP2+EP greedy tokens equal one GPU's, a killed worker
+gives EngineDeadError, and the compiled TP2 run (CUDA Graphs, allreduce_rms_norm) gives the same tokens.
+
+    python scripts/check_parallel_gpu.py CKPT modes      # eager: TP2, PP2, TP2+EP, killed worker
+    python scripts/check_parallel_gpu.py CKPT compiled   # compiled TP1 and TP2, per-rank pass matches
+
+CKPT: a tiny float32 checkpoint, e.g. `python -c "import sys; sys.path.insert(0, 'tests'); from pathlib import
+Path; from tiny_models import make_checkpoint; make_checkpoint(Path('/tmp/ckpt_all'), 'all')"`.
+"""
+import os, sys, time, signal
+import torch
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.runtime.errors import EngineDeadError
+
+G = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+def main():
+    print("torch", torch.__version__, "gpus", torch.cuda.device_count(), flush=True)
+    ck = sys.argv[1]
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, 290, (n,), generator=g).tolist() for n in (5, 19, 33)]
+
+    def run(keep=False, **kw):
+        t = time.time()
+        llm = LLM(ck, device="cuda", max_model_len=128, **kw)
+        t1 = time.time()
+        out = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], G)]
+        t2 = time.time()
+        llm.generate([{"prompt_token_ids": p} for p in ps], G)
+        print(kw, "init %.1fs gen %.2fs again %.2fs" % (t1 - t, t2 - t1, time.time() - t2), flush=True)
+        if keep:
+            return llm, out
+        llm.engine.shutdown()
+        return out
+
+    phase = sys.argv[2]
+    ref = run(enforce_eager=True)
+    if phase == "modes":
+        for kw in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                   dict(tensor_parallel_size=2, enable_expert_parallel=True)):
+            got = run(enforce_eager=True, **kw)
+            print("MATCH" if got == ref else f"DIFF {got} vs {ref}", kw, flush=True)
+        llm, got = run(keep=True, enforce_eager=True, tensor_parallel_size=2)
+        pid = llm.engine.runner.worker_pids()[1]
+        os.kill(pid, signal.SIGKILL)
+        t = time.time()
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in ps], G)
+            print("NO ERROR after kill")
+        except EngineDeadError as e:
+            print("dead after %.1fs: %s" % (time.time() - t, e), flush=True)
+        print("healthy", llm.engine.is_healthy())
+        llm.engine.shutdown()
+    if phase == "compiled":
+        ref_c = run(enforce_eager=False)
+        print("compiled tp1 vs eager:", "MATCH" if ref_c == ref else "DIFF")
+        llm, got = run(keep=True, enforce_eager=False, tensor_parallel_size=2)
+        print("compiled tp2:", "MATCH" if got == ref else f"DIFF {got} vs {ref}", flush=True)
+        for s in llm.engine.runner.collective_rpc("compiler_summary"):
+            print({k: v for k, v in s.items() if k != "counters"}, flush=True)
+        llm.engine.shutdown()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Tiny random Qwen3.5 checkpoints (dense, MoE, conditional generation) built with transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiny_models import make_tokenizer
+
+LIN, FULL = "linear_attention", "full_attention"
+
+# name -> (architecture, text-config overrides)
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "dense": ("Qwen3_5ForCausalLM", dict(layer_types=[LIN, FULL, LIN, LIN, FULL])),
+    "moe": ("Qwen3_5MoeForCausalLM", dict(layer_types=[LIN, LIN, FULL, LIN], num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=24, shared_expert_intermediate_size=32)),
+    # ForConditionalGeneration checkpoints (vision tower saved, skipped by us); tied embeddings; other head shapes
+    "dense_vl": ("Qwen3_5ForConditionalGeneration",
+                 dict(layer_types=[FULL, LIN, LIN, FULL], tie_word_embeddings=True, linear_num_key_heads=4,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=3)),
+    "moe_vl": ("Qwen3_5MoeForConditionalGeneration",
+               dict(layer_types=[LIN, FULL, LIN], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    shared_expert_intermediate_size=24, tie_word_embeddings=True)),
+}
+
+VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4, num_position_embeddings=16)
+
+
+def _build(arch: str, text: dict):
+    import transformers as tf
+
+    if arch == "Qwen3_5ForCausalLM":
+        return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text))
+    if arch == "Qwen3_5MoeForCausalLM":
+        return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**text))
+    tie = text.pop("tie_word_embeddings", False)
+    vision = dict(VISION, out_hidden_size=text["hidden_size"])
+    v = text["vocab_size"]  # special vision tokens inside the tiny vocabulary
+    special = dict(image_token_id=v - 1, video_token_id=v - 2, vision_start_token_id=v - 3, vision_end_token_id=v - 4)
+    if arch == "Qwen3_5ForConditionalGeneration":
+        cfg = tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie, **special)
+        return tf.Qwen3_5ForConditionalGeneration(cfg)
+    cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **special)
+    return tf.Qwen3_5MoeForConditionalGeneration(cfg)
+
+
+def make_qwen_checkpoint(folder: Path, name: str, seed: int = 0, dtype=torch.float32):
+    """Saves a random transformers model (norms, A_log, dt_bias, conv and gates randomised too)."""
+    arch, overrides = CONFIGS[name]
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(folder)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                max_position_embeddings=512, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                rope_parameters=dict(rope_type="default", rope_theta=10_000.0, partial_rotary_factor=0.5,
+                                     mrope_section=[2, 1, 1], mrope_interleaved=True))
+    text.update(overrides)
+    text["num_hidden_layers"] = len(text["layer_types"])
+    torch.manual_seed(seed)
+    model = _build(arch, dict(text)).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "visual" in pname:
+                p.normal_(0.0, 0.1) if "norm" not in pname else p.normal_(1.0, 0.1)
+                continue
+            if pname.endswith("linear_attn.norm.weight"):
+                p.normal_(1.0, 0.3)  # plain-scale norm
+            elif "norm" in pname:
+                p.normal_(0.0, 0.3)  # zero-centred norms: scale is 1 + weight
+            elif pname.endswith("A_log"):
+                p.uniform_(-1.0, 1.5)
+            elif pname.endswith("dt_bias"):
+                p.normal_(0.0, 1.0)
+            elif "conv1d" in pname:
+                p.normal_(0.0, 0.4)
+            else:
+                p.normal_(0.0, 0.15)
+    model.to(dtype).save_pretrained(folder)
+    return model

@@ -1,0 +1,89 @@
+"""The compile cache, through `python -m compiled_llm compile-cache` in fresh processes (the only honest
+way to see what a start compiles): a second start compiles nothing and is faster; the cache still hits
+after the folder moves (no absolute paths inside); a corrupted cache is rebuilt with a warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cache(model: Path, out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-m", "compiled_llm", "compile-cache", "--model", str(model), "--out", str(out),
+                        "--report", "--block-size", "4", "--max-model-len", "64", "--num-kv-blocks", "64",
+                        "--dtype", "float32"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    status = re.search(r"compile cache (\S+): (\w+).*start-up ([\d.]+)s", r.stdout)
+    counters = dict((k, int(v)) for k, v in re.findall(r"(\w+)=(\d+)", r.stdout.split("compiles this run:")[1]))
+    matches = dict(re.findall(r"^\s+(\w+)\s+.+?\s(\d+)$", r.stdout, re.M))
+    return {"status": status.group(2), "seconds": float(status.group(3)), "counters": counters,
+            "matches": matches, "log": r.stdout + r.stderr}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return tiny_ckpt("softcap")[0]  # two layers (sliding, full): three pieces, the quickest to compile
+
+
+@pytest.fixture(scope="module")
+def built(model, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("compile_cache") / "cc"
+    return cache, run_cache(model, cache)
+
+
+def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_path):
+    cache, first = built
+    assert first["status"] == "built"
+    assert first["counters"]["fxgraph_cache_miss"] > 0 and first["counters"]["cpp_builds"] > 0
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["files"] and manifest["report"]["pieces"] == 3
+
+    files = sorted(cache.rglob("*"))
+    second = run_cache(model, cache)
+    assert second["status"] == "hit"
+    assert sorted(cache.rglob("*")) == files  # the hit wrote nothing
+    c = second["counters"]
+    assert c["fxgraph_cache_miss"] == 0 and c["autograd_cache_miss"] == 0 and c["cpp_builds"] == 0
+    assert c["fxgraph_cache_hit"] == 3
+    assert second["matches"] == first["matches"] and int(first["matches"]["qk_norm_rope_kv_write"]) == 2
+    ratio = first["seconds"] / second["seconds"]
+    print(f"compile-cache start-up: build {first['seconds']:.1f}s, hit {second['seconds']:.1f}s, {ratio:.1f}x faster")
+    assert second["seconds"] < first["seconds"]
+
+    # nothing the cache is looked up by holds an absolute path (compiled objects keep their build folder
+    # only in __FILE__ strings for error messages), and a moved copy still hits
+    for path in cache.rglob("*"):
+        if path.is_file() and path.suffix != ".so":
+            assert str(cache.parent).encode() not in path.read_bytes(), f"{path} holds an absolute path"
+    moved = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(cache, moved)
+    third = run_cache(model, moved)
+    assert third["status"] == "hit"
+    assert third["counters"]["fxgraph_cache_miss"] == 0 and third["counters"]["cpp_builds"] == 0
+
+
+def test_corrupt_cache_is_rebuilt_with_a_warning(model, built, tmp_path):
+    cache = tmp_path / "cc"
+    shutil.copytree(built[0], cache)
+    victim = next(p for p in sorted(cache.rglob("*.py")) if "inductor" in p.parts)
+    victim.write_text(victim.read_text() + "\n# edited\n")
+    rebuilt = run_cache(model, cache)
+    assert rebuilt["status"] == "rebuilt"
+    assert re.search(r"WARNING.*compile cache .* is corrupt: .* does not match its hash; rebuilding", rebuilt["log"])
+    assert rebuilt["counters"]["fxgraph_cache_miss"] > 0  # the corrupt cache was not used
+    from compiled_llm.compiler.cache import CompileCache
+
+    data = json.loads((cache / "manifest.json").read_text())
+    check = CompileCache.__new__(CompileCache)
+    check.dir, check.key, check.parts = cache, data["key"], data["parts"]
+    assert check.check() is None  # the rebuilt cache is valid

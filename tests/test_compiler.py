@@ -1,0 +1,119 @@
+"""The compiler on the tiny Gemma 4 models (CPU: Inductor generates C++): fusion pass matches, graph
+pieces around the attention ops, compiled greedy tokens against transformers and our eager engine,
+static batch sizes (padding), and the JIT monitor.
+
+Compiling is slow on two cores, so each model is compiled once per session and every test reads it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.ops.jit import MONITOR, JitCompileAfterWarmup
+from tiny_models import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+_LLMS: dict = {}
+
+
+def prompts(vocab: int, lengths=(5, 17, 30)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_ckpt):
+    """compiled(name) -> (LLM, transformers model); dense also compiles batch size 4 statically (padding)."""
+
+    def get(name: str):
+        if name not in _LLMS:
+            folder, hf = tiny_ckpt(name)
+            sizes = "4" if name == "dense" else "none"
+            llm = LLM(str(folder), enforce_eager=False, block_size=4, max_model_len=128, num_kv_blocks=96,
+                      cudagraph_batch_sizes=sizes, jit_monitor="error", dtype="float32")
+            _LLMS[name] = (llm, hf)
+        return _LLMS[name]
+
+    return get
+
+
+def summary(llm) -> dict:
+    return llm.engine.runner.compiler.summary()
+
+
+def matches(llm) -> dict[str, int]:
+    return {name: p["matches"] for name, p in summary(llm)["passes"].items()}
+
+
+# One match per layer where the layer has the shape: 4 layers dense; 3 MoE layers, whose second add+norm
+# (post-FFN norms summed, then normed) is a second RMSNorm + residual add match. An exact count, so a
+# model change that breaks a match fails here.
+EXPECTED = {
+    "dense": {"add_rms_norm": 4, "qk_norm_rope_kv_write": 4, "router_topk": 0, "geglu_moe": 0},
+    "moe": {"add_rms_norm": 6, "qk_norm_rope_kv_write": 3, "router_topk": 3, "geglu_moe": 3},
+}
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_each_applicable_pass_replaces_matches(compiled, name):
+    llm, _ = compiled(name)
+    assert matches(llm) == EXPECTED[name]
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_compiled_greedy_equals_transformers_and_eager(compiled, tiny_ckpt, name):
+    llm, hf = compiled(name)
+    ps = prompts(hf.config.vocab_size)
+    ref = [hf_greedy(hf, p, GREEDY.max_tokens) for p in ps]
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    assert batched == ref
+    # one at a time: decode steps of a single token (padded to the static size 4 on the dense model)
+    assert [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in ps[:2]] == ref[:2]
+    eager = LLM(str(tiny_ckpt(name)[0]), enforce_eager=True, block_size=4, max_model_len=128, num_kv_blocks=96,
+                dtype="float32")
+    assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == ref
+    assert not MONITOR.late  # nothing compiled after warm-up
+
+
+def test_every_attention_op_sits_between_pieces(compiled):
+    from compiled_llm.compiler.backend import is_split_node
+    from compiled_llm.compiler.piecewise import PieceRunner
+
+    llm, hf = compiled("dense")
+    backend = llm.engine.runner.compiler.compiled.backend
+    split = backend.split_gm
+    calls = [n for n in split.graph.nodes if n.op == "call_module"]
+    kinds = []
+    for node in calls:
+        runner = split.__dict__.get(node.target)
+        sub = split._modules[node.target]  # the graph (the runner that replaced it sits in __dict__)
+        ops = [n for n in sub.graph.nodes if n.op == "call_function"]
+        if isinstance(runner, PieceRunner):
+            assert not any(is_split_node(n) for n in ops), f"{node.target} holds an attention op"
+            kinds.append("piece")
+        else:
+            assert len(ops) == 1 and is_split_node(ops[0]), f"{node.target} is not a lone attention op: {ops}"
+            kinds.append("attention")
+    layers = hf.config.num_hidden_layers
+    assert kinds == ["piece", "attention"] * layers + ["piece"]
+    s = summary(llm)
+    assert s["pieces"] == layers + 1 and s["attention_ops"] == layers
+    assert s["static_sizes"] == [4] and s["captured_graphs"] == 0  # CPU: static compiles, no CUDA graphs
+    assert all(4 in p.static for p in backend.pieces)  # warm-up compiled the static size
+
+
+def test_compile_after_warmup_is_an_error_under_jit_monitor_error(compiled):
+    llm, hf = compiled("dense")
+    model = llm.engine.runner.compiler.compiled
+    model.sizes.insert(0, 2)  # a batch size warm-up never saw: its first use compiles
+    engine = llm.engine
+    try:
+        engine.add_request("late", [5, 6], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        with pytest.raises(JitCompileAfterWarmup, match="inductor"):
+            engine.step()  # a 2-token prefill: the new static size
+    finally:
+        model.sizes.remove(2)
+        MONITOR.late.clear()
+        engine.abort_request("late")

@@ -1,0 +1,199 @@
+"""The op layer: the resolver, and the Triton providers against the reference providers, on the CPU
+through the Triton interpreter. TRITON_INTERPRET must be set before triton is first imported, so each
+kernel group runs this file as a script in a fresh subprocess; pytest checks the exit code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = ["norm", "qk_norm_rope", "kv_write", "attention", "moe"]
+DEV = os.environ.get("OP_TEST_DEVICE", "cpu")  # scripts/compiler_gpu_check.py runs the groups on cuda
+
+
+def rand(*shape, generator=None):
+    return torch.randn(*shape, generator=generator).to(DEV)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_triton_provider_matches_reference(group):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), group], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"group {group} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert "ok" in r.stdout
+
+
+def _specs():
+    from compiled_llm.ops.attention import AttentionSpec
+
+    return {0: AttentionSpec(0, 4, 2, 16, None, 0), 1: AttentionSpec(1, 4, 2, 16, 8, 1, softcap=20.0),
+            2: AttentionSpec(2, 4, 2, 16, None, 0)}
+
+
+def test_resolver_on_cpu_picks_reference_and_reports_why():
+    from compiled_llm.ops.registry import OPS, Capabilities, select_providers
+
+    table = select_providers("cpu", torch.float32, _specs(), {"hidden_size": 64})
+    assert set(table) >= {"attention", "kv_cache_write", "rms_norm", "fused_add_rms_norm", "qk_norm_rope_kv_write",
+                          "router_topk", "geglu_moe", "allreduce_rms_norm"}
+    assert all(p == "reference" for by_key in table.values() for p in by_key.values())
+    assert set(table["attention"]) == {0, 1, 2}  # resolved per layer
+    caps = Capabilities("cpu", None, frozenset({"triton"}))
+    _, skipped = OPS["attention"].resolve(caps, {"layer": _specs()[0], "source": _specs()[0], "block_size": 16})
+    assert any("CUDA" in why for why in skipped)
+
+
+def test_resolver_shape_limits_and_overrides():
+    from compiled_llm.ops.attention import AttentionSpec
+    from compiled_llm.ops.registry import OPS, Capabilities, select_providers
+
+    cuda = Capabilities("cuda", (9, 0), frozenset({"triton"}))
+    big = AttentionSpec(0, 4, 1, 1024, None, 0)
+    ok = AttentionSpec(1, 4, 1, 256, None, 1)
+    assert OPS["attention"].resolve(cuda, {"layer": big, "source": big, "block_size": 16})[0].name == "reference"
+    assert OPS["attention"].resolve(cuda, {"layer": ok, "source": ok, "block_size": 16})[0].name == "triton"
+    assert OPS["attention"].resolve(cuda, {"layer": ok, "source": ok, "block_size": 12})[0].name == "reference"
+    with pytest.raises(ValueError, match="triton"):  # forcing a provider that cannot run here is an error
+        select_providers("cpu", torch.float32, _specs(), {}, overrides="rms_norm=triton")
+    with pytest.raises(ValueError, match="bad op provider override"):
+        select_providers("cpu", torch.float32, _specs(), {}, overrides="nonsense=triton")
+    select_providers("cpu", torch.float32, _specs(), {})  # leave the process on the reference
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernel groups (run under TRITON_INTERPRET=1 in a subprocess)
+
+
+def _context(specs, num_blocks=8, block_size=4, seqs=((5, 5), (3, 9), (1, 6)), dtype=torch.float32):
+    """A forward context for sequences given as (new tokens, context length after them), random caches."""
+    from compiled_llm.ops.attention import AttentionMetadata, ForwardContext, GroupMetadata
+
+    g = torch.Generator().manual_seed(0)
+    caches = {i: torch.randn(1 if s.k_eq_v else 2, num_blocks * len(seqs), block_size, s.num_kv_heads, s.head_dim,
+                             generator=g).to(DEV, dtype) for i, s in specs.items() if s.writes_cache}
+    qsl, lens, tables, slots = [0], [], [], []
+    for i, (new, total) in enumerate(seqs):
+        blocks = list(range(i * num_blocks, (i + 1) * num_blocks))
+        tables.append(blocks)
+        qsl.append(qsl[-1] + new)
+        lens.append(total)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(total - new, total)]
+    groups = {}
+    for gkey in {s.kv_group for s in specs.values()}:
+        groups[gkey] = GroupMetadata(torch.tensor(tables, dtype=torch.int32, device=DEV), torch.tensor(slots, device=DEV))
+    return ForwardContext(AttentionMetadata(qsl, lens, block_size, groups), caches, specs)
+
+
+def _check(name, got, want, tol=1e-4):
+    tol *= 1 if DEV == "cpu" else 25  # tl.dot in float32 runs as TF32 on the GPU
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol, f"{name}: max abs error {err}"
+
+
+def group_norm():
+    from compiled_llm.ops.norm import ref_fused_add_rms_norm, ref_rms_norm
+    from compiled_llm.ops.triton import norm
+
+    for d in (16, 48, 64):
+        x, r, w = rand(5, d), rand(5, d), rand(d)
+        _check("rms_norm", norm.rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6))
+        _check("rms_norm no weight", norm.rms_norm(x, None, 1e-5), ref_rms_norm(x, None, 1e-5))
+        got, want = norm.fused_add_rms_norm(x, r, w, 1e-6), ref_fused_add_rms_norm(x, r, w, 1e-6)
+        _check("fused_add_rms_norm out", got[0], want[0])
+        _check("fused_add_rms_norm sum", got[1], want[1])
+    x3, w3 = rand(3, 4, 16), rand(16)  # per-head norms: over the last dim
+    _check("rms_norm 3d", norm.rms_norm(x3, w3, 1e-6), ref_rms_norm(x3, w3, 1e-6))
+
+
+def group_qk_norm_rope():
+    from compiled_llm.ops.attention import AttentionSpec, set_forward_context
+    from compiled_llm.ops.qk_norm_rope import ref_qk_norm_rope_kv_write
+    from compiled_llm.ops.rope import rope_inv_freq
+    from compiled_llm.ops.triton.qk_norm_rope import qk_norm_rope_kv_write
+
+    for k_eq_v in (False, True):
+        specs = {0: AttentionSpec(0, 4, 2, 16, None, 0, k_eq_v=k_eq_v), 1: AttentionSpec(1, 4, 2, 16, None, 0)}
+        inv = rope_inv_freq(16, 1e6, "proportional", 0.25).to(DEV)  # partial rotary: zero frequencies too
+        n = 15
+        q, k, v = rand(n + 2, 4, 16), rand(n + 2, 2, 16), rand(n + 2, 2, 16)  # 2 padding rows
+        pos = torch.randint(0, 5000, (n + 2,)).to(DEV)
+        qw, kw = rand(16), rand(16)
+        ctx_ref, ctx_tri = _context(specs), _context(specs)
+        ctx_tri.kv_caches[0].copy_(ctx_ref.kv_caches[0])
+        kk = None if k_eq_v else k
+        with set_forward_context(ctx_ref):
+            want = ref_qk_norm_rope_kv_write(q, kk, v, pos, inv, qw, kw, 1e-6, True, 0)
+        with set_forward_context(ctx_tri):
+            got = qk_norm_rope_kv_write(q, kk, v, pos, inv, qw, kw, 1e-6, True, 0)
+        _check(f"q (k_eq_v={k_eq_v})", got, want)
+        _check(f"cache (k_eq_v={k_eq_v})", ctx_tri.kv_caches[0], ctx_ref.kv_caches[0])
+        with set_forward_context(ctx_tri):  # q only (a layer reading another layer's cache)
+            _check("q only", qk_norm_rope_kv_write(q, None, None, pos, inv, qw, None, 1e-6, False, 1),
+                   ref_qk_norm_rope_kv_write(q, None, None, pos, inv, qw, None, 1e-6, False, 1))
+
+
+def group_kv_write():
+    from compiled_llm.ops.attention import AttentionSpec, ref_kv_cache_write, set_forward_context
+    from compiled_llm.ops.triton.qk_norm_rope import kv_cache_write
+
+    for k_eq_v in (False, True):
+        specs = {0: AttentionSpec(0, 4, 2, 16, None, 0, k_eq_v=k_eq_v)}
+        ctx_ref, ctx_tri = _context(specs), _context(specs)
+        ctx_tri.kv_caches[0].copy_(ctx_ref.kv_caches[0])
+        slots = ctx_ref.attn_metadata.groups[None].slot_mapping
+        padded = torch.cat([slots, torch.tensor([-1, -1], device=DEV)])  # CUDA-graph padding writes nothing
+        for ctx in (ctx_ref, ctx_tri):
+            ctx.attn_metadata.groups[None].slot_mapping = padded
+        k, v = rand(len(padded), 32), rand(len(padded), 32)
+        with set_forward_context(ctx_ref):
+            ref_kv_cache_write(None if k_eq_v else k, v, 0)
+        with set_forward_context(ctx_tri):
+            kv_cache_write(None if k_eq_v else k, v, 0)
+        _check(f"kv cache (k_eq_v={k_eq_v})", ctx_tri.kv_caches[0], ctx_ref.kv_caches[0], 0.0)
+
+
+def group_attention():
+    from compiled_llm.ops.attention import AttentionSpec, ref_attention, set_forward_context
+    from compiled_llm.ops.triton.providers import attention
+
+    d = 32  # the kernels' tl.dot needs half a head >= 16
+    specs = {0: AttentionSpec(0, 4, 2, d, None, 0), 1: AttentionSpec(1, 4, 2, d, 4, 1, softcap=5.0),
+             2: AttentionSpec(2, 4, 1, d, None, 2, k_eq_v=True)}
+    specs[2].k_norm_weight, specs[2].inv_freq = rand(d), torch.rand(d // 2).to(DEV)
+    for seqs in (((5, 5), (3, 9), (1, 6)), ((1, 7), (1, 3), (1, 12))):  # prefill + chunk + decode; all decode
+        ctx = _context(specs, seqs=seqs)
+        n = ctx.attn_metadata.query_start_loc[-1]
+        q = rand(n + 3, 4 * d)  # 3 padding rows come back as zeros
+        with set_forward_context(ctx):
+            for layer in specs:
+                want = ref_attention(q, layer)
+                got = attention(q, layer)
+                _check(f"attention layer {layer} seqs {seqs}", got, want, 2e-4)
+
+
+def group_moe():
+    from compiled_llm.ops.moe import ref_geglu_moe, ref_router_topk
+    from compiled_llm.ops.triton.providers import geglu_moe, router_topk
+
+    g = torch.Generator().manual_seed(1)
+    x = rand(9, 32, generator=g)
+    proj, scale, pes = rand(8, 32, generator=g), (torch.rand(32, generator=g) + 0.5).to(DEV), torch.rand(8, generator=g).to(DEV)
+    w_ref, ids_ref = ref_router_topk(x, proj, scale, pes, 2, 1e-6, 32 ** -0.5)
+    w, ids = router_topk(x, proj, scale, pes, 2, 1e-6, 32 ** -0.5)
+    assert ids.dtype == torch.long and torch.equal(ids, ids_ref), (ids, ids_ref)
+    _check("router weights", w, w_ref)
+    gate_up, down = rand(8, 24, 32, generator=g) * 0.2, rand(8, 32, 12, generator=g) * 0.2
+    _check("geglu_moe", geglu_moe(x, w, ids, gate_up, down), ref_geglu_moe(x, w, ids, gate_up, down), 1e-3)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    globals()[f"group_{sys.argv[1]}"]()
+    print("ok")

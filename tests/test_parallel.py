@@ -1,0 +1,335 @@
+"""Tensor, expert and pipeline parallelism on the CPU: 2 processes talking through gloo.
+
+Each parallel engine must give the same greedy tokens as one process (which equals transformers,
+tests/test_gemma4_equivalence.py) and hold only its slice of the weights. The "all" tiny model has
+every feature at once (MoE, PLE, shared KV, K=V, mixed head dims, soft-capping); the single-feature
+models run under `-m slow`. Engines are started one at a time: a process runs one parallel engine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.distributed.parallel_state import ParallelState, partition_layers, set_parallel_state
+from compiled_llm.runtime.errors import EngineDeadError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+_REFERENCE: dict[str, tuple[list, list, dict]] = {}
+
+
+def make_llm(folder, **kw):
+    kw.setdefault("enforce_eager", True)
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_model_len", 128)
+    return LLM(str(folder), **kw)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 19, 33)]
+
+
+def generate_ids(llm, ps):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+
+
+def reference(tiny_ckpt, name):
+    """(prompts, single-process greedy tokens, {parameter: numel}, kv heads per layer)"""
+    if name not in _REFERENCE:
+        folder, hf = tiny_ckpt(name)
+        ps = prompts(hf.config.vocab_size)
+        llm = make_llm(folder)
+        counts = {n: p.numel() for n, p in llm.engine.runner.model.named_parameters()}
+        kv_heads = [layer.num_kv_heads for layer in llm.engine.runner.model_config.layers]
+        _REFERENCE[name] = (ps, generate_ids(llm, ps), counts, kv_heads)
+    return _REFERENCE[name]
+
+
+@pytest.fixture
+def parallel_llm(tiny_ckpt):
+    """parallel_llm(name, **engine kwargs) -> LLM; shut down after the test."""
+    made = []
+
+    def start(name, **kw):
+        llm = make_llm(tiny_ckpt(name)[0], **kw)
+        made.append(llm)
+        return llm
+
+    yield start
+    for llm in made:
+        llm.engine.shutdown()
+
+
+# ---- what each rank must hold ------------------------------------------------------------------------
+SPLIT = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|experts\.|embed_tokens)")
+
+
+def expected_tp2(name: str, full: int, kv_heads: list[int]) -> int:
+    """Parameters of one TP2 rank: half of every split weight, all of the replicated ones (norms,
+    router, PLE gates and projections, and K/V projections of layers with a single KV head)."""
+    m = re.match(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj)\.", name)
+    if m and kv_heads[int(m.group(1))] == 1:
+        return full
+    return full // 2 if SPLIT.search(name) else full
+
+
+def check_tp2_counts(per_rank: list[dict], full: dict, kv_heads: list[int]) -> None:
+    assert len(per_rank) == 2
+    for counts in per_rank:
+        assert set(counts) == set(full)
+        for name, n in full.items():
+            assert counts[name] == expected_tp2(name, n, kv_heads), name
+    assert sum(per_rank[0].values()) < sum(full.values())
+
+
+def check_pp2_counts(per_rank: list[dict], full: dict, info: list[dict]) -> None:
+    owned = set()
+    for counts, rank in zip(per_rank, info):
+        start, end = rank["layers"]
+        for name, n in counts.items():
+            m = re.match(r"model\.layers\.(\d+)\.", name)
+            if m:
+                assert start <= int(m.group(1)) < end, f"rank {rank['rank']} holds {name}"
+            if name == "lm_head.weight" and name not in full:  # tied: the last stage's copy of the embedding
+                assert rank["pp_rank"] == 1 and n == full["model.embed_tokens.weight"]
+                continue
+            assert n == full[name], name
+            owned.add(name)
+    assert owned == set(full)  # every weight lives on exactly the stage that needs it
+    assert not set(per_rank[0]) & set(per_rank[1]) - {"lm_head.weight"}
+
+
+# ---- no processes: layer split and stage partition ---------------------------------------------------
+def test_partition_layers_even_and_kv_links():
+    assert partition_layers(4, 1) == [0, 4]
+    assert partition_layers(4, 2) == [0, 2, 4]
+    assert partition_layers(7, 2) == [0, 4, 7]  # the extra layer goes to the first stage
+    # shared_kv tiny model: layers 4 and 5 read layers 2 and 3, so stage 2 starts at layer 2 at the latest
+    assert partition_layers(6, 2, [(2, 4), (3, 5)]) == [0, 2, 6]
+    with pytest.raises(ValueError, match="cannot split the 6 layers without separating"):
+        partition_layers(6, 4, [(2, 4), (3, 5)])
+
+
+def test_partition_override(monkeypatch):
+    monkeypatch.setenv("COMPILED_LLM_PP_LAYER_PARTITION", "1,3")
+    assert partition_layers(4, 2) == [0, 1, 4]
+    monkeypatch.setenv("COMPILED_LLM_PP_LAYER_PARTITION", "3,3")
+    with pytest.raises(ValueError, match="splits layers that share a KV cache"):
+        partition_layers(6, 2, [(2, 4)])
+
+
+def test_unsupported_settings_are_refused():
+    from compiled_llm.config import EngineConfig
+    from compiled_llm.models.qwen3_5 import Qwen3_5ForCausalLM
+    from compiled_llm.runtime.workers import check_parallel_config
+
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM does not support tensor parallelism yet"):
+        check_parallel_config(EngineConfig(tensor_parallel_size=2), Qwen3_5ForCausalLM)
+    with pytest.raises(ValueError, match="multiple of nnodes"):
+        check_parallel_config(EngineConfig(tensor_parallel_size=3, nnodes=2))
+    with pytest.raises(ValueError, match="node_rank must lie in"):
+        check_parallel_config(EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2))
+
+
+def test_rank_slices_reassemble_checkpoint(tiny_ckpt):
+    """Built as rank 0 and rank 1 of TP2 (no collectives needed to load), the slices of every weight
+    put back together give the checkpoint tensor."""
+    from safetensors import safe_open
+
+    from compiled_llm.models.gemma4 import Gemma4ForCausalLM
+    from compiled_llm.models.loader import load_weights
+    from compiled_llm.runtime.model_runner import read_hf_config
+
+    folder, _ = tiny_ckpt("all")
+    cfg = Gemma4ForCausalLM.config_from_hf(read_hf_config(folder))
+    shards = []
+    try:
+        for rank in range(2):
+            set_parallel_state(ParallelState(tp_size=2, tp_rank=rank))
+            model = Gemma4ForCausalLM(cfg)
+            load_weights(model, folder, model.hf_to_ours, progress=False)
+            shards.append(dict(model.named_parameters()))
+    finally:
+        set_parallel_state(ParallelState())
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        assert torch.equal(torch.cat([s["model.layers.0.self_attn.q_proj.weight"] for s in shards]), q)
+        o = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
+        assert torch.equal(torch.cat([s["model.layers.0.self_attn.o_proj.weight"] for s in shards], 1), o)
+        k = f.get_tensor("model.layers.1.self_attn.k_proj.weight")  # a global layer with one KV head: replicated
+        assert all(torch.equal(s["model.layers.1.self_attn.k_proj.weight"], k) for s in shards)
+        gu = f.get_tensor("model.layers.0.experts.gate_up_proj")  # [E, 2I, H], packed [gate; up]
+        i = gu.shape[1] // 2
+        parts = [s["model.layers.0.experts.gate_up_proj"] for s in shards]
+        assert torch.equal(torch.cat([p[:, :i // 2] for p in parts], 1), gu[:, :i])
+        assert torch.equal(torch.cat([p[:, i // 2:] for p in parts], 1), gu[:, i:])
+        emb = f.get_tensor("model.embed_tokens.weight")
+        assert torch.equal(torch.cat([s["model.embed_tokens.weight"] for s in shards])[:emb.shape[0]], emb)
+
+
+# ---- two processes -------------------------------------------------------------------------------
+def test_tp2_greedy_and_weight_slices(tiny_ckpt, parallel_llm):
+    ps, ref, full, kv_heads = reference(tiny_ckpt, "all")
+    llm = parallel_llm("all", tensor_parallel_size=2)
+    assert generate_ids(llm, ps) == ref
+    runner = llm.engine.runner
+    check_tp2_counts(runner.collective_rpc("param_counts"), full, kv_heads)
+    specs = runner.specs  # the KV cache is sized for this rank's heads: 2 query heads, 1 KV head
+    assert {s.num_heads for s in specs.values()} == {2} and {s.num_kv_heads for s in specs.values()} == {1}
+
+
+def test_tp2_expert_parallel_greedy_and_experts(tiny_ckpt, parallel_llm):
+    ps, ref, full, _ = reference(tiny_ckpt, "all")
+    llm = parallel_llm("all", tensor_parallel_size=2, enable_expert_parallel=True)
+    assert generate_ids(llm, ps) == ref
+    per_rank = llm.engine.runner.collective_rpc("param_counts")
+    for counts in per_rank:  # whole experts, half of them each
+        for name in (n for n in full if ".experts." in n):
+            assert counts[name] == full[name] // 2
+    experts = llm.engine.runner.model.model.layers[0].experts
+    assert (experts.num_local_experts, experts.first_expert, experts.local_intermediate) == (2, 0, 16)
+
+
+def test_expert_parallel_all_to_all_dispatch(tiny_ckpt, parallel_llm, monkeypatch):
+    monkeypatch.setenv("COMPILED_LLM_MOE_DISPATCH", "all_to_all")  # the spawned worker inherits it
+    ps, ref, _, _ = reference(tiny_ckpt, "moe")
+    llm = parallel_llm("moe", tensor_parallel_size=2, enable_expert_parallel=True)
+    assert llm.engine.runner.model.model.layers[0].experts.use_all_to_all(1)
+    assert generate_ids(llm, ps) == ref
+
+
+def test_pp2_greedy_and_stage_weights(tiny_ckpt, parallel_llm):
+    """PLE per-layer inputs and hidden states cross the stage boundary; the KV-sharing layers (5, 6)
+    stay on the stage of their sources (3, 4); the tied embedding feeds the last stage's head."""
+    ps, ref, full, _ = reference(tiny_ckpt, "all")
+    llm = parallel_llm("all", pipeline_parallel_size=2)
+    assert generate_ids(llm, ps) == ref
+    runner = llm.engine.runner
+    info = runner.collective_rpc("info")
+    assert [i["layers"] for i in info] == [(0, 3), (3, 7)]
+    check_pp2_counts(runner.collective_rpc("param_counts"), full, info)
+
+
+def test_killed_worker_fails_fast(tiny_ckpt, parallel_llm):
+    ps, ref, _, _ = reference(tiny_ckpt, "dense")
+    llm = parallel_llm("dense", tensor_parallel_size=2)
+    assert generate_ids(llm, ps[:1]) == ref[:1]
+    assert llm.engine.is_healthy()
+    pid = llm.engine.runner.worker_pids()[1]
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=rf"worker rank 1 \(pid {pid}\) was killed by SIGKILL"):
+        generate_ids(llm, ps)
+    assert time.monotonic() - start < 10
+    assert not llm.engine.is_healthy()
+    with pytest.raises(EngineDeadError):  # and it stays dead, without waiting
+        llm.engine.step()
+
+
+def test_tp2_allreduce_rms_norm_pass_fires(tiny_ckpt, parallel_llm):
+    """Compiled under TP2, each row-parallel all-reduce that an RMSNorm follows becomes one
+    allreduce_rms_norm op, on every rank, and the tokens stay the same."""
+    pytest.importorskip("compiled_llm.passes.allreduce_rms_norm", reason="the allreduce_rms_norm pass is not there")
+    ps, ref, _, _ = reference(tiny_ckpt, "dense")
+    llm = parallel_llm("dense", tensor_parallel_size=2, enforce_eager=False, compile_passes="allreduce_rms_norm")
+    assert generate_ids(llm, ps[:2]) == ref[:2]
+    layers = len(ref and reference(tiny_ckpt, "dense")[3])
+    for summary in llm.engine.runner.collective_rpc("compiler_summary"):
+        # per layer: o_proj -> post_attention_layernorm, down_proj -> post_feedforward_layernorm
+        assert summary["passes"]["allreduce_rms_norm"]["matches"] >= 2 * layers
+
+
+# ---- slow: every single-feature model in every mode ---------------------------------------------------
+MODES = {"tp2": dict(tensor_parallel_size=2), "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+         "pp2": dict(pipeline_parallel_size=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", ["dense", "moe", "ple", "shared_kv", "k_eq_v", "mixed_heads"])
+def test_every_model_every_mode(tiny_ckpt, parallel_llm, name, mode):
+    if mode == "tp2_ep" and name != "moe":
+        pytest.skip("expert parallelism needs experts")
+    ps, ref, full, kv_heads = reference(tiny_ckpt, name)
+    llm = parallel_llm(name, **MODES[mode])
+    assert generate_ids(llm, ps) == ref
+    counts = llm.engine.runner.collective_rpc("param_counts")
+    if mode == "tp2":
+        check_tp2_counts(counts, full, kv_heads)
+    elif mode == "pp2":
+        check_pp2_counts(counts, full, llm.engine.runner.collective_rpc("info"))
+
+
+@pytest.mark.slow
+def test_tp2_pp2_four_processes(tiny_ckpt, parallel_llm):
+    ps, ref, _, _ = reference(tiny_ckpt, "all")
+    llm = parallel_llm("all", tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert generate_ids(llm, ps) == ref
+
+
+# ---- slow: the command line ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_serve_tp2_on_cpu(tiny_ckpt):
+    import httpx
+
+    from server_utils import ServerProcess
+
+    folder, _ = tiny_ckpt("dense")
+    ref = make_llm(folder).generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8,
+                                                                             ignore_eos=True))[0].outputs[0].text
+    server = ServerProcess("--model", str(folder), "-tp", "2", "--enforce-eager", "--max-model-len", "128")
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": folder.name, "prompt": "The quick brown fox", "max_tokens": 8,
+                             "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref
+        assert server.terminate() == 0
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_torchrun_ranks(tiny_ckpt):
+    """torchrun starts both ranks; rank 0 runs the engine, rank 1 the worker loop."""
+    import json
+    import subprocess
+    import sys
+
+    from server_utils import free_port
+
+    folder, _ = tiny_ckpt("dense")
+    ref = make_llm(folder).generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8,
+                                                                             ignore_eos=True))[0].outputs[0]
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), "-m", "compiled_llm", "generate", "--model", str(folder), "-tp", "2",
+                          "--enforce-eager", "--max-model-len", "128", "--temperature", "0", "--max-tokens", "8",
+                          "--ignore-eos", "--json", "The quick brown fox"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [r["token_ids"] for r in rows] == [ref.token_ids]
+
+
+@pytest.mark.slow
+def test_tp2_and_pp2_with_an_image(tmp_path):
+    """Media towers run on rank 0; their features travel with the step and every rank of the first stage
+    merges them (the embedding is a collective under TP)."""
+    from multimodal_tiny import image, make_mm_checkpoint
+
+    make_mm_checkpoint(tmp_path, audio=False)
+    prompt = {"prompt": "The quick <|image|> brown fox", "multi_modal_data": {"image": image(1)}}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = LLM(str(tmp_path), enforce_eager=True, max_model_len=320, block_size=8).generate(prompt, params)
+    for kw in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        llm = LLM(str(tmp_path), enforce_eager=True, max_model_len=320, block_size=8, **kw)
+        try:
+            assert llm.generate(prompt, params)[0].outputs[0].token_ids == ref[0].outputs[0].token_ids, kw
+        finally:
+            llm.engine.shutdown()

@@ -1,0 +1,312 @@
+"""Triton kernels (compiled_llm/ops/triton) against the PyTorch references, on the CPU through the Triton
+interpreter. TRITON_INTERPRET must be set before triton is first imported, so every kernel group runs
+this file as a script in a fresh subprocess (`python tests/test_triton_kernels.py <group>`); pytest only
+launches those and checks the exit code. Everything is float32 at small sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAST = ["gelu", "decode", "prefill", "moe", "router"]
+SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
+
+
+def _run_group(group: str, timeout: int):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), group], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"group {group} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("group", FAST)
+def test_triton_kernels(group):
+    _run_group(group, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", SLOW)
+def test_triton_kernels_sweep(group):
+    _run_group(group, timeout=1800)
+
+
+# ------------------------------------------------------------------------------------------------------
+# checkers (run in the subprocess, with TRITON_INTERPRET=1 already set)
+
+
+def _close(name, got, ref, rtol=1e-3, atol=2e-4):
+    import torch
+
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    assert torch.isfinite(got).all(), f"{name}: non-finite output"
+    err = (got.float() - ref.float()).abs()
+    bound = atol + rtol * ref.float().abs()
+    ok = bool((err <= bound).all())
+    print(f"  {name}: max err {err.max().item():.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    assert ok, f"{name}: max err {err.max().item():.3e}"
+
+
+def _attn_case(seq_lens, q_lens, *, page, kv_heads, group, head_dim, window=None, softcap=None, k_eq_v=False,
+               seed=0):
+    """Random paged cache + block tables. Slots nobody may see are NaN, blocks wholly outside every
+    query's window are released (-1), so a kernel that reads either fails the finiteness check."""
+    import torch
+
+    from compiled_llm.ops.rope import rope_inv_freq
+
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-L // page) for L in seq_lens]
+    num_blocks = sum(nblk) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    bt = torch.full((len(seq_lens), max(nblk) + 1), -1, dtype=torch.int32)
+    cache = torch.full((1 if k_eq_v else 2, num_blocks, page, kv_heads, head_dim), float("nan"))
+    for i, (L, ql) in enumerate(zip(seq_lens, q_lens)):
+        first = 0 if window is None else max(0, L - ql - window + 1)  # first position any query sees
+        for b in range(nblk[i]):
+            blk = perm.pop()
+            if (b + 1) * page <= first:
+                continue  # released
+            bt[i, b] = blk
+            for s in range(page):
+                if first <= b * page + s < L:
+                    cache[:, blk, s] = torch.randn(cache.shape[0], kv_heads, head_dim, generator=g)
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=g)
+    extra = {}
+    if k_eq_v:
+        extra["k_norm_weight"] = 1.0 + 0.3 * torch.randn(head_dim, generator=g)
+        extra["inv_freq"] = rope_inv_freq(head_dim, 10000.0, "proportional", partial_rotary_factor=0.5)
+        assert (extra["inv_freq"] == 0).any()
+    return q, cache, bt, extra
+
+
+def _attn_reference(q, cache, bt, seq_lens, q_lens, *, page, kv_heads, group, head_dim, window, softcap, k_eq_v,
+                    scale, k_norm_weight=None, inv_freq=None):
+    """compiled_llm.ops.attention.reference_attention through a ForwardContext (reading layer, no writes)."""
+    import torch
+
+    from compiled_llm.ops import attention as A
+
+    qsl = [0]
+    for ql in q_lens:
+        qsl.append(qsl[-1] + ql)
+    src = A.AttentionSpec(layer_idx=0, num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim,
+                          sliding_window=window, cache_layer=0, scale=scale, softcap=softcap, k_eq_v=k_eq_v,
+                          k_norm_weight=k_norm_weight, inv_freq=inv_freq)
+    spec = A.AttentionSpec(layer_idx=1, num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim,
+                           sliding_window=window, cache_layer=0, scale=scale, softcap=softcap)
+    meta = A.AttentionMetadata(query_start_loc=qsl, seq_lens=list(seq_lens), block_size=page,
+                               groups={window: A.GroupMetadata(block_tables=bt, slot_mapping=torch.empty(0))})
+    ctx = A.ForwardContext(attn_metadata=meta, kv_caches={0: cache}, layers={0: src, 1: spec})
+    with A.set_forward_context(ctx):
+        out = A.reference_attention(q.reshape(q.shape[0], -1), None, None, 1)
+    return out.view(q.shape)
+
+
+def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head_dim, window=None, softcap=None,
+                     k_eq_v=False, splits=None, block_n=None, block_m=None, inloop_k=False, seed=0):
+    import torch
+
+    from compiled_llm.ops.triton import paged_attention as PA
+
+    # prefill of K=V layers: dense pre-rebuilt keys unless inloop_k forces the in-loop rebuild
+    PA.DENSE_K_LIMIT_BYTES = 0 if inloop_k else 1 << 30
+
+    q_lens = q_lens or [1] * len(seq_lens)
+    q, cache, bt, extra = _attn_case(seq_lens, q_lens, page=page, kv_heads=kv_heads, group=group,
+                                     head_dim=head_dim, window=window, softcap=softcap, k_eq_v=k_eq_v, seed=seed)
+    scale = head_dim ** -0.5 * 1.7
+    opts = dict(scale=scale, sliding_window=window, softcap=softcap, k_eq_v=k_eq_v, num_kv_heads=kv_heads,
+                head_dim=head_dim, **extra)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    if mode == "decode":
+        base = PA.attention_launch_policy(len(seq_lens), max(seq_lens), head_dim, num_kv_heads=kv_heads,
+                                          sliding_window=window, k_eq_v=k_eq_v)
+        pol = PA.AttnLaunch(num_splits=splits or base.num_splits, block_n=block_n or base.block_n)
+        out = PA.paged_decode(q, cache, bt, sl, policy=pol, **opts)
+    else:
+        qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+        base = PA.attention_launch_policy(len(seq_lens), max(seq_lens), head_dim, prefill=True)
+        pol = PA.AttnLaunch(block_m=block_m or base.block_m, block_n=block_n or base.block_n)
+        out = PA.paged_prefill(q, cache, bt, qsl, sl, policy=pol, **opts)
+    ref = _attn_reference(q, cache, bt, seq_lens, q_lens, page=page, kv_heads=kv_heads, group=group,
+                          head_dim=head_dim, window=window, softcap=softcap, k_eq_v=k_eq_v, scale=scale, **extra)
+    name = ("in-loop-k " if inloop_k and k_eq_v and mode == "prefill" else "") + (f"{mode} lens={seq_lens} q={q_lens if mode == 'prefill' else 1} page={page} kv={kv_heads} g={group} "
+            f"d={head_dim} W={window} cap={softcap} kv=v:{k_eq_v} splits={pol.num_splits} bn={pol.block_n}"
+            + (f" bm={pol.block_m}" if mode == "prefill" else ""))
+    _close(name, out, ref)
+
+
+def check_gelu():
+    import torch
+
+    from compiled_llm.ops.triton._common import gelu_tanh
+
+    x = torch.cat([torch.linspace(-30, 30, 3001), torch.randn(2000) * 3, torch.tensor([0.0, 1e-6, -1e-6])])
+    _close("gelu_tanh", gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"), rtol=1e-5, atol=1e-6)
+
+
+DECODE_CASES = [
+    dict(seq_lens=[1, 17, 50], page=16, kv_heads=2, group=1, head_dim=32),
+    dict(seq_lens=[37, 5, 70], page=4, kv_heads=2, group=2, head_dim=64, window=13, softcap=30.0, splits=3),
+    dict(seq_lens=[100, 33], page=16, kv_heads=2, group=8, head_dim=64, k_eq_v=True, splits=4, block_n=16),
+    dict(seq_lens=[45, 3], page=4, kv_heads=1, group=8, head_dim=32, k_eq_v=True, window=10, softcap=20.0),
+    dict(seq_lens=[66], page=16, kv_heads=2, group=2, head_dim=32, window=35, splits=2, block_n=16),
+]
+
+PREFILL_CASES = [
+    dict(seq_lens=[5, 7, 45], q_lens=[1, 7, 20], page=4, kv_heads=2, group=2, head_dim=32, window=9, softcap=30.0,
+         block_m=16, block_n=16),
+    dict(seq_lens=[13, 77], q_lens=[13, 40], page=16, kv_heads=2, group=8, head_dim=64, k_eq_v=True, block_m=32,
+         block_n=16),
+    dict(seq_lens=[60, 9], q_lens=[25, 9], page=16, kv_heads=2, group=1, head_dim=32, window=20, block_m=16,
+         block_n=32),
+    dict(seq_lens=[13, 77], q_lens=[13, 40], page=16, kv_heads=2, group=8, head_dim=64, k_eq_v=True, block_m=32,
+         block_n=16, inloop_k=True),
+    dict(seq_lens=[50, 31], q_lens=[20, 31], page=4, kv_heads=1, group=4, head_dim=32, k_eq_v=True, window=11,
+         softcap=20.0, block_m=16, block_n=16),
+    dict(seq_lens=[50, 31], q_lens=[20, 31], page=4, kv_heads=1, group=4, head_dim=32, k_eq_v=True, window=11,
+         softcap=20.0, block_m=16, block_n=16, inloop_k=True),
+]
+
+
+def check_decode():
+    for case in DECODE_CASES:
+        _check_attention("decode", **case)
+
+
+def check_prefill():
+    for case in PREFILL_CASES:
+        _check_attention("prefill", **case)
+
+
+def check_decode_sweep():
+    import itertools
+
+    for i, (page, group, k_eq_v, window, softcap) in enumerate(
+            itertools.product([4, 16], [1, 2, 8], [False, True], [None, 7, 40], [None, 50.0])):
+        _check_attention("decode", seq_lens=[1, 29, 95, 130][: 2 + i % 3], page=page, kv_heads=2, group=group,
+                         head_dim=64 if i % 2 else 32, window=window, softcap=softcap, k_eq_v=k_eq_v,
+                         splits=1 + i % 4, block_n=16 * (1 + i % 2), seed=i)
+
+
+def check_prefill_sweep():
+    import itertools
+
+    for i, (page, group, k_eq_v, window, softcap) in enumerate(
+            itertools.product([4, 16], [1, 2, 8], [False, True], [None, 11, 33], [None, 50.0])):
+        _check_attention("prefill", seq_lens=[3, 50, 97][: 1 + i % 3], q_lens=[3, 17, 40][: 1 + i % 3], page=page,
+                         kv_heads=2, group=group, head_dim=32 if i % 2 else 64, window=window, softcap=softcap,
+                         k_eq_v=k_eq_v, block_m=16 * (1 + i % 2), block_n=16 * (1 + (i // 2) % 2),
+                         inloop_k=bool(i % 3 == 0), seed=i)
+
+
+def _moe_modules(E, H, I, k, seed):
+    import torch
+
+    from compiled_llm.models.gemma4 import Experts, Router
+
+    torch.manual_seed(seed)
+    cfg = SimpleNamespace(num_experts=E, moe_intermediate_size=I, hidden_size=H, top_k_experts=k, rms_norm_eps=1e-6)
+    experts, router = Experts(cfg), Router(cfg)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, H ** -0.5)
+        experts.down_proj.normal_(0, I ** -0.5)
+        router.proj.weight.normal_(0, 1.0)
+        router.scale.uniform_(0.5, 1.5)
+        router.per_expert_scale.uniform_(0.5, 1.5)
+    return experts, router
+
+
+def _check_moe_align(ids, E, bm):
+    import torch
+
+    from compiled_llm.ops.triton.moe import moe_align, moe_max_padded
+
+    sorted_ids, expert_ids, total = moe_align(ids, E, bm)
+    n = ids.numel()
+    assert sorted_ids.numel() == moe_max_padded(n, E, bm) and sorted_ids.numel() % bm == 0
+    total = int(total.item())
+    assert total % bm == 0 and total <= sorted_ids.numel()
+    valid = sorted_ids[:total]
+    real = valid[valid < n]
+    assert sorted(real.tolist()) == list(range(n)), "every pair exactly once"
+    assert (sorted_ids[total:] == n).all()
+    flat = ids.reshape(-1)
+    for b in range(total // bm):
+        rows = sorted_ids[b * bm:(b + 1) * bm]
+        rows = rows[rows < n]
+        assert (flat[rows.long()] == expert_ids[b]).all(), "block holds one expert"
+    assert (expert_ids[total // bm:] == -1).all()
+    assert (torch.diff(expert_ids[: total // bm]) >= 0).all()
+
+
+def _check_moe(T, E, H, I, k, seed, policy=None):
+    import torch
+
+    from compiled_llm.ops.triton.moe import MoELaunch, fused_geglu_moe
+
+    experts, router = _moe_modules(E, H, I, k, seed)
+    x = torch.randn(T, H)
+    with torch.no_grad():
+        w, ids = router(x)
+        ref = experts(x, w, ids)
+        _check_moe_align(ids, E, 16)
+        pol = MoELaunch(*policy) if policy else None
+        out = fused_geglu_moe(x, experts.gate_up_proj, experts.down_proj, w, ids, policy=pol)
+    _close(f"moe T={T} E={E} H={H} I={I} k={k} policy={policy}", out, ref)
+
+
+def check_moe():
+    _check_moe(1, 8, 64, 48, 2, 0)
+    _check_moe(5, 8, 64, 48, 3, 1)
+    _check_moe(37, 6, 96, 40, 2, 2, policy=(32, 16, 32, 4, 2, 32, 16, 4, 2))
+    _check_moe(20, 16, 64, 32, 1, 3)
+
+
+def check_moe_sweep():
+    for i, T in enumerate([1, 2, 7, 16, 33, 64, 100]):
+        _check_moe(T, 16, 64, 48, 4, 10 + i)
+        _check_moe(T, 8, 128, 80, 8, 20 + i, policy=(16, 32, 64, 4, 2, 64, 32, 4, 2))
+
+
+def _check_router(T, E, H, k, seed):
+    import torch
+
+    from compiled_llm.ops.triton.moe import fused_router_topk
+
+    _, router = _moe_modules(E, H, 32, k, seed)
+    x = torch.randn(T, H) * 3
+    with torch.no_grad():
+        ref_w, ref_ids = router(x)
+        w, ids = fused_router_topk(x, router.scale, router.proj.weight, router.per_expert_scale, k,
+                                   router.norm.eps)
+    assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
+    _close(f"router T={T} E={E} H={H} k={k}", w, ref_w, rtol=1e-4, atol=1e-6)
+
+
+def check_router():
+    _check_router(5, 16, 96, 4, 0)
+    _check_router(37, 20, 64, 3, 1)
+    _check_router(3, 128, 160, 8, 2)
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    torch.set_num_threads(1)
+    for grp in sys.argv[1:] or FAST:
+        t0 = time.time()
+        print(f"[{grp}]", flush=True)
+        globals()[f"check_{grp}"]()
+        print(f"[{grp}] passed in {time.time() - t0:.1f}s", flush=True)
