@@ -40,8 +40,11 @@ def kernels() -> bool:
 
 def models(names: list[str]) -> bool:
     from compiled_llm import LLM, SamplingParams
-    from tiny_models import make_checkpoint
+    from tiny_models import CONFIGS, make_checkpoint
 
+    # head_dim 32: the Triton attention kernels (head_dim >= 32) and whole-graph decode engage
+    for base in ("dense", "moe", "all"):
+        CONFIGS[f"{base}32"] = dict(CONFIGS[base], head_dim=32, global_head_dim=32)
     ok = True
     root = Path(tempfile.mkdtemp())
     g = torch.Generator().manual_seed(0)
@@ -150,7 +153,7 @@ def speed() -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="kernels,models,cache,speed")
-    ap.add_argument("--names", default="dense,moe,all")
+    ap.add_argument("--names", default="dense,moe,all,dense32,moe32,all32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ok = True

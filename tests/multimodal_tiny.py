@@ -10,7 +10,8 @@ import torch
 
 from tiny_models import TEXT
 
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|image|>", "<|audio|>", "<|video|>", "<boi>", "<eoi>", "<boa>", "<eoa>"]
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|image|>", "<|audio|>", "<|video|>", "<boi>", "<eoi>", "<boa>",
+            "<eoa>"]
 IMAGE, AUDIO, VIDEO, BOI, EOI, BOA, EOA = range(4, 11)
 
 

@@ -31,8 +31,13 @@ def run_cache(model: Path, out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_ckpt):
-    return tiny_ckpt("softcap")[0]  # two layers (sliding, full): three pieces, the quickest to compile
+def model(tmp_path_factory):
+    from tiny_models import CONFIGS, make_checkpoint
+
+    CONFIGS.setdefault("one_layer", dict(layer_types=["full_attention"], hidden_size_per_layer_input=0))
+    folder = tmp_path_factory.mktemp("gemma4_one_layer")
+    make_checkpoint(folder, "one_layer")  # one layer: two pieces, the quickest to compile
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_pa
     assert first["status"] == "built"
     assert first["counters"]["fxgraph_cache_miss"] > 0 and first["counters"]["cpp_builds"] > 0
     manifest = json.loads((cache / "manifest.json").read_text())
-    assert manifest["files"] and manifest["report"]["pieces"] == 3
+    assert manifest["files"] and manifest["report"]["pieces"] == 2
 
     files = sorted(cache.rglob("*"))
     second = run_cache(model, cache)
@@ -54,8 +59,8 @@ def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_pa
     assert sorted(cache.rglob("*")) == files  # the hit wrote nothing
     c = second["counters"]
     assert c["fxgraph_cache_miss"] == 0 and c["autograd_cache_miss"] == 0 and c["cpp_builds"] == 0
-    assert c["fxgraph_cache_hit"] == 3
-    assert second["matches"] == first["matches"] and int(first["matches"]["qk_norm_rope_kv_write"]) == 2
+    assert c["fxgraph_cache_hit"] == 2
+    assert second["matches"] == first["matches"] and int(first["matches"]["qk_norm_rope_kv_write"]) == 1
     ratio = first["seconds"] / second["seconds"]
     print(f"compile-cache start-up: build {first['seconds']:.1f}s, hit {second['seconds']:.1f}s, {ratio:.1f}x faster")
     assert second["seconds"] < first["seconds"]

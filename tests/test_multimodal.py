@@ -153,3 +153,15 @@ def test_text_only_requests_never_touch_the_media_path(mm_llm, monkeypatch):
 
     monkeypatch.setattr(mr, "prepare_media", boom)
     assert len(mm_llm.generate(["Once upon a time", {"prompt_token_ids": [2, 5, 9]}], GREEDY)) == 2
+
+
+def test_preempted_media_prompt_recomputes_the_same(mm_ckpt, mm_llm):
+    folder, _, _ = mm_ckpt
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt": TEXT, "multi_modal_data": {"image": image(i)}} for i in (1, 2)]
+    ref = [o.outputs[0].token_ids for o in mm_llm.generate(prompts, params)]
+    llm = LLM(str(folder), enforce_eager=True, max_model_len=200, block_size=8, num_kv_blocks=30,
+              enable_prefix_caching=False)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert out == ref

@@ -89,10 +89,10 @@ def test_openai_client_sends_image_audio_and_video(mm_server, client):
     tok = llm.get_tokenizer()
     text = tok.apply_chat_template([{"role": "user", "content": "Describe\n<|image|>\n<|audio|>\n<|video|>"}],
                                    tokenize=False, add_generation_prompt=True)
+    pcm = np.frombuffer(base64.b64decode(wav_b64(audio_clip(2)))[44:], "<i2").astype(np.float32) / 32768
+    video = decode_video(base64.b64decode(gif_url(frames).split(",")[1]))  # the GIF's own (quantised) frames
     ref = llm.generate({"prompt": text, "add_special_tokens": False, "multi_modal_data": {
-        "image": image(1), "audio": [(np.frombuffer(base64.b64decode(wav_b64(audio_clip(2)))[44:], "<i2")
-                                      .astype(np.float32) / 32768, 16_000)], "video": [decode_video(base64.b64decode(gif_url(frames).split(",")[1]))]}},
-        SamplingParams(temperature=0, max_tokens=6))[0]
+        "image": image(1), "audio": [(pcm, 16_000)], "video": [video]}}, SamplingParams(temperature=0, max_tokens=6))[0]
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert out.choices[0].message.content == ref.outputs[0].text
 

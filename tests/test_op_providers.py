@@ -33,8 +33,8 @@ def test_triton_provider_matches_reference(group):
 def _specs():
     from compiled_llm.ops.attention import AttentionSpec
 
-    return {0: AttentionSpec(0, 4, 2, 16, None, 0), 1: AttentionSpec(1, 4, 2, 16, 8, 1, softcap=20.0),
-            2: AttentionSpec(2, 4, 2, 16, None, 0)}
+    return {0: AttentionSpec(0, 4, 2, 32, None, 0), 1: AttentionSpec(1, 4, 2, 32, 8, 1, softcap=20.0),
+            2: AttentionSpec(2, 4, 2, 32, None, 0)}
 
 
 def test_resolver_on_cpu_picks_reference_and_reports_why():

@@ -23,6 +23,7 @@ from compiled_llm.passes.manager import PassManager
 
 log = logging.getLogger("compiled_llm")
 
+
 def split_ops() -> set:
     """Ops that read per-step metadata through the forward context (attention, recurrent-state ops):
     they run eagerly between the compiled pieces."""
@@ -30,8 +31,8 @@ def split_ops() -> set:
 
     ops = set()
     for name, spec in OPS.items():
-        if spec.splits_graph:
-            packet = getattr(torch.ops.compiled_llm, name)
+        packet = getattr(torch.ops.compiled_llm, name, None) if spec.splits_graph else None
+        if packet is not None:  # the spec names its custom op: compiled_llm::<name>
             ops |= {packet, packet.default}
     return ops
 

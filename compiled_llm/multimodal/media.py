@@ -79,7 +79,8 @@ def fetch_bytes(url: str, policy: MediaPolicy, what: str) -> bytes:
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):
         host = (parsed.hostname or "").lower()
-        if not any(host == d or host.endswith("." + d) for d in (x.lower().lstrip(".") for x in policy.allowed_domains)):
+        allowed = [x.lower().lstrip(".") for x in policy.allowed_domains]
+        if not any(host == d or host.endswith("." + d) for d in allowed):
             raise MediaError(f"{what} URLs from {host or 'this host'} are not allowed (see --allowed-media-domains)")
         import httpx
 

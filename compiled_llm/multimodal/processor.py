@@ -32,7 +32,8 @@ def load_processor(path: str):
     from transformers import AutoProcessor
 
     folder = Path(path)
-    if folder.is_dir() and not any((folder / n).exists() for n in ("processor_config.json", "preprocessor_config.json")):
+    names = ("processor_config.json", "preprocessor_config.json")
+    if folder.is_dir() and not any((folder / n).exists() for n in names):
         raise ValueError(f"this checkpoint has no multimodal processor (no processor_config.json in {folder})")
     return AutoProcessor.from_pretrained(path)
 
@@ -40,9 +41,9 @@ def load_processor(path: str):
 def _as_list(x) -> list:
     if x is None:
         return []
-    if isinstance(x, (list, tuple)) and not (len(x) == 2 and isinstance(x[1], (int, float)) and not isinstance(x[0], (int, float))):
-        return list(x)
-    return [x]
+    audio_pair = isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (int, float)) \
+        and not isinstance(x[0], (int, float))  # (waveform, sample_rate): one item
+    return list(x) if isinstance(x, (list, tuple)) and not audio_pair else [x]
 
 
 def _resample(audio, target: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
