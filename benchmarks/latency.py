@@ -1,0 +1,71 @@
+"""Latency: batch-1 decode milliseconds per token, and time to first token at given prompt lengths.
+
+    python benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 1024,8192 --decode-tokens 128
+
+Fixed random token prompts, greedy, EOS ignored, prefix cache off. Decode ms/token is measured as the
+difference between a run of N+1 tokens and a run of 1 token, over N, so prefill drops out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from configs import PRESETS, write_checkpoint_folder  # noqa: E402
+from throughput import random_prompts, timed  # noqa: E402
+
+from compiled_llm import LLM, SamplingParams  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(PRESETS), default="gemma-4-26b-a4b")
+    ap.add_argument("--model", default=None, help="a checkpoint folder instead of a preset config")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ttft-lengths", default="1024,8192")
+    ap.add_argument("--decode-context", type=int, default=1024, help="prompt length for the decode measurement")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out", default=None, help="write the result JSON here")
+    args = ap.parse_args(argv)
+
+    lengths = [int(x) for x in args.ttft_lengths.split(",")]
+    folder = args.model or str(write_checkpoint_folder(args.config, Path(tempfile.mkdtemp()) / args.config))
+    longest = max(lengths + [args.decode_context + args.decode_tokens + 1])
+    llm = LLM(folder, device=args.device, dtype=args.dtype, load_format=args.load_format, skip_tokenizer_init=True,
+              enable_prefix_caching=False, max_model_len=longest + 16, max_num_seqs=1,
+              max_num_batched_tokens=max(lengths + [args.decode_context]), enforce_eager=args.enforce_eager)
+    vocab = llm.engine.runner.model_config.vocab_size
+
+    def run(prompt: list[int], n: int):
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+    result = {"config": args.model or args.config, "device": args.device, "ttft_ms": {}}
+    for n in lengths:
+        prompt = random_prompts(1, n, vocab, seed=n)[0]
+        t = statistics.median(timed(lambda: run(prompt, 1), args.warmup, args.runs))
+        result["ttft_ms"][n] = round(1000 * t, 2)
+        print(f"TTFT {n} tokens: {1000 * t:.2f} ms", flush=True)
+    prompt = random_prompts(1, args.decode_context, vocab, seed=1)[0]
+    one = statistics.median(timed(lambda: run(prompt, 1), args.warmup, args.runs))
+    many = statistics.median(timed(lambda: run(prompt, args.decode_tokens + 1), args.warmup, args.runs))
+    result["decode_ms_per_token"] = round(1000 * (many - one) / args.decode_tokens, 3)
+    print(f"batch-1 decode at {args.decode_context} context: {result['decode_ms_per_token']:.3f} ms/token", flush=True)
+    result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
