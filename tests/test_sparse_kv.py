@@ -455,16 +455,9 @@ def test_server_runs_omnikv(tiny_ckpt):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["streamingllm", "omnikv"])
-def test_tensor_parallel_matches_one_process(tiny_ckpt, tiny_llms, method, monkeypatch):
+def test_tensor_parallel_matches_one_process(tiny_ckpt, tiny_llms, method):
     """TP=2 (gloo, 2 processes): each rank holds half the heads; OmniKV sums the filter scores over the
     ranks, so every rank picks the same tokens, and the tokens equal one process's."""
-    import dataclasses
-
-    import compiled_llm.runtime.workers as workers
-
-    check = workers.check_parallel_config  # its "not with parallelism yet" guard predates sparse KV under TP
-    monkeypatch.setattr(workers, "check_parallel_config", lambda config, model_cls=None: check(
-        dataclasses.replace(config, sparse_method=None), model_cls))
     folder, _ = tiny_ckpt("dense")
     prompts = _prompts([LONG, 50], seed=6)
     ref = greedy(tiny_llms[method], prompts, 12)

@@ -73,8 +73,8 @@ def check_parallel_config(config: EngineConfig, model_cls: type | None = None) -
     if torchrun_rank() is not None and int(os.environ["WORLD_SIZE"]) != world:
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; tensor_parallel_size x "
                          f"pipeline_parallel_size is {world}")
-    if getattr(config, "sparse_method", None) and world > 1:
-        raise ValueError("sparse KV (sparse_method) does not run with tensor or pipeline parallelism yet")
+    if getattr(config, "sparse_method", None) and pp > 1:
+        raise ValueError("sparse KV (sparse_method) does not run with pipeline parallelism yet")
     if str(config.device).startswith("cuda") and world > 1 and torch.cuda.device_count() < world // config.nnodes:
         raise ValueError(f"{world // config.nnodes} GPUs per node are needed, {torch.cuda.device_count()} are visible")
     if model_cls is not None:
