@@ -117,3 +117,15 @@ def test_compile_after_warmup_is_an_error_under_jit_monitor_error(compiled):
         model.sizes.remove(2)
         MONITOR.late.clear()
         engine.abort_request("late")
+
+
+def test_default_warm_up_covers_a_lone_decode_token():
+    """With the defaults on the CPU (no static batch buckets), a one-sequence decode step has a single
+    token; warm-up must compile that case too, or the first request would compile (an error here)."""
+    from compiled_llm import LLM, SamplingParams
+
+    llm = LLM(jit_monitor="error")  # the built-in demo model, compiled
+    eager = LLM(enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert (llm.generate("Once upon a time", params)[0].outputs[0].token_ids
+            == eager.generate("Once upon a time", params)[0].outputs[0].token_ids)

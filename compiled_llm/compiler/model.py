@@ -24,8 +24,8 @@ from compiled_llm.passes.manager import PassManager
 
 log = logging.getLogger("compiled_llm")
 
-CAPTURABLE = {"triton"}
-_NO_01_SPECIALISATION = {"backed_size_oblivious": True} if hasattr(fx_config, "backed_size_oblivious") else {}  # attention / KV-write providers whose launches a CUDA graph can replay
+CAPTURABLE = {"triton"}  # attention / KV-write providers whose launches a CUDA graph can replay
+_NO_01_SPECIALISATION = {"backed_size_oblivious": True} if hasattr(fx_config, "backed_size_oblivious") else {}
 
 
 @dataclasses.dataclass

@@ -69,6 +69,8 @@ def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: in
     sizes = sorted(model.sizes, reverse=True)  # largest first: later captures reuse the graph pool's memory
     prefill = max(2, min(max_tokens, (sizes[0] + 1) if sizes else 16))
     items = [(f"compile ({prefill}-token prefill, dynamic token count)", lambda: forward(1, prefill))]
+    if model.bucket_for(1) is None:  # no static bucket takes a lone decode token: its guard needs a compile
+        items.append(("compile (1-token decode)", lambda: forward(1, 1)))
     for size in sizes:
         items.append((f"batch size {size}", lambda s=size: forward(s, 1)))
         if model.full_graph_ok:
