@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
+#   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
+# Steps (default: all, in this order): correctness compiler throughput latency peers
+# Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
+# A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=16
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+steps=${*:-correctness compiler throughput latency peers}
+
+run() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s)"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v -i warning "$OUT/$name.log" | tail -15
+  echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s"
+}
+
+for step in $steps; do
+  case $step in
+    correctness) run correctness 240 python3 scripts/gpu_check.py --compiled --names all,moe,k_eq_v ;;
+    compiler) run compiler 240 python3 scripts/compiler_gpu_check.py --sections kernels,models --names dense32,moe32,all32 --out "$OUT" ;;
+    throughput) run throughput 420 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
+                  --shapes 1024x8x256,4096x8x512,8192x4x512 --out "$OUT" ;;
+    latency) run latency 240 python3 benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 1024,8192 \
+               --out "$OUT/latency.json" ;;
+    peers) run peers 540 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256 \
+             --warmup 1 --runs 3 --peer transformers --peer transformers-static --out "$OUT" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
