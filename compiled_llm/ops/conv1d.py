@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_llm.ops.registry import OpSpec, Provider, register
-from compiled_llm.ops.state import get_state_metadata
+from compiled_llm.ops.state import decode_rows, get_state_metadata, prefill_spans
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
@@ -37,22 +37,15 @@ def causal_conv1d_with_state(x: torch.Tensor, weight: torch.Tensor, cache: torch
                              has_initial_state: list[bool], query_start_loc: list[int]) -> torch.Tensor:
     """Flat tokens of a batch of sequences; cache [num_slots, dim, K-1] is read and updated in place."""
     out = torch.zeros_like(x)  # rows past the last sequence stay zero
-    single = [i for i in range(len(slots)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
-    if single:  # decode tokens, batched
-        dev = x.device
-        rows = torch.tensor([query_start_loc[i] for i in single], device=dev)
-        slot_t = torch.tensor([slots[i] for i in single], device=dev)
-        keep = torch.tensor([has_initial_state[i] for i in single], device=dev)
+    single, batched = decode_rows(slots, has_initial_state, query_start_loc, x.device)
+    if batched:  # decode tokens, batched
+        rows, slot_t, keep = batched
         state = torch.where(keep[:, None, None], cache.index_select(0, slot_t), 0.0)
         y, new = causal_conv1d_step(x.index_select(0, rows), weight, state)
         out.index_copy_(0, rows, y)
         cache.index_copy_(0, slot_t, new.to(cache.dtype))
-    done = set(single)
-    for i, slot in enumerate(slots):
-        start, end = query_start_loc[i], query_start_loc[i + 1]
-        if i in done or end == start:
-            continue
-        y, new = causal_conv1d_ref(x[start:end], weight, cache[slot] if has_initial_state[i] else None)
+    for slot, start, end, carries in prefill_spans(slots, has_initial_state, query_start_loc, single):
+        y, new = causal_conv1d_ref(x[start:end], weight, cache[slot] if carries else None)
         out[start:end] = y
         cache[slot] = new.to(cache.dtype)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from compiled_llm.ops.registry import OpSpec, Provider, register
-from compiled_llm.ops.state import get_state_metadata
+from compiled_llm.ops.state import decode_rows, get_state_metadata, prefill_spans
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -96,24 +96,16 @@ def gated_delta_rule_with_state(q, k, v, g, beta, cache: torch.Tensor, slots: li
     hv = v.shape[1]
     qp, kp = prepare_qk(q, k, hv)
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # rows past the last sequence stay zero
-    single = [i for i in range(len(slots)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
-    if single:  # decode tokens, batched
-        dev = v.device
-        rows = torch.tensor([query_start_loc[i] for i in single], device=dev)
-        slot_t = torch.tensor([slots[i] for i in single], device=dev)
-        keep = torch.tensor([has_initial_state[i] for i in single], device=dev)
+    single, batched = decode_rows(slots, has_initial_state, query_start_loc, v.device)
+    if batched:  # decode tokens, batched
+        rows, slot_t, keep = batched
         state = torch.where(keep[:, None, None, None], cache.index_select(0, slot_t).float(), 0.0)
         pick = lambda x: x.index_select(0, rows)[:, None]  # noqa: E731
         o, new = recurrent_delta_rule(pick(qp), pick(kp), pick(v), pick(g), pick(beta), state)
         out.index_copy_(0, rows, o[:, 0])
         cache.index_copy_(0, slot_t, new.to(cache.dtype))
-    done = set(single)
-    for i, slot in enumerate(slots):
-        start, end = query_start_loc[i], query_start_loc[i + 1]
-        if i in done or end == start:
-            continue
-        state = cache[slot].float()[None] if has_initial_state[i] else v.new_zeros((1, *cache.shape[1:]),
-                                                                                    dtype=torch.float32)
+    for slot, start, end, carries in prefill_spans(slots, has_initial_state, query_start_loc, single):
+        state = cache[slot].float()[None] if carries else v.new_zeros((1, *cache.shape[1:]), dtype=torch.float32)
         sl = slice(start, end)
         o, new = chunk_delta_rule(qp[None, sl], kp[None, sl], v[None, sl], g[None, sl], beta[None, sl], state)
         out[sl] = o[0]

@@ -68,3 +68,24 @@ def get_state_metadata() -> StateMetadata:
     if meta is None:
         raise RuntimeError("a recurrent layer ran without state metadata in the forward context")
     return meta
+
+
+def decode_rows(slots: list[int], has_initial_state: list[bool], query_start_loc: list[int], device):
+    """The sequences that have one token this step, for one batched state update: their indices and,
+    as tensors, their token rows, state slots and whether each carries state (else it starts at zero)."""
+    single = [i for i in range(len(slots)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    if not single:
+        return single, None
+    rows = torch.tensor([query_start_loc[i] for i in single], device=device)
+    slot_t = torch.tensor([slots[i] for i in single], device=device)
+    keep = torch.tensor([has_initial_state[i] for i in single], device=device)
+    return single, (rows, slot_t, keep)
+
+
+def prefill_spans(slots: list[int], has_initial_state: list[bool], query_start_loc: list[int], skip: list[int]):
+    """(slot, start, end, carries state) of every other sequence with tokens this step."""
+    done = set(skip)
+    for i, slot in enumerate(slots):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        if i not in done and end > start:
+            yield slot, start, end, has_initial_state[i]
