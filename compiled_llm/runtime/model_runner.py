@@ -74,8 +74,8 @@ class ModelRunner:
         log.info("op providers: %s", describe(self.op_providers))
         self.compiler = None
         if not config.enforce_eager:
-            if self.state_specs or self.sparse is not None or config.pipeline_parallel_size > 1:
-                log.info("compiler off for this run (recurrent state, sparse KV or pipeline parallel): eager")
+            if self.sparse is not None or config.pipeline_parallel_size > 1:
+                log.info("compiler off for this run (sparse KV or pipeline parallel): eager")
             else:
                 from compiled_llm.compiler import ModelCompiler
                 self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts)
@@ -136,8 +136,20 @@ class ModelRunner:
                 shape = (1 if s.k_eq_v else 2, num_blocks[s.kv_group], self.block_size, s.num_kv_heads, s.head_dim)
                 self.kv_caches[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.state_caches = allocate_states(self.state_specs, self.num_state_slots, self.dtype, self.device)
-        if self.compiler is not None:
-            self.compiler.warm_up(self.kv_caches, self.block_size)  # everything compiles before the first request
+        if self.compiler is not None:  # everything compiles before the first request
+            self.compiler.warm_up(self.kv_caches, self.block_size,
+                                  self._warmup_context if self.state_specs else None)
+
+    def _warmup_context(self, num_seqs: int, tokens_per_seq: int) -> ForwardContext:
+        """Warm-up's dummy batch, with state slots for the recurrent layers (each starts from zeros)."""
+        from compiled_llm.compiler.warmup import dummy_context
+
+        ctx = dummy_context(self.specs, self.kv_caches, self.block_size, num_seqs, tokens_per_seq, self.device)
+        meta = ctx.attn_metadata
+        ctx.extra[STATE_KEY] = StateMetadata(
+            caches=self.state_caches, slots=[i % self.num_state_slots for i in range(num_seqs)],
+            has_initial_state=[False] * num_seqs, query_start_loc=meta.query_start_loc)
+        return ctx
 
     # ---- one step ------------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):
