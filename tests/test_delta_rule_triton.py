@@ -1,4 +1,5 @@
-"""Triton gated-delta-rule kernels against the PyTorch reference, on the CPU through the Triton interpreter.
+"""Triton kernels of the recurrent-state ops (gated delta rule, causal conv1d) against the PyTorch references,
+on the CPU through the Triton interpreter.
 
 TRITON_INTERPRET must be set before triton is first imported, so the checks run as a script in a fresh
 subprocess (`python tests/test_delta_rule_triton.py <group>`); pytest launches it and checks the exit code.
@@ -24,7 +25,7 @@ def _run(group: str, timeout: int = 300):
     assert r.returncode == 0, f"group {group} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("group", ["recurrent", "chunk"])
+@pytest.mark.parametrize("group", ["recurrent", "chunk", "conv1d", "engine"])
 def test_delta_rule_kernels(group):
     _run(group)
 
@@ -81,6 +82,70 @@ def group_chunk():
     _check([5, 40, 1, 17], 2, 4, 16, 16, [False, True, True, False], chunk=16)
     _check([33, 7], 1, 2, 32, 24, [True, False], chunk=32)
     _check([20], 2, 2, 12, 20, [True], chunk=16)
+
+
+def _check_conv(lens, dim, k, init, dtype="float32", seed=0):
+    import torch
+
+    from compiled_llm.ops.conv1d import causal_conv1d_with_state
+    from compiled_llm.ops.triton.conv1d import causal_conv1d_varlen
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    pad = 3  # rows past the last sequence, as under a CUDA-graph bucket
+    x = torch.randn(sum(lens) + pad, dim, generator=g).to(dt)
+    w = torch.randn(dim, k, generator=g).to(dt)
+    cache = torch.randn(len(lens) + 2, dim, k - 1, generator=g).to(dt)
+    for i, keep in enumerate(init):
+        if not keep:
+            cache[i + 1] = float("nan")  # a fresh sequence must not read its slot
+    slots = [i + 1 for i in range(len(lens))]
+    qsl = [0]
+    for ln in lens:
+        qsl.append(qsl[-1] + ln)
+    ref_cache = cache.clone()
+    ref = causal_conv1d_with_state(x, w, ref_cache, slots, init, qsl)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    got = causal_conv1d_varlen(x, w, cache, i32(qsl), i32(slots), i32([int(b) for b in init]))
+    tol = 1e-5 if dt == torch.float32 else 1e-2 * ref.float().abs().max().item()  # the reference rounds in bf16
+    err = (got.float() - ref.float()).abs().max().item()
+    serr = (cache[slots].float() - ref_cache[slots].float()).abs().max().item()
+    print(f"  conv lens={lens} dim={dim} K={k} {dtype}: out {err:.2e} state {serr:.2e}", flush=True)
+    assert err < tol and serr == 0, (err, serr)
+    assert torch.equal(got[sum(lens):], torch.zeros_like(got[sum(lens):]))
+    untouched = [0, len(lens) + 1]
+    assert torch.equal(cache[untouched], ref_cache[untouched])
+
+
+def group_conv1d():
+    _check_conv([1, 1, 1], 40, 4, [True, False, True])  # decode; dim not a multiple of the tile
+    _check_conv([5, 1, 2, 19], 130, 4, [False, True, True, False])  # prefill chunks shorter than K-1 too
+    _check_conv([3, 1], 24, 3, [True, True], dtype="bfloat16")
+
+
+def group_engine():
+    """The tiny Qwen3.5 MoE model end to end with the Triton state ops and the SwiGLU MoE kernel selected
+    (the interpreter makes them eligible on the CPU) gives the reference providers' greedy tokens."""
+    import tempfile
+
+    from compiled_llm import LLM, SamplingParams
+    from qwen3_5_tiny import make_qwen_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        make_qwen_checkpoint(Path(tmp), "moe")
+        prompts = [{"prompt_token_ids": [5 + i for i in range(n)]} for n in (3, 11)]
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        out = {}
+        for name, override in (("triton", None), ("reference", "causal_conv1d=reference,gated_delta_rule=reference,"
+                                                               "swiglu_moe=reference")):
+            llm = LLM(tmp, enforce_eager=True, block_size=4, max_model_len=64, max_num_seqs=4,
+                      max_num_batched_tokens=8, op_providers=override)
+            chosen = llm.engine.runner.op_providers
+            want = "triton" if override is None else "reference"
+            assert all(chosen[op][None] == want for op in ("causal_conv1d", "gated_delta_rule", "swiglu_moe")), chosen
+            out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    print("  engine:", out, flush=True)
+    assert out["triton"] == out["reference"]
 
 
 if __name__ == "__main__":

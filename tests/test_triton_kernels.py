@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST = ["gelu", "decode", "prefill", "moe", "router"]
+FAST = ["gelu", "decode", "prefill", "moe", "swiglu_moe", "router"]
 SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
 
 
@@ -270,6 +270,26 @@ def check_moe():
     _check_moe(5, 8, 64, 48, 3, 1)
     _check_moe(37, 6, 96, 40, 2, 2, policy=(32, 16, 32, 4, 2, 32, 16, 4, 2))
     _check_moe(20, 16, 64, 32, 1, 3)
+
+
+def _check_swiglu(T, E, H, I, k, seed):
+    import torch
+
+    from compiled_llm.ops.swiglu_moe import ref_swiglu_moe
+    from compiled_llm.ops.triton.moe import fused_swiglu_moe
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    probs = torch.softmax(torch.randn(T, E, generator=g), -1)
+    w, ids = torch.topk(probs, k, -1)
+    ref = ref_swiglu_moe(x, w, ids, gate_up, down)
+    _close(f"swiglu moe T={T} E={E} H={H} I={I} k={k}", fused_swiglu_moe(x, gate_up, down, w, ids), ref)
+
+
+def check_swiglu_moe():
+    _check_swiglu(1, 8, 64, 48, 2, 0)
+    _check_swiglu(21, 6, 96, 40, 3, 1)
 
 
 def check_moe_sweep():

@@ -7,6 +7,7 @@ newer transformers writes a `per_layer_config` of overrides. Both resolve to one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass
@@ -22,6 +23,7 @@ class LayerShape:
 
 @dataclass
 class Gemma4TextConfig:
+    moe_op: ClassVar[str] = "geglu_moe"  # the routed-expert op its MoE layers call
     vocab_size: int
     hidden_size: int
     intermediate_size: int

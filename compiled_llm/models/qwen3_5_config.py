@@ -8,12 +8,14 @@ one, with rope settings either in `rope_parameters` (transformers 5) or `rope_th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
 @dataclass
 class Qwen3_5TextConfig:
+    moe_op: ClassVar[str] = "swiglu_moe"  # the routed-expert op its MoE layers call
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -1,6 +1,6 @@
 """Causal depthwise conv1d with a per-sequence state (the last K-1 inputs), SiLU applied.
 
-Reference in plain PyTorch. The state of a slot holds the inputs preceding the sequence's next token,
+Reference in plain PyTorch; the Triton provider is ops/triton/conv1d.py. The state of a slot holds the inputs preceding the sequence's next token,
 so chunked prefill and decode continue exactly where the previous step stopped.
 """
 
@@ -58,6 +58,7 @@ def ref_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, layer_idx: int) -> 
 
 
 CAUSAL_CONV1D = register(OpSpec("causal_conv1d", "depthwise causal conv1d + SiLU with a per-sequence input window", [
+    Provider("triton", "compiled_llm.ops.triton.conv1d:causal_conv1d", lambda caps, shape: caps.triton_ok()),
     Provider("reference", "compiled_llm.ops.conv1d:ref_causal_conv1d"),
 ], splits_graph=True))
 

@@ -32,6 +32,7 @@ def ref_swiglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
 
 
 SWIGLU_MOE = register(OpSpec("swiglu_moe", "routed experts, SiLU-gated MLPs over packed [gate, up] weights", [
+    Provider("triton", "compiled_llm.ops.triton.providers:swiglu_moe", lambda caps, shape: caps.triton_ok()),
     Provider("reference", "compiled_llm.ops.swiglu_moe:ref_swiglu_moe"),
 ]))
 

@@ -1,5 +1,6 @@
-"""Gemma 4 routed experts: fused router (norm + scale + proj + softmax + top-k + renorm + per-expert scale)
-and a GEGLU grouped GEMM over tokens sorted by expert.
+"""Routed experts: Gemma 4's fused router (norm + scale + proj + softmax + top-k + renorm + per-expert scale)
+and a gated-MLP grouped GEMM over tokens sorted by expert: GELU-tanh (GEGLU, Gemma 4) or SiLU (SwiGLU,
+Qwen3.5 MoE), chosen at compile time.
 
 Expert weights are the checkpoint's packed layout: gate_up_proj [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up),
 down_proj [E, H, I]. y_t = sum_k w_tk * down_e(gelu_tanh(gate_e(x_t)) * up_e(x_t)).
@@ -97,8 +98,9 @@ def _gate_up_kernel(
     num_pairs, N, K,
     stride_xt, stride_we, stride_wn, stride_an,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SILU: tl.constexpr,
 ):
-    # act[row] = gelu_tanh(x @ gate[e].T) * (x @ up[e].T) for a block of rows sorted by expert
+    # act[row] = act_fn(x @ gate[e].T) * (x @ up[e].T) for a block of rows sorted by expert
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -125,7 +127,10 @@ def _gate_up_kernel(
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
-    act = _gelu_tanh(acc_g) * acc_u
+    if SILU:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:
+        act = _gelu_tanh(acc_g) * acc_u
     out_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + cols[None, :]
     tl.store(out_ptr, act.to(Act.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -165,10 +170,14 @@ def _down_kernel(
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def fused_geglu_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, policy: MoELaunch | None = None) -> torch.Tensor:
-    """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k] (fp32); topk_ids [T, k].
-    Returns [T, H] in x.dtype."""
+ACTIVATIONS = ("gelu_tanh", "silu")
+
+
+def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, activation: str = "gelu_tanh", policy: MoELaunch | None = None) -> torch.Tensor:
+    """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
+    activation: gelu_tanh (GEGLU) or silu (SwiGLU). Returns [T, H] in x.dtype."""
+    assert activation in ACTIVATIONS, activation
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
@@ -187,7 +196,7 @@ def fused_geglu_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
         num_pairs, inter, hidden,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
-        num_warps=pol.a_warps, num_stages=pol.a_stages,
+        SILU=activation == "silu", num_warps=pol.a_warps, num_stages=pol.a_stages,
     )
     weights = topk_weights.to(torch.float32).contiguous()
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -201,6 +210,14 @@ def fused_geglu_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     if top_k == 1:
         return y
     return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_geglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None):
+    return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="gelu_tanh", policy=policy)
+
+
+def fused_swiglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None):
+    return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", policy=policy)
 
 
 # ----------------------------------------------------------------------------------------------------

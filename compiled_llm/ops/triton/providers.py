@@ -17,7 +17,7 @@ import triton
 from compiled_llm.ops.attention import (AttentionMetadata, AttentionSpec, ForwardContext, GroupMetadata,
                                         get_forward_context, layer_cache, set_forward_context)
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
-from compiled_llm.ops.triton.moe import fused_geglu_moe, fused_router_topk
+from compiled_llm.ops.triton.moe import fused_geglu_moe, fused_router_topk, fused_swiglu_moe
 from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
 
 SPLITS = [1 << i for i in range(8)]  # decode split-K counts the launch policy can pick
@@ -80,6 +80,11 @@ def geglu_moe(x, weights, ids, gate_up_proj, down_proj):
     return fused_geglu_moe(x.contiguous(), gate_up_proj, down_proj, weights, ids)
 
 
+def swiglu_moe(x, weights, ids, gate_up_proj, down_proj):
+    MONITOR.note("swiglu_moe", (x.dtype, gate_up_proj.shape, ids.shape[1]))
+    return fused_swiglu_moe(x.contiguous(), gate_up_proj, down_proj, weights, ids)
+
+
 # ---- JIT warm-up ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -123,11 +128,13 @@ def _attention_compile(key, device) -> None:
             attention(torch.zeros(1, group * head_dim, dtype=dtype, device=device), 0)
 
 
-def _moe_keys(facts: dict) -> list:
-    if not facts.get("num_experts"):
-        return []
-    return [(facts["dtype"], facts["hidden_size"], facts["num_experts"], facts["moe_intermediate_size"],
-             facts["top_k_experts"])]
+def _moe_keys(op: str):
+    def keys(facts: dict) -> list:
+        if not facts.get("num_experts") or facts.get("moe_op") != op:  # the model's routed-expert op only
+            return []
+        return [(facts["dtype"], facts["hidden_size"], facts["num_experts"], facts["moe_intermediate_size"],
+                 facts["top_k_experts"])]
+    return keys
 
 
 def _moe_compile(key, device) -> None:
@@ -141,7 +148,18 @@ def _moe_compile(key, device) -> None:
                   torch.zeros(experts, hidden, inter, dtype=dtype, device=device))
 
 
-register_kernel(JitKernel("paged_attention", "attention", "triton", _attention_keys, _attention_compile))
-register_kernel(JitKernel("geglu_moe", "geglu_moe", "triton", _moe_keys, _moe_compile))
+def _swiglu_compile(key, device) -> None:
+    dtype, hidden, experts, inter, top_k = key
+    for tokens in (1, 64):
+        ids = torch.arange(tokens * top_k, device=device).remainder(experts).view(tokens, top_k)
+        swiglu_moe(torch.zeros(tokens, hidden, dtype=dtype, device=device),
+                   torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype, device=device), ids,
+                   torch.zeros(experts, 2 * inter, hidden, dtype=dtype, device=device),
+                   torch.zeros(experts, hidden, inter, dtype=dtype, device=device))
 
-__all__ = ["attention", "router_topk", "geglu_moe", "scratch_context", "triton"]
+
+register_kernel(JitKernel("paged_attention", "attention", "triton", _attention_keys, _attention_compile))
+register_kernel(JitKernel("geglu_moe", "geglu_moe", "triton", _moe_keys("geglu_moe"), _moe_compile))
+register_kernel(JitKernel("swiglu_moe", "swiglu_moe", "triton", _moe_keys("swiglu_moe"), _swiglu_compile))
+
+__all__ = ["attention", "router_topk", "geglu_moe", "swiglu_moe", "scratch_context", "triton"]
