@@ -1,7 +1,9 @@
-"""The all-reduce + RMSNorm pass under a 2-process gloo tensor-parallel group: Gemma's row-parallel
-projection (partial sums all-reduced through the functional collectives) followed by its RMSNorm,
-compiled with our pass manager, is rewritten to one allreduce_rms_norm op and computes what eager does.
-Each rank runs this file as a script; pytest starts both and checks their exit codes."""
+"""The passes that see a parallel group, under a 2-process gloo tensor-parallel group with expert
+parallelism on: Gemma's row-parallel projection (partial sums all-reduced through the functional
+collectives) followed by its RMSNorm is rewritten to one allreduce_rms_norm op; the experts' traceable
+sum over this rank's experts (routing matrix sliced to them) is rewritten to the routed geglu_moe op.
+Both compute what eager does. Each rank runs this file as a script; pytest starts both and checks their
+exit codes."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def test_allreduce_rms_norm_pass_two_ranks(tmp_path):
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {rank}:\n{out[-4000:]}"
-        assert "matches=1 ok" in out, out[-2000:]
+        assert "matches=1 ok" in out and "geglu_moe ep matches=1 ok" in out, out[-2000:]
 
 
 def worker(rank: int, store: str) -> None:
@@ -35,7 +37,7 @@ def worker(rank: int, store: str) -> None:
     from compiled_llm.models.parallel_layers import RowParallelLinear
     from compiled_llm.passes.manager import PassManager
 
-    state = init_parallel(rank, 2, 1, False, "gloo", init_method=f"file://{store}")
+    state = init_parallel(rank, 2, 1, True, "gloo", init_method=f"file://{store}")
     torch.manual_seed(0)
     proj, norm = RowParallelLinear(32, 16), RMSNorm(16, 1e-6)
     with torch.no_grad():
@@ -56,8 +58,41 @@ def worker(rank: int, store: str) -> None:
     assert n == 1, f"the pass replaced {n} matches"
     err = (got - want).abs().max().item()
     assert err < 1e-5, err
-    destroy_parallel()
     print(f"matches={n} ok")
+    expert_parallel_moe(rank)
+    destroy_parallel()
+
+
+def expert_parallel_moe(rank: int) -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+
+    from compiled_llm.models.gemma4 import Experts
+    from compiled_llm.passes.manager import PassManager
+
+    torch.manual_seed(1)
+    experts = Experts(SimpleNamespace(num_experts=8, hidden_size=32, moe_intermediate_size=16, top_k_experts=3))
+    assert experts.expert_parallel and experts.num_local_experts == 4 and experts.first_expert == 4 * rank
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+    pm = PassManager(("geglu_moe",), torch.float32, "cpu")
+    compiled = torch.compile(experts.routed, fullgraph=True,
+                             backend=lambda gm, ex: compile_fx(gm, ex, config_patches=pm.inductor_config()))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 32, generator=g)
+    weights, ids = torch.topk(torch.softmax(torch.randn(6, 8, generator=g), -1), 3, -1)  # global expert ids
+    with torch.inference_mode():
+        want = experts.routed(x, weights, ids)  # eager: loops over this rank's picked experts
+        got = compiled(x, weights, ids)
+    n = counters["inductor"]["compiled_llm.geglu_moe"]
+    assert n == 1, f"the geglu_moe pass replaced {n} matches"
+    err = (got - want).abs().max().item()
+    assert err < 1e-5 and want.abs().max() > 0, err
+    print(f"geglu_moe ep matches={n} ok")
 
 
 if __name__ == "__main__":

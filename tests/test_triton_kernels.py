@@ -233,7 +233,7 @@ def _check_moe_align(ids, E, bm):
 
     sorted_ids, expert_ids, total = moe_align(ids, E, bm)
     n = ids.numel()
-    assert sorted_ids.numel() == moe_max_padded(n, E, bm) and sorted_ids.numel() % bm == 0
+    assert sorted_ids.numel() == moe_max_padded(n, E + 1, bm) and sorted_ids.numel() % bm == 0
     total = int(total.item())
     assert total % bm == 0 and total <= sorted_ids.numel()
     valid = sorted_ids[:total]
@@ -265,7 +265,32 @@ def _check_moe(T, E, H, I, k, seed, policy=None):
     _close(f"moe T={T} E={E} H={H} I={I} k={k} policy={policy}", out, ref)
 
 
+def _check_moe_skipped(T, E, H, I, k, first, seed):
+    """Expert parallel: ids are global, this rank holds experts [first, first + E); the others are skipped."""
+    import torch
+
+    from compiled_llm.ops.moe import ref_geglu_moe
+    from compiled_llm.ops.triton.moe import fused_geglu_moe
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    w, ids = torch.topk(torch.softmax(torch.randn(T, 3 * E, generator=g), -1), k, -1)
+    local = ids - first
+    keep = (local >= 0) & (local < E)
+    assert keep.any() and not keep.all()
+    ref = torch.zeros(T, H)
+    for t in range(T):  # the local experts only, one pair at a time
+        for j in range(k):
+            if keep[t, j]:
+                gate, up = (gate_up[local[t, j]] @ x[t]).chunk(2)
+                ref[t] += w[t, j] * (down[local[t, j]] @ (torch.nn.functional.gelu(gate, approximate="tanh") * up))
+    _close(f"moe skipped ids reference T={T}", ref_geglu_moe(x, w, local, gate_up, down), ref)
+    _close(f"moe skipped ids T={T} E={E} first={first}", fused_geglu_moe(x, gate_up, down, w, local), ref)
+
+
 def check_moe():
+    _check_moe_skipped(9, 4, 32, 24, 3, 4, 7)
     _check_moe(1, 8, 64, 48, 2, 0)
     _check_moe(5, 8, 64, 48, 3, 1)
     _check_moe(37, 6, 96, 40, 2, 2, policy=(32, 16, 32, 4, 2, 32, 16, 4, 2))

@@ -28,12 +28,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def ref_geglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * down[e] @ (gelu_tanh(gate) * up), [gate, up] = gate_up[e] @ x[t], e = ids[t, j].
-    Loops over the experts that were picked (data-dependent); while a CUDA graph is being captured it
-    computes every expert densely instead, which has static shapes."""
+    Ids outside [0, E) are skipped (expert parallel: another rank's experts). Loops over the experts that
+    were picked (data-dependent); while a CUDA graph is being captured it computes every expert densely
+    instead, which has static shapes."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return dense_geglu_moe(x, weights, ids, gate_up_proj, down_proj)
     out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
+    for e in local_experts(ids, gate_up_proj.shape[0]):
         token, slot = torch.where(ids == e)
         gate, up = F.linear(x[token], gate_up_proj[e]).chunk(2, dim=-1)
         y = F.linear(gelu_tanh(gate) * up, down_proj[e]) * weights[token, slot, None]
@@ -41,9 +42,20 @@ def ref_geglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     return out
 
 
+def local_experts(ids: torch.Tensor, num_experts: int) -> list[int]:
+    """The experts in [0, num_experts) that ids picks (others belong to another rank)."""
+    return [e for e in ids.unique().tolist() if 0 <= e < num_experts]
+
+
+def dense_route(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[tokens, experts] routing matrix, zero off the top-k; ids outside [0, num_experts) add nothing."""
+    valid = (ids >= 0) & (ids < num_experts)
+    route = torch.zeros(ids.shape[0], num_experts, dtype=weights.dtype, device=weights.device)
+    return route.scatter_add_(1, ids.clamp(0, num_experts - 1), torch.where(valid, weights, 0))
+
+
 def dense_geglu_moe(x, weights, ids, gate_up_proj, down_proj):
-    route = torch.zeros(x.shape[0], gate_up_proj.shape[0], dtype=weights.dtype, device=x.device)
-    route.scatter_(1, ids, weights)
+    route = dense_route(weights, ids, gate_up_proj.shape[0])
     gate, up = torch.einsum("th,efh->tef", x, gate_up_proj).chunk(2, dim=-1)
     y = torch.einsum("tei,ehi->teh", gelu_tanh(gate) * up, down_proj)
     return torch.einsum("teh,te->th", y.float(), route.float()).to(x.dtype)

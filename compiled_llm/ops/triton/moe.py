@@ -23,29 +23,33 @@ from compiled_llm.ops.triton._common import _gelu_tanh
 
 
 def moe_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound of the padded length: every expert that has a pair may add block_m - 1 padding rows."""
+    """Upper bound of the padded length: every expert (bucket) that has a pair may add block_m - 1 padding rows."""
     n = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return triton.cdiv(n, block_m) * block_m
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort (token, slot) pairs by expert and pad each expert's segment to a multiple of block_m.
+    """Sort (token, slot) pairs by expert and pad each expert's segment to a multiple of block_m. Pairs whose
+    expert lies outside [0, num_experts) (another rank's, under expert parallelism) go to a last segment
+    whose blocks have expert -1: the kernels write zeros for them.
 
     Returns (sorted_ids [P] int32: flat pair index t * k + j, padding rows hold T * k;
-             expert_ids [P / block_m] int32: expert of each block, -1 past the end;
-             num_padded [1] int32: the used length). P = moe_max_padded(T * k, E, block_m) is known on the host.
+             expert_ids [P / block_m] int32: expert of each block, -1 for skipped pairs and past the end;
+             num_padded [1] int32: the used length). P = moe_max_padded(T * k, E + 1, block_m) is known on the host.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     n = flat.numel()
     dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    buckets = num_experts + 1
+    counts = torch.zeros(buckets, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     seg_start = ends - padded
     order = torch.sort(flat, stable=True).indices
     sorted_e = flat[order]
     rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    size = moe_max_padded(n, num_experts, block_m)
+    size = moe_max_padded(n, buckets, block_m)
     sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
     sorted_ids[seg_start[sorted_e] + rank] = order.to(torch.int32)
     block_start = torch.arange(0, size, block_m, device=dev)
@@ -106,6 +110,8 @@ def _gate_up_kernel(
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
     e = tl.load(ExpertIds + pid_m).to(tl.int64)
+    if e < 0:  # skipped pairs: the down kernel zeroes their rows
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(SortedIds + rows)
     rmask = pair < num_pairs
@@ -153,6 +159,10 @@ def _down_kernel(
     rmask = pair < num_pairs
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
+    y_ptr = Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :]
+    if e < 0:  # pairs of another rank's experts contribute zero
+        tl.store(y_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+        return
     kk = tl.arange(0, BLOCK_K)
     a_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + kk[None, :]
     b_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]
@@ -166,7 +176,6 @@ def _down_kernel(
         b_ptr += BLOCK_K
     w = tl.load(TopkWeights + pair, mask=rmask, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
-    y_ptr = Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :]
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
