@@ -50,7 +50,7 @@ class MultiModalInputs:
     def positions(self, start: int, end: int) -> torch.Tensor:
         """[3, end - start] M-RoPE positions of token indices [start, end)."""
         n = self.mrope.shape[1]
-        tail = torch.arange(max(start, n), end) + self.mrope_delta
+        tail = torch.arange(min(max(start, n), end), end) + self.mrope_delta
         return torch.cat([self.mrope[:, start:min(end, n)], tail.expand(3, -1)], dim=1)
 
     def block_extra(self, block: int, block_size: int) -> bytes:
