@@ -125,6 +125,7 @@ def test_preemption_recomputes_mrope_positions(vl_ckpt):
         check(out, ref)
 
 
+@pytest.mark.slow
 def test_moe_image_prompt_matches_transformers(vl_ckpt):
     folder, hf, proc = vl_ckpt("moe_vl")
     text, images = f"Sliding {IMG} windows", (image(4, 24, 40),)
@@ -152,3 +153,32 @@ def test_different_images_differ_and_share_no_blocks(vl_ckpt):
     assert ha[:first] == hb[:first] and not set(ha[first:]) & set(hb)  # no block from the image on is shared
     assert ha == ha2  # the same image hashes alike (a prefix-cache hit where caching is on)
     assert seqs[0].mm.mrope.shape == (3, len(seqs[0].token_ids))
+
+
+def test_vision_weights_load_strictly(vl_ckpt, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _, _ = vl_ckpt()
+    weights = load_file(str(folder / "model.safetensors"))
+    assert any(k.startswith("model.visual.") for k in weights)  # transformers' layout for the tower
+    model = make_llm(folder).engine.runner.model
+    assert model.visual is not None and model.supported_modalities() == {"image", "video"}
+    for name, change in (("missing", lambda w: w.pop("model.visual.merger.linear_fc2.weight")),
+                         ("unexpected", lambda w: w.update({"model.visual.bogus.weight": torch.zeros(2)}))):
+        dst = tmp_path / name
+        shutil.copytree(folder, dst)
+        w = dict(weights)
+        change(w)
+        save_file(w, str(dst / "model.safetensors"))
+        with pytest.raises(ValueError, match=name):
+            make_llm(dst)
+
+
+def test_placeholder_count_must_match_the_images(vl_ckpt):
+    folder, _, _ = vl_ckpt()
+    llm = make_llm(folder)
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate(prompt(f"One {IMG} only", (image(1, 32, 32), image(2, 32, 32))), PARAMS)
+    assert llm.generate(prompt(f"One {IMG} only", (image(1, 32, 32),)), PARAMS)[0].outputs[0].token_ids
