@@ -178,3 +178,26 @@ def test_serve_flags_build_the_media_policy(tmp_path):
     p = media_policy_from_args(args)
     assert p.allowed_domains == ["example.com", "cdn.example.org"] and p.allowed_local_path == str(tmp_path)
     assert p.limits == {"image": 3, "audio": 4, "video": 0} and p.max_bytes == 1000
+
+
+def test_openai_client_sends_an_image_to_qwen3_5(tmp_path):
+    """A Qwen3.5 checkpoint: the image part becomes <|vision_start|><|image_pad|><|vision_end|> in the
+    message; the answer equals the offline one for the same rendered prompt."""
+    from fastapi.testclient import TestClient
+
+    from compiled_llm.server.app import create_app
+    from qwen3_5_tiny import make_qwen_vl_checkpoint
+
+    make_qwen_vl_checkpoint(tmp_path)
+    llm = LLM(str(tmp_path), enforce_eager=True, max_model_len=128, block_size=4)
+    with TestClient(create_app(llm.engine, served_model_names=["qwen"])) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        out = client.chat.completions.create(model="qwen", max_tokens=5, temperature=0, messages=user(
+            TEXT, {"type": "image_url", "image_url": {"url": png_url(image(1, 32, 32))}}))
+    text = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Describe\n<|vision_start|><|image_pad|><|vision_end|>"}], tokenize=False,
+        add_generation_prompt=True)
+    ref = llm.generate({"prompt": text, "add_special_tokens": False, "multi_modal_data": {"image": image(1, 32, 32)}},
+                       SamplingParams(temperature=0, max_tokens=5))[0]
+    assert out.usage.completion_tokens == 5 and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.choices[0].message.content == ref.outputs[0].text

@@ -193,7 +193,7 @@ def test_registry_declares_capabilities():
     for arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
                  "Qwen3_5MoeForConditionalGeneration"):
         cls = resolve_model_class({"architectures": [arch]})
-        assert cls.uses_mrope is True and cls.supports_multimodal is False
+        assert cls.uses_mrope is True and cls.supports_multimodal == arch.endswith("ConditionalGeneration")
         assert cls.supports_pipeline_parallel is False
 
 

@@ -214,11 +214,9 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    """Qwen3.5 dense text model; also serves Qwen3_5ForConditionalGeneration checkpoints text-only."""
+    """Qwen3.5 dense text model (the conditional-generation checkpoints: models/qwen3_5_mm.py)."""
 
     supports_pipeline_parallel = False
-    # The engine has no multimodal request path yet: conditional-generation checkpoints run text-only here;
-    # the vision pieces (tower, embedding merge, M-RoPE positions) are in models/qwen3_5_vision.py.
     supports_multimodal = False
     uses_mrope = True
     moe = False
@@ -263,7 +261,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 name = "model." + name[len(prefix):]
                 break
         if name.startswith(("model.visual.", "visual.")):
-            return None  # vision tower: not wired in yet
+            return None  # vision tower of a conditional-generation checkpoint (loaded by models/qwen3_5_mm.py)
         if name == "language_model.lm_head.weight":
             name = "lm_head.weight"
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:

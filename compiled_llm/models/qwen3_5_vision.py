@@ -1,13 +1,13 @@
 """Qwen3.5 vision side: the vision tower reused from transformers, and the M-RoPE positions of prompts
 that hold images or videos.
 
-Not wired into the engine yet (the multimodal request path is its own issue); what the engine will need:
-- `VisionTower(vision_config).load(folder)` then `tower(pixel_values, grid_thw)`: one embedding per merged
-  patch (spatial_merge_size^2 patches), in the order of the placeholder tokens;
-- `merge_embeddings(...)` puts them at the image/video placeholder tokens of the text embeddings;
+Used by models/qwen3_5_mm.py (the engine's media path, docs/multimodal.md):
+- `VisionTower(vision_config)` then `tower(pixel_values, grid_thw)`: one embedding per merged patch
+  (spatial_merge_size^2 patches), in the order of the placeholder tokens;
+- `merge_embeddings(...)` puts them at the image/video placeholder tokens of the text embeddings (the engine
+  merges per prefill chunk instead; this one serves model-level checks);
 - `mrope_positions(...)` gives the [3, tokens] positions of the prompt and the delta that later text tokens
   add to their index (position = index + delta on all three components).
-The text model takes `inputs_embeds` and [3, tokens] positions for such prompts.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma4ForConditionalGeneration": ("compiled_llm.models.gemma4_mm", "Gemma4ForConditionalGeneration"),
     "Qwen3_5ForCausalLM": ("compiled_llm.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("compiled_llm.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
-    # Text-only until the vision tower lands: the language model's weights are loaded, `model.visual.*` skipped.
-    "Qwen3_5ForConditionalGeneration": ("compiled_llm.models.qwen3_5", "Qwen3_5ForCausalLM"),
-    "Qwen3_5MoeForConditionalGeneration": ("compiled_llm.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    # Our text backbone plus transformers' vision tower (models/qwen3_5_mm.py, docs/multimodal.md).
+    "Qwen3_5ForConditionalGeneration": ("compiled_llm.models.qwen3_5_mm", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("compiled_llm.models.qwen3_5_mm", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 

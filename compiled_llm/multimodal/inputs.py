@@ -42,6 +42,16 @@ class MultiModalInputs:
     # frame); the scheduler never splits one across prefill chunks
     bidir_spans: list[tuple[int, int]] = field(default_factory=list)
     embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # item index -> soft tokens, while prefilling
+    # M-RoPE models (Qwen3.5): [3, prompt tokens] positions of the prompt; a later token at index i
+    # (generated, or recomputed after a preemption) has position i + mrope_delta on all three components
+    mrope: torch.Tensor | None = None
+    mrope_delta: int = 0
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] M-RoPE positions of token indices [start, end)."""
+        n = self.mrope.shape[1]
+        tail = torch.arange(min(max(start, n), end), end) + self.mrope_delta
+        return torch.cat([self.mrope[:, start:min(end, n)], tail.expand(3, -1)], dim=1)
 
     def block_extra(self, block: int, block_size: int) -> bytes:
         """The media hashes of the items whose placeholders fall in this block (prefix-cache key part)."""

@@ -72,6 +72,30 @@ def _video_frames(video) -> np.ndarray:
     return v
 
 
+def _grid_items(out, ids_t: torch.Tensor, tok: dict[str, int], n_images: int, n_videos: int, check) -> list:
+    """Items of a processor that flattens every item's patches into one tensor, with a (t, h, w) grid per
+    item (Qwen-VL): each item takes its grid's t*h*w patch rows. A video's frames are separate placeholder
+    runs (timestamp text between them): one run per temporal grid step."""
+    items = []
+    for m, n, pix_key, grid_key in (("image", n_images, "pixel_values", "image_grid_thw"),
+                                    ("video", n_videos, "pixel_values_videos", "video_grid_thw")):
+        if not n:
+            continue
+        grids = out[grid_key].reshape(-1, 3)
+        check(m, grids.shape[0], n)
+        spans = runs(ids_t, tok[m])
+        per_item = [int(g[0]) if m == "video" else 1 for g in grids]
+        check(m + " frame" if m == "video" else m, len(spans), sum(per_item))
+        row = run = 0
+        for g, k in zip(grids, per_item):
+            size = int(g.prod())
+            t = {pix_key: out[pix_key][row:row + size], grid_key: g[None].clone()}
+            pos = torch.cat([torch.arange(s, e) for s, e in spans[run:run + k]])
+            items.append(MediaItem(m, t, pos, tensor_hash(m, t)))
+            row, run = row + size, run + k
+    return items
+
+
 def process_multimodal_prompt(engine, prompt: dict) -> tuple[str, list[int], MultiModalInputs | None]:
     """Runs the processor; returns (text, token ids, media) for LLMEngine.add_request. ValueError on bad input."""
     text = prompt.get("prompt")
@@ -125,6 +149,9 @@ def process_multimodal_prompt(engine, prompt: dict) -> tuple[str, list[int], Mul
             raise ValueError(f"the prompt has {got} {m} placeholder(s) for {want} {m} item(s); put one "
                              f"placeholder per item in the text")
 
+    if "image_grid_thw" in out or "video_grid_thw" in out:  # Qwen-VL layout: flat patches plus a grid per item
+        items = _grid_items(out, ids_t, tok, len(images), len(videos), check)
+        images = videos = []
     if images:
         spans = runs(ids_t, tok["image"])
         check("image", len(spans), len(images))
@@ -154,7 +181,10 @@ def process_multimodal_prompt(engine, prompt: dict) -> tuple[str, list[int], Mul
                  "input_features_mask": out["input_features_mask"][i:i + 1]}
             items.append(MediaItem("audio", t, torch.arange(s, e), tensor_hash("audio", t)))
     items.sort(key=lambda it: it.first)
-    bidir = []
+    mm = MultiModalInputs(items)
+    if hasattr(model, "prompt_positions"):  # M-RoPE: [3, tokens] positions for the prompt
+        mm.mrope, mm.mrope_delta = model.prompt_positions(ids_t.tolist(), items)
+    bidir = mm.bidir_spans
     if getattr(model, "bidirectional_vision", False):
         for m in ("image", "video"):
             if m in tok:
@@ -165,4 +195,4 @@ def process_multimodal_prompt(engine, prompt: dict) -> tuple[str, list[int], Mul
             raise ValueError(f"an image or video frame takes {max(e - s for s, e in bidir)} tokens, more than one "
                              f"step's budget (max_num_batched_tokens={cfg.max_num_batched_tokens}); its tokens "
                              "attend to each other both ways, so they must be prefilled in one step")
-    return text, ids_t.tolist(), MultiModalInputs(items, bidir)
+    return text, ids_t.tolist(), mm

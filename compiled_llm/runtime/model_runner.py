@@ -32,6 +32,21 @@ def read_hf_config(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def mrope_batch_positions(batch: list[ScheduledSeq], flat: torch.Tensor) -> torch.Tensor:
+    """[3, tokens] positions of a step where some sequence has M-RoPE prompt positions (a prompt with media):
+    its tokens take them (index + delta past the prompt); other sequences' positions repeat on all three."""
+    out, offset = [], 0
+    for item in batch:
+        seq, n = item.seq, item.num_tokens
+        mm = seq.mm
+        if mm is not None and mm.mrope is not None:
+            out.append(mm.positions(seq.num_computed_tokens, seq.num_computed_tokens + n))
+        else:
+            out.append(flat[offset:offset + n].expand(3, -1))
+        offset += n
+    return torch.cat(out, dim=1)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -177,8 +192,13 @@ class ModelRunner:
                                      torch.tensor(slots[g], dtype=torch.long, device=self.device))
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas)
         dev = self.device
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta, torch.tensor(logit_rows, dtype=torch.long, device=dev))
+        positions = torch.tensor(pos, dtype=torch.long)
+        if any(getattr(item.seq.mm, "mrope", None) is not None for item in batch):
+            positions = mrope_batch_positions(batch, positions)
+            if bool((positions == positions[:1]).all()):  # text and decode tokens only: one row says it all,
+                positions = positions[0]  # and the step keeps the compiled path
+        return (torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta,
+                torch.tensor(logit_rows, dtype=torch.long, device=dev))
 
     def forward_context(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> ForwardContext:
         """The context the ops read: KV cache and, for hybrid models, each sequence's state slot
@@ -221,7 +241,8 @@ class ModelRunner:
         kwargs = {} if intermediate is None else {"intermediate": intermediate}
         if inputs_embeds is not None:
             kwargs["inputs_embeds"] = inputs_embeds
-        forward = self.compiler if self.compiler is not None and not kwargs else self.model
+        compiled = self.compiler is not None and not kwargs and positions.dim() == 1  # M-RoPE steps: eager
+        forward = self.compiler if compiled else self.model
         with set_forward_context(ctx):
             hidden = forward(input_ids, positions, **kwargs)
         if isinstance(hidden, dict):

@@ -39,10 +39,12 @@ def media_placeholders(engine) -> dict[str, str]:
         except (ValueError, OSError):
             return {}
     out = {}
+    # Qwen-VL processors expand a bare pad token; the model expects it between vision start/end markers
+    start, end = getattr(proc, "vision_start_token", None), getattr(proc, "vision_end_token", None)
     for m in supported:
         token = getattr(proc, f"{m}_token", None)
         if token:
-            out[m] = token
+            out[m] = start + token + end if start and end and m in ("image", "video") else token
     return out
 
 
