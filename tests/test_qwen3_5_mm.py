@@ -92,6 +92,19 @@ def test_image_prompt_matches_transformers(vl_ckpt):
     assert llm.generate({"prompt_token_ids": ids}, PARAMS)[0].outputs[0].token_ids == hf_greedy(hf, ids, N)
 
 
+def test_compiled_engine_image_prompt_matches_transformers(vl_ckpt):
+    """Compiled engine: the image prefill runs eager ([3, tokens] positions, merged embeddings); its decode
+    steps, whose three position rows are equal, take the compiled pieces with 1-D positions."""
+    folder, hf, proc = vl_ckpt()
+    text, images = TWO
+    llm = make_llm(folder, enforce_eager=False, cudagraph_batch_sizes="1,2", jit_monitor="error")
+    calls = []
+    compiled = llm.engine.runner.compiler
+    llm.engine.runner.compiler = lambda ids, pos: calls.append(pos.dim()) or compiled(ids, pos)
+    check(llm.generate(prompt(text, images), PARAMS)[0], two_ref(hf, proc))
+    assert calls and set(calls) == {1} and len(calls) >= N - 1  # every decode step compiled
+
+
 def test_video_prompt_matches_transformers(vl_ckpt):
     folder, hf, proc = vl_ckpt()
     text, video = f"A tiny {VID} model", video_clip(2, frames=4)
