@@ -327,10 +327,15 @@ def test_tp2_and_pp2_with_an_image(tmp_path):
     prompt = {"prompt": "The quick <|image|> brown fox", "multi_modal_data": {"image": image(1)}}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = LLM(str(tmp_path), enforce_eager=True, max_model_len=320, block_size=8).generate(prompt, params)
-    for kw in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+    for kw, held in ((dict(tensor_parallel_size=2), [["held"], ["held"]]), (dict(pipeline_parallel_size=2),
+                                                                          [["held"], []])):
         llm = LLM(str(tmp_path), enforce_eager=True, max_model_len=320, block_size=8, **kw)
         try:
             assert llm.generate(prompt, params)[0].outputs[0].token_ids == ref[0].outputs[0].token_ids, kw
+            llm.engine.add_request("held", prompt, params)
+            assert llm.engine.runner.collective_rpc("media_requests") == held
+            llm.engine.abort_request("held")
+            assert llm.engine.runner.collective_rpc("media_requests") == [[], []]
         finally:
             llm.engine.shutdown()
 
