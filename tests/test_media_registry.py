@@ -39,7 +39,8 @@ def media() -> MultiModalInputs:
     g = torch.Generator().manual_seed(0)
     img = {"pixel_values": torch.randn(1, 20, 48, generator=g).to(torch.bfloat16),
            "image_position_ids": torch.randint(0, 9, (1, 20, 2), generator=g)}
-    aud = {"input_features": torch.randn(1, 30, 128, generator=g), "input_features_mask": torch.rand(1, 30, generator=g) > 0.3}
+    aud = {"input_features": torch.randn(1, 30, 128, generator=g),
+           "input_features_mask": torch.rand(1, 30, generator=g) > 0.3}
     return MultiModalInputs([MediaItem("image", img, torch.arange(3, 8), tensor_hash("image", img)),
                              MediaItem("audio", aud, torch.arange(10, 14), tensor_hash("audio", aud))])
 

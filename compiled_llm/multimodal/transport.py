@@ -73,12 +73,12 @@ def pack(items: list[tuple[str, int, dict[str, torch.Tensor]]], inline: bool = F
 
 def unpack(m: Manifest, device: torch.device | str = "cpu") -> list[tuple[str, int, dict[str, torch.Tensor]]]:
     """This rank's own copy of every item's tensors, on device."""
-    if m.payload is not None:
-        data = torch.frombuffer(bytearray(m.payload), dtype=torch.uint8) if m.nbytes else torch.zeros(0, dtype=torch.uint8)
-    elif m.nbytes:
-        data = torch.from_file(m.path, shared=False, size=m.nbytes, dtype=torch.uint8)
-    else:
+    if not m.nbytes:
         data = torch.zeros(0, dtype=torch.uint8)
+    elif m.payload is not None:
+        data = torch.frombuffer(bytearray(m.payload), dtype=torch.uint8)
+    else:  # a private mapping of the shared file; each tensor is copied out of it
+        data = torch.from_file(m.path, shared=False, size=m.nbytes, dtype=torch.uint8)
     out = []
     for modality, num_tokens, slots in m.items:
         tensors = {}

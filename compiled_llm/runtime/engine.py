@@ -143,7 +143,11 @@ class LLMEngine:
                              "for at least one generated token")
         max_tokens = limit - len(ids) if params.max_tokens is None else min(params.max_tokens, limit - len(ids))
         if mm is not None and hasattr(self.runner, "register_media"):  # parallel: every rank gets the media once
-            self.runner.register_media(request_id, mm)
+            try:
+                self.runner.register_media(request_id, mm)
+            except EngineDeadError as e:
+                self._dead = e
+                raise
         now = arrival_time or time.time()
         seqs = []
         for i in range(params.n):
