@@ -78,7 +78,6 @@ def media_prompt(text: str, parts: list, policy: MediaPolicy) -> dict:
     return {"prompt": text, "multi_modal_data": data, "add_special_tokens": False}
 
 
-
 def expanded_token_ids(state, prompt: dict) -> list[int]:
     """The token ids the model sees for a media prompt: placeholders expanded by the checkpoint's processor
     (/tokenize). Runs the server's own processor, off the engine thread; 400 for what admission refuses."""
@@ -86,9 +85,9 @@ def expanded_token_ids(state, prompt: dict) -> list[int]:
 
     engine = state.engine
     with state.processor_lock:  # one thread at a time: the processor's tokenizer is not thread safe
-        if state.processor is None:
-            state.processor = load_processor(engine.config.tokenizer or engine.config.resolved_model())
         try:
+            if state.processor is None:
+                state.processor = load_processor(engine.config.tokenizer or engine.config.resolved_model())
             _, ids, _ = process_multimodal_prompt(engine, prompt, processor=state.processor)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
