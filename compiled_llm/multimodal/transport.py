@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ def pack(items: list[tuple[str, int, dict[str, torch.Tensor]]], inline: bool = F
         for o, flat in flats:
             buf[o:o + flat.numel()] = flat
         return Manifest(layout, off, payload=buf.numpy().tobytes())
-    path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{next(_names)}")
+    path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{next(_names)}-{secrets.token_hex(4)}")  # (pids recur)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, off)
