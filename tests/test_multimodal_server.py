@@ -201,3 +201,42 @@ def test_openai_client_sends_an_image_to_qwen3_5(tmp_path):
                        SamplingParams(temperature=0, max_tokens=5))[0]
     assert out.usage.completion_tokens == 5 and out.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert out.choices[0].message.content == ref.outputs[0].text
+
+
+def test_tokenize_expands_media_placeholders(mm_server):
+    """/tokenize of a chat with media gives the ids the model sees (the processor's expanded placeholders)."""
+    from transformers import AutoProcessor
+
+    from multimodal_tiny import IMAGE
+
+    http, folder, _ = mm_server
+    msgs = user(TEXT, {"type": "image_url", "image_url": {"url": png_url(image(1))}},
+                {"type": "input_audio", "input_audio": {"data": wav_b64(audio_clip(2)), "format": "wav"}})
+    r = http.post("/tokenize", json={"messages": msgs, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    proc = AutoProcessor.from_pretrained(folder)
+    text = proc.tokenizer.apply_chat_template([{"role": "user", "content": "Describe\n<|image|>\n<|audio|>"}],
+                                              tokenize=False, add_generation_prompt=True)
+    pcm = np.frombuffer(base64.b64decode(wav_b64(audio_clip(2)))[44:], "<i2").astype(np.float32) / 32768
+    want = proc(text=[text], images=[[image(1)]], audio=[pcm], add_special_tokens=False,
+                return_tensors="pt")["input_ids"][0].tolist()
+    assert body["tokens"] == want and body["count"] == len(want) and body["max_model_len"] == 400
+    assert want.count(IMAGE) > 1 and len(body["token_strs"]) == len(want)
+    chat = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+    assert chat.json()["usage"]["prompt_tokens"] == body["count"]
+    text_only = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert text_only.status_code == 200 and IMAGE not in text_only.json()["tokens"]
+
+
+@pytest.mark.parametrize("case", ["malformed base64", "domain not allowed", "placeholder", "too many"])
+def test_tokenize_bad_media_is_the_chat_400(mm_server, case):
+    http, _, _ = mm_server
+    img = {"type": "image_url", "image_url": {"url": png_url(image(1))}}
+    parts = {"placeholder": [{"type": "text", "text": "a literal <|image|> placeholder"}, img],
+             "too many": [TEXT, img, img, img]}.get(case) or [TEXT, BAD[case][0]]
+    r = http.post("/tokenize", json={"messages": user(*parts)})
+    chat = http.post("/v1/chat/completions", json={"messages": user(*parts), "max_tokens": 2})
+    assert r.status_code == chat.status_code == 400, r.text
+    assert r.json()["error"]["message"] == chat.json()["error"]["message"]
+    assert r.json()["error"]["type"] == chat.json()["error"]["type"]

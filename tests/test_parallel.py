@@ -319,17 +319,58 @@ def test_torchrun_ranks(tiny_ckpt):
 
 @pytest.mark.slow
 def test_tp2_and_pp2_with_an_image(tmp_path):
-    """Media towers run on rank 0; their features travel with the step and every rank of the first stage
-    merges them (the embedding is a collective under TP)."""
+    """Every rank of the first stage registers the image once and runs the towers itself; the steps carry
+    only references (under PP the later stage keeps nothing). Tokens equal the one-process run."""
     from multimodal_tiny import image, make_mm_checkpoint
 
     make_mm_checkpoint(tmp_path, audio=False)
     prompt = {"prompt": "The quick <|image|> brown fox", "multi_modal_data": {"image": image(1)}}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = LLM(str(tmp_path), enforce_eager=True, max_model_len=320, block_size=8).generate(prompt, params)
-    for kw in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+    for kw, held in ((dict(tensor_parallel_size=2), [["held"], ["held"]]), (dict(pipeline_parallel_size=2),
+                                                                          [["held"], []])):
         llm = LLM(str(tmp_path), enforce_eager=True, max_model_len=320, block_size=8, **kw)
         try:
             assert llm.generate(prompt, params)[0].outputs[0].token_ids == ref[0].outputs[0].token_ids, kw
+            llm.engine.add_request("held", prompt, params)
+            assert llm.engine.runner.collective_rpc("media_requests") == held
+            llm.engine.abort_request("held")
+            assert llm.engine.runner.collective_rpc("media_requests") == [[], []]
         finally:
             llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_media_registration_rolls_back_and_releases(tmp_path, monkeypatch):
+    """Rank 1 refuses one request's media (the test hook): the request fails with rank 1's own message, rank 0
+    rolls back, the engine stays healthy and the next image requests (preempted ones among them) give the
+    single-process tokens. Once requests end (finish or abort) every rank's registry and /dev/shm are empty."""
+    from compiled_llm.multimodal import transport
+    from compiled_llm.runtime.workers import MEDIA_FAULT_ENV
+    from multimodal_tiny import image, make_mm_checkpoint
+
+    make_mm_checkpoint(tmp_path, audio=False)
+    monkeypatch.setenv(MEDIA_FAULT_ENV, "1:bad")  # the spawned worker inherits it
+    text = "The quick brown fox <|image|> jumps over the lazy dog"
+    prompts = [{"prompt": text, "multi_modal_data": {"image": image(i)}} for i in (1, 2)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(enforce_eager=True, max_model_len=200, block_size=8, num_kv_blocks=30, enable_prefix_caching=False)
+    ref = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **kw).generate(prompts, params)]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **kw)
+    try:
+        runner = llm.engine.runner
+        with pytest.raises(ValueError, match="on rank 1: RuntimeError: media registration fault injected on rank 1"):
+            llm.engine.add_request("bad", prompts[0], params)
+        assert runner.collective_rpc("media_requests") == [[], []]
+        assert llm.engine.is_healthy() and not llm.engine.has_unfinished_requests()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+        assert llm.engine.scheduler.num_preemptions > 0  # a preempted request kept its registration
+        assert runner.collective_rpc("media_requests") == [[], []]
+        llm.engine.add_request("aborted", prompts[1], params)
+        assert runner.collective_rpc("media_requests") == [["aborted"], ["aborted"]]
+        llm.engine.step()
+        llm.engine.abort_request("aborted")
+        assert runner.collective_rpc("media_requests") == [[], []]
+        assert not [n for n in os.listdir(transport.SHM_DIR) if n.startswith(f"{transport.PREFIX}{os.getpid()}-")]
+    finally:
+        llm.engine.shutdown()

@@ -96,8 +96,9 @@ def _grid_items(out, ids_t: torch.Tensor, tok: dict[str, int], n_images: int, n_
     return items
 
 
-def process_multimodal_prompt(engine, prompt: dict) -> tuple[str, list[int], MultiModalInputs | None]:
-    """Runs the processor; returns (text, token ids, media) for LLMEngine.add_request. ValueError on bad input."""
+def process_multimodal_prompt(engine, prompt: dict, processor=None) -> tuple[str, list[int], MultiModalInputs | None]:
+    """Runs the processor; returns (text, token ids, media) for LLMEngine.add_request. ValueError on bad input.
+    processor: another thread's own processor (the server's /tokenize); default: the engine's."""
     text = prompt.get("prompt")
     data = prompt.get("multi_modal_data") or {}
     if not isinstance(text, str) or not text:
@@ -119,7 +120,7 @@ def process_multimodal_prompt(engine, prompt: dict) -> tuple[str, list[int], Mul
         if items and m not in supported:
             raise ValueError(f"this model does not take {m} input" +
                              (f" (it takes: {', '.join(sorted(supported))})" if supported else ""))
-    proc = getattr(engine, "_mm_processor", None)
+    proc = processor or getattr(engine, "_mm_processor", None)
     if proc is None:
         proc = engine._mm_processor = load_processor(engine.config.tokenizer or engine.config.resolved_model())
     for m, items in zip(MODALITIES, (images, audios, videos)):

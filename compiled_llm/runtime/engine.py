@@ -46,6 +46,7 @@ class _Request:
         self.prompt_token_ids = prompt_token_ids
         self.seqs = seqs
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.has_media = any(s.mm is not None for s in seqs)
 
     @property
     def finished(self) -> bool:
@@ -141,6 +142,12 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {limit}, which must leave room "
                              "for at least one generated token")
         max_tokens = limit - len(ids) if params.max_tokens is None else min(params.max_tokens, limit - len(ids))
+        if mm is not None and hasattr(self.runner, "register_media"):  # parallel: every rank gets the media once
+            try:
+                self.runner.register_media(request_id, mm)
+            except EngineDeadError as e:
+                self._dead = e
+                raise
         now = arrival_time or time.time()
         seqs = []
         for i in range(params.n):
@@ -166,6 +173,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
+        self._release_media([req])
         return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -195,13 +203,25 @@ class LLMEngine:
         for seq, res in zip(done, results):
             self._append_token(seq, res, now)
             touched[seq.request_id] = self.requests[seq.request_id]
-        outputs = []
+        outputs, ended = [], []
         for req in touched.values():
             outputs.append(self._output(req))
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
+                ended.append(req)
+        self._release_media(ended)
         return outputs
+
+    def _release_media(self, reqs: list[_Request]) -> None:
+        """Ended requests' media registrations go on every rank (parallel engines; a preempted request keeps
+        its registration). A dead worker shows at the next step, not here (abort runs in cleanup paths)."""
+        rids = [r.request_id for r in reqs if r.has_media]
+        if rids and self._dead is None and hasattr(self.runner, "release_media"):
+            try:
+                self.runner.release_media(rids)
+            except EngineDeadError as e:
+                self._dead = e
 
     def _stop_ids(self, seq: Sequence) -> set[int]:
         ids = set(seq.params.stop_token_ids)

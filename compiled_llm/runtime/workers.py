@@ -39,7 +39,8 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.distributed.communication import broadcast_object, gather_objects, recv_tensors, send_tensors
 from compiled_llm.distributed.parallel_state import (abort_parallel, destroy_parallel, get_parallel_state,
                                                      init_parallel, resolve_backend)
-from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, prepare_media
+from compiled_llm.multimodal import transport
+from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, merge, plan_media, soft_tokens
 from compiled_llm.ops.attention import AttentionMetadata, ForwardContext
 from compiled_llm.runtime.errors import EngineDeadError
 
@@ -129,6 +130,15 @@ def _move(obj, device: torch.device):
 
 
 @dataclass
+class MediaRefs:
+    """A step's media, by reference: each first-stage rank runs the towers on its registered copy."""
+
+    rows: torch.Tensor  # step rows that take soft tokens, in the order of refs
+    refs: list[tuple[str, int, int, int]]  # (request id, item index, first soft token, end)
+    done: list[str]  # requests whose prompt ends in this step: drop their cached soft tokens after it
+
+
+@dataclass
 class StepInput:
     """One prepared step, as every rank runs it."""
 
@@ -137,22 +147,20 @@ class StepInput:
     meta: AttentionMetadata
     rows: torch.Tensor  # token rows whose logits are wanted
     extra: dict  # forward-context extras (no per-rank state in them)
-    media: tuple[torch.Tensor, torch.Tensor] | None = None  # (token rows, tower features) to merge in
+    media: MediaRefs | None = None
 
 
-class _MediaCapture:
-    """The model as prepare_media sees it, except that the final merge is recorded, not run: under tensor
-    parallelism the embedding is a collective, so every rank of the first stage merges for itself."""
+# Test hook: "RANK:REQUEST_ID" makes that rank refuse that request's media registration.
+MEDIA_FAULT_ENV = "COMPILED_LLM_MEDIA_REGISTRATION_FAULT"
 
-    def __init__(self, model):
-        self._model = model
-        self.merge = None
 
-    def __getattr__(self, name):
-        return getattr(self._model, name)
+@dataclass
+class RegisteredMedia:
+    """One request's media on one rank: (modality, soft-token count, tensors) per item, and the soft tokens
+    computed so far (kept until the prompt is done; a preempted request recomputes them)."""
 
-    def embed_with_media(self, input_ids: torch.Tensor, rows: torch.Tensor, features: torch.Tensor):
-        self.merge = (rows, features)
+    items: list[tuple[str, int, dict[str, torch.Tensor]]]
+    embeds: dict[int, torch.Tensor]
 
 
 # ---- one rank's shard ----------------------------------------------------------------------------
@@ -166,6 +174,7 @@ class RankWorker:
         if str(config.device).startswith("cuda"):
             torch.cuda.set_device(self.ps.local_rank)
         self.runner = ModelRunner(rank_config(config, self.ps.local_rank))
+        self.media: dict[str, RegisteredMedia] = {}  # request id -> its media (first stage only)
 
     # control calls (the driver runs them on every rank through `ParallelRunner.collective_rpc`)
     def kv_info(self) -> tuple[set, dict]:
@@ -198,6 +207,38 @@ class RankWorker:
                 "layers": (getattr(m, "start_layer", None), getattr(m, "end_layer", None)),
                 "device": str(self.runner.device)}
 
+    # media of multimodal requests: registered once when admitted, released when they end
+    def register_media(self, request_id: str, manifest: transport.Manifest) -> str | None:
+        """Copies the request's processor tensors into this rank's registry. Returns None, or the error text:
+        it never raises, so a bad registration cannot end the worker loop. Later pipeline stages keep
+        nothing (the towers live on the first stage)."""
+        try:
+            if os.environ.get(MEDIA_FAULT_ENV) == f"{self.ps.rank}:{request_id}":
+                raise RuntimeError(f"media registration fault injected on rank {self.ps.rank}")
+            if self.ps.is_first_stage:
+                self.media[request_id] = RegisteredMedia(transport.unpack(manifest, self.runner.device), {})
+            return None
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which rolls back on every rank
+            return f"{type(e).__name__}: {e}"
+
+    def release_media(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.media.pop(rid, None)
+
+    def media_requests(self) -> list[str]:
+        return sorted(self.media)
+
+    def _media_embeds(self, input_ids: torch.Tensor, media: MediaRefs) -> torch.Tensor:
+        model, feats = self.runner.model, []
+        for rid, k, lo, hi in media.refs:
+            entry = self.media[rid]
+            modality, num_tokens, tensors = entry.items[k]
+            feats.append(soft_tokens(model, entry.embeds, k, modality, tensors, num_tokens)[lo:hi])
+        for rid in media.done:
+            if rid in self.media:
+                self.media[rid].embeds.clear()
+        return merge(model, input_ids, media.rows, feats)
+
     # the step
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
@@ -213,8 +254,8 @@ class RankWorker:
             shapes = r.model.intermediate_shapes(n, r.dtype)
             intermediate = recv_tensors(shapes, ps.global_rank(ps.pp_rank - 1, ps.tp_rank), dev)
         embeds = None
-        if step.media is not None and ps.is_first_stage:  # towers ran on rank 0; merge their features here
-            embeds = r.model.embed_with_media(step.input_ids, *step.media)
+        if step.media is not None and ps.is_first_stage:  # towers run here, on this rank's registered copy
+            embeds = self._media_embeds(step.input_ids, step.media)
         out = r.execute_prepared(step.input_ids, step.positions, ctx, step.rows, intermediate, embeds)
         if not ps.is_last_stage:
             send_tensors(out, ps.global_rank(ps.pp_rank + 1, ps.tp_rank))
@@ -393,6 +434,9 @@ class ParallelRunner:
         check_parallel_config(config, resolve_model_class(read_hf_config(folder)))
         self.config = config
         self.dead: EngineDeadError | None = None
+        # all ranks on this node see its /dev/shm; across nodes media bytes travel with the RPC
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size(config)))
+        self.ranks_share_memory = config.nnodes == 1 and local_world >= world_size(config)
         self.procs: WorkerProcesses | None = None
         backend = resolve_backend(config.distributed_backend, config.device)
         world = world_size(config)
@@ -479,17 +523,39 @@ class ParallelRunner:
             input_ids, positions, meta, rows = self.local.prepare(batch)
             ctx = self.local.forward_context(batch, meta)
             media = None
-            if has_media(batch):  # the media towers live on rank 0's stage; their features travel with the step
-                capture = _MediaCapture(self.local.model)
-                input_ids, _, spans = prepare_media(capture, batch, input_ids)
-                ctx.extra[BIDIR_KEY] = spans
-                media = capture.merge
+            if has_media(batch):  # the step names the media; every first-stage rank embeds its own copy
+                plan = plan_media(batch, input_ids, self.local.model.pad_token_id)
+                input_ids = plan.input_ids
+                ctx.extra[BIDIR_KEY] = plan.spans
+                media = MediaRefs(plan.rows, [(s.request_id, k, lo, hi) for s, k, lo, hi in plan.refs],
+                                  sorted({s.request_id for s in plan.done}))
             step = StepInput(input_ids, positions, meta, rows, ctx.extra, media)
             cpu = torch.device("cpu")
             broadcast_object(("execute", (step if self.local.device.type == "cpu" else _move(step, cpu),), False))
             return self.worker.execute(step)
         except Exception as e:
             raise self._fail(e) from e
+
+    def register_media(self, request_id: str, mm) -> None:
+        """Hands a multimodal request's processor tensors to every rank once (docs/multimodal.md). If a rank
+        fails, every rank forgets the request and the first failure's own message is raised as a ValueError;
+        the workers keep serving."""
+        items = [(it.modality, it.positions.numel(), it.tensors) for it in mm.items]
+        manifest = transport.pack(items, inline=not self.ranks_share_memory)
+        try:
+            errors = self.collective_rpc("register_media", request_id, manifest)
+        finally:
+            transport.unlink(manifest)  # every rank has copied (or given up)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        if failed:
+            self.collective_rpc("release_media", [request_id], gather=False)
+            rank, error = failed[0]
+            raise ValueError(f"the media could not be registered on rank {rank}: {error}")
+
+    def release_media(self, request_ids: list[str]) -> None:
+        """Drops finished or aborted requests' media on every rank."""
+        if request_ids:
+            self.collective_rpc("release_media", list(request_ids), gather=False)
 
     def collective_rpc(self, method: str, *args, gather: bool = True) -> list | None:
         """Runs RankWorker.method(*args) on every rank; returns the results in rank order."""

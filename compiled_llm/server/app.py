@@ -12,7 +12,7 @@ from compiled_llm.server.async_engine import AsyncEngine
 from compiled_llm.server.chat import create_chat_completion
 from compiled_llm.server.completions import create_completion
 from compiled_llm.server.errors import APIError, error_response, install_error_handlers
-from compiled_llm.server.inputs import chat_messages, chat_prompt, check_token_ids
+from compiled_llm.server.inputs import chat_token_ids, check_token_ids
 from compiled_llm.server.metrics import Metrics
 from compiled_llm.server.protocol import (
     ChatCompletionRequest,
@@ -121,8 +121,7 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = chat_prompt(state.engine, state.tokenizer, chat_messages(req.messages), req.add_generation_prompt,
-                              state.chat_template, add_special_tokens=bool(req.add_special_tokens))
+            ids = await chat_token_ids(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=add))

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from compiled_llm.outputs import Logprob
+from compiled_llm.runtime.errors import EngineDeadError as RuntimeEngineDead
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.async_engine import AsyncEngine, EngineDeadError, Update
 from compiled_llm.server.errors import APIError
@@ -64,7 +65,7 @@ class Generation:
         for i, res in enumerate(results):
             if isinstance(res, BaseException):
                 self.close()
-                if isinstance(res, EngineDeadError):
+                if isinstance(res, RuntimeEngineDead):  # the server's, or a worker that died at admission
                     raise APIError(503, str(res), code="engine_dead") from res
                 if isinstance(res, (ValueError, TypeError, OverflowError)):  # the request's own input
                     raise APIError(400, str(res), param="prompt" if len(self.rids) == 1 else f"prompt.{i}") from res

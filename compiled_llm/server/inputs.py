@@ -6,7 +6,8 @@ import asyncio
 
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.errors import APIError
-from compiled_llm.server.multimodal import is_media_part, media_placeholders, media_prompt, placeholder_for
+from compiled_llm.server.multimodal import (expanded_token_ids, is_media_part, media_placeholders, media_prompt,
+                                            placeholder_for)
 from compiled_llm.server.protocol import ChatMessage, InputMessage
 
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -113,3 +114,15 @@ async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessag
     messages = chat_messages(api_messages, instructions, media, placeholders)
     return await asyncio.to_thread(chat_media_prompt, state, messages, media, add_generation_prompt,
                                    state.chat_template)
+
+
+async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
+                         add_special_tokens: bool) -> list[int]:
+    """/tokenize of chat messages: the template's tokens; with media parts, the ids after the processor expanded
+    the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
+    if not has_media(api_messages):
+        return chat_prompt(state.engine, state.tokenizer, chat_messages(api_messages), add_generation_prompt,
+                           state.chat_template, add_special_tokens=add_special_tokens)
+    prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt)
+    prompt["add_special_tokens"] = add_special_tokens
+    return await asyncio.to_thread(expanded_token_ids, state, prompt)

@@ -78,3 +78,19 @@ def media_prompt(text: str, parts: list, policy: MediaPolicy) -> dict:
     except MediaError as e:
         raise APIError(400, str(e), param="messages") from None
     return {"prompt": text, "multi_modal_data": data, "add_special_tokens": False}
+
+
+def expanded_token_ids(state, prompt: dict) -> list[int]:
+    """The token ids the model sees for a media prompt: placeholders expanded by the checkpoint's processor
+    (/tokenize). Runs the server's own processor, off the engine thread; 400 for what admission refuses."""
+    from compiled_llm.multimodal.processor import load_processor, process_multimodal_prompt
+
+    engine = state.engine
+    with state.processor_lock:  # one thread at a time: the processor's tokenizer is not thread safe
+        try:
+            if state.processor is None:
+                state.processor = load_processor(engine.config.tokenizer or engine.config.resolved_model())
+            _, ids, _ = process_multimodal_prompt(engine, prompt, processor=state.processor)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+    return ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ class ServerState:
     def __post_init__(self):
         self.token_text = TokenText(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
+        self.processor = None  # the checkpoint's processor for /tokenize (the engine thread has its own)
+        self.processor_lock = threading.Lock()
 
     @property
     def engine(self):
