@@ -89,7 +89,7 @@ def _attn_case(seq_lens, q_lens, *, page, kv_heads, group, head_dim, window=None
 
 
 def _attn_reference(q, cache, bt, seq_lens, q_lens, *, page, kv_heads, group, head_dim, window, softcap, k_eq_v,
-                    scale, k_norm_weight=None, inv_freq=None):
+                    scale, k_norm_weight=None, inv_freq=None, spans=None):
     """compiled_llm.ops.attention.reference_attention through a ForwardContext (reading layer, no writes)."""
     import torch
 
@@ -105,14 +105,15 @@ def _attn_reference(q, cache, bt, seq_lens, q_lens, *, page, kv_heads, group, he
                            sliding_window=window, cache_layer=0, scale=scale, softcap=softcap)
     meta = A.AttentionMetadata(query_start_loc=qsl, seq_lens=list(seq_lens), block_size=page,
                                groups={window: A.GroupMetadata(block_tables=bt, slot_mapping=torch.empty(0))})
-    ctx = A.ForwardContext(attn_metadata=meta, kv_caches={0: cache}, layers={0: src, 1: spec})
+    ctx = A.ForwardContext(attn_metadata=meta, kv_caches={0: cache}, layers={0: src, 1: spec},
+                           extra={A.BIDIR_SPANS_KEY: spans} if spans else {})
     with A.set_forward_context(ctx):
         out = A.reference_attention(q.reshape(q.shape[0], -1), None, None, 1)
-    return out.view(q.shape)
+    return out.view(q.shape), ctx
 
 
 def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head_dim, window=None, softcap=None,
-                     k_eq_v=False, splits=None, block_n=None, block_m=None, inloop_k=False, seed=0):
+                     k_eq_v=False, splits=None, block_n=None, block_m=None, inloop_k=False, spans=None, seed=0):
     import torch
 
     from compiled_llm.ops.triton import paged_attention as PA
@@ -127,6 +128,14 @@ def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head
     opts = dict(scale=scale, sliding_window=window, softcap=softcap, k_eq_v=k_eq_v, num_kv_heads=kv_heads,
                 head_dim=head_dim, **extra)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
+    ref, ctx = _attn_reference(q, cache, bt, seq_lens, q_lens, page=page, kv_heads=kv_heads, group=group,
+                               head_dim=head_dim, window=window, softcap=softcap, k_eq_v=k_eq_v, scale=scale,
+                               spans=spans, **extra)
+    if spans:  # media spans seen both ways: the provider's per-token bounds
+        from compiled_llm.ops.triton.providers import _span_bounds
+
+        opts["spans"] = _span_bounds(ctx, q.shape[0], q.device)
+        assert opts["spans"] is not None and (opts["spans"][1] > 0).any()
     if mode == "decode":
         base = PA.attention_launch_policy(len(seq_lens), max(seq_lens), head_dim, num_kv_heads=kv_heads,
                                           sliding_window=window, k_eq_v=k_eq_v)
@@ -137,11 +146,9 @@ def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head
         base = PA.attention_launch_policy(len(seq_lens), max(seq_lens), head_dim, prefill=True)
         pol = PA.AttnLaunch(block_m=block_m or base.block_m, block_n=block_n or base.block_n)
         out = PA.paged_prefill(q, cache, bt, qsl, sl, policy=pol, **opts)
-    ref = _attn_reference(q, cache, bt, seq_lens, q_lens, page=page, kv_heads=kv_heads, group=group,
-                          head_dim=head_dim, window=window, softcap=softcap, k_eq_v=k_eq_v, scale=scale, **extra)
     name = ("in-loop-k " if inloop_k and k_eq_v and mode == "prefill" else "") + (f"{mode} lens={seq_lens} q={q_lens if mode == 'prefill' else 1} page={page} kv={kv_heads} g={group} "
             f"d={head_dim} W={window} cap={softcap} kv=v:{k_eq_v} splits={pol.num_splits} bn={pol.block_n}"
-            + (f" bm={pol.block_m}" if mode == "prefill" else ""))
+            + (f" bm={pol.block_m}" if mode == "prefill" else "") + (f" spans={spans}" if spans else ""))
     _close(name, out, ref)
 
 
@@ -163,6 +170,11 @@ DECODE_CASES = [
 ]
 
 PREFILL_CASES = [
+    # media spans seen both ways (sliding layers), longer than the window, one per chunk or before it
+    dict(seq_lens=[30, 20], q_lens=[30, 12], page=4, kv_heads=2, group=2, head_dim=32, window=9, softcap=30.0,
+         block_m=16, block_n=16, spans=[[(3, 9), (15, 27)], [(2, 6), (10, 14)]]),
+    dict(seq_lens=[40], q_lens=[24], page=16, kv_heads=1, group=4, head_dim=32, k_eq_v=True, window=50, block_m=32,
+         block_n=16, spans=[[(20, 37)]]),
     dict(seq_lens=[5, 7, 45], q_lens=[1, 7, 20], page=4, kv_heads=2, group=2, head_dim=32, window=9, softcap=30.0,
          block_m=16, block_n=16),
     dict(seq_lens=[13, 77], q_lens=[13, 40], page=16, kv_heads=2, group=8, head_dim=64, k_eq_v=True, block_m=32,

@@ -137,6 +137,7 @@ def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) 
 
 
 BIDIR_SPANS_KEY = "bidir_spans"  # ForwardContext.extra: per sequence, [(start, end), ...] token positions
+SPAN_MASK_PROVIDERS = {"reference", "triton"}  # attention providers that honour those spans
 
 
 def bidirectional_mask(spans: list[tuple[int, int]], q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -233,8 +234,9 @@ def _(k, v, layer_idx):
 
 @torch.library.custom_op("compiled_llm::attention", mutates_args=())
 def attention_op(q: torch.Tensor, kv_written: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
-    if _CONTEXT is not None and any(_CONTEXT.extra.get(BIDIR_SPANS_KEY) or ()):
-        return ref_attention(q, layer_idx)  # media prefill steps: the span mask is the reference's alone for now
+    if (_CONTEXT is not None and any(_CONTEXT.extra.get(BIDIR_SPANS_KEY) or ())
+            and ATTENTION.provider_name(layer_idx) not in SPAN_MASK_PROVIDERS):
+        return ref_attention(q, layer_idx)  # media prefill steps on a provider without the span mask
     return ATTENTION.impl(layer_idx)(q, layer_idx)
 
 

@@ -311,7 +311,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
 
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
-    Q, K, V, BlockTables, SeqLens, QueryStart, KNorm, InvFreq, Out,
+    Q, K, V, BlockTables, SeqLens, QueryStart, KNorm, InvFreq, Out, SpanLo, SpanHi,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -321,8 +321,10 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
+    BIDIR: tl.constexpr,
 ):
     # K_DENSE: keys come pre-rebuilt from a dense [num_seqs, positions, kv_heads, head_dim] buffer (K)
+    # BIDIR: each new token also sees the keys of its span [SpanLo, SpanHi) (media tokens, both ways)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # Sequence of this query tile: sequence s owns tiles [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1).
@@ -364,6 +366,10 @@ def _prefill_kernel(
 
     # keys this tile can see: [first, last)
     last = tl.minimum(ctx0 + q_off + BLOCK_Q, seq_len)
+    if BIDIR:
+        span_lo = tl.load(SpanLo + q_begin + tok, mask=rmask, other=0)
+        span_hi = tl.load(SpanHi + q_begin + tok, mask=rmask, other=0)
+        last = tl.minimum(tl.maximum(last, tl.max(span_hi, 0)), seq_len)
     first = last * 0
     if SLIDING:
         first = tl.maximum(ctx0 + q_off - window + 1, 0)
@@ -398,6 +404,9 @@ def _prefill_kernel(
         qk = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
         s = _scores(qk, scale, softcap, SOFTCAP)
         allowed = pmask[None, :] & (pos[None, :] <= qpos[:, None])
+        if BIDIR:
+            in_span = (pos[None, :] >= span_lo[:, None]) & (pos[None, :] < span_hi[:, None])
+            allowed = allowed | (pmask[None, :] & in_span)
         if SLIDING:
             allowed = allowed & (pos[None, :] > qpos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
@@ -466,12 +475,14 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                   softcap: float | None = None, k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
                   inv_freq: torch.Tensor | None = None, num_kv_heads: int, head_dim: int,
                   max_seq_len: int | None = None, policy: AttnLaunch | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, spans: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Variable-length chunked prefill: sequence i's new tokens are q[qsl[i]:qsl[i+1]] at positions
     seq_len - q_len .. seq_len - 1 (their K/V already written to the cache); they attend to the cached
     context and causally to each other. query_start_loc [num_seqs + 1] and seq_lens [num_seqs] are int32
     device tensors. max_seq_len: optional host bound on seq_lens (sizes the K=V key buffer; defaults to the
-    block-table width). Returns [num_tokens, num_heads, head_dim]."""
+    block-table width). spans: (lo, hi) int32 [num_tokens], the positions [lo, hi) of the span each new token
+    sees both ways (lo = hi = 0 outside spans; a span never reaches past its sequence's seq_len).
+    Returns [num_tokens, num_heads, head_dim]."""
     num_tokens = q.shape[0]
     num_seqs = seq_lens.shape[0]
     q = q.view(num_tokens, -1, head_dim)
@@ -512,8 +523,9 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     if k_eq_v and not dense:
         block_n = min(block_n, 16)  # in-loop rebuild keeps fp32 cos/sin tables live
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
+    span_lo, span_hi = spans if spans is not None else (seq_lens, seq_lens)  # unused without BIDIR
     _prefill_kernel[grid](
-        q, k_src, v_cache, block_tables, seq_lens, query_start_loc, knw, inv, out,
+        q, k_src, v_cache, block_tables, seq_lens, query_start_loc, knw, inv, out, span_lo, span_hi,
         q.stride(0), q.stride(1),
         *ks,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -523,6 +535,6 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         GROUP=group, GP=gp, BLOCK_Q=block_q, BLOCK_M=block_m, HALF=half, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, K_DENSE=dense,
-        num_warps=pol.num_warps, num_stages=pol.num_stages,
+        BIDIR=spans is not None, num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     return out

@@ -14,8 +14,8 @@ import contextlib
 import torch
 import triton
 
-from compiled_llm.ops.attention import (AttentionMetadata, AttentionSpec, ForwardContext, GroupMetadata,
-                                        get_forward_context, layer_cache, set_forward_context)
+from compiled_llm.ops.attention import (BIDIR_SPANS_KEY, AttentionMetadata, AttentionSpec, ForwardContext,
+                                        GroupMetadata, get_forward_context, layer_cache, set_forward_context)
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.triton.moe import fused_geglu_moe, fused_router_topk, fused_swiglu_moe
 from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
@@ -61,8 +61,31 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     else:
         MONITOR.note("paged_prefill", key)
         out = torch.zeros(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
-        paged_prefill(q, cache, tables, qsl, seq_lens, out=out, **kw)
+        spans = _span_bounds(ctx, q.shape[0], q.device) if spec.sliding_window is not None else None
+        paged_prefill(q, cache, tables, qsl, seq_lens, out=out, spans=spans, **kw)
     return out.view(q.shape[0], -1)
+
+
+def _span_bounds(ctx: ForwardContext, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per new token, the [lo, hi) positions of the media span it sees both ways (0, 0 outside spans), built
+    once per step from the context's spans (sliding layers only, as the reference does)."""
+    spans = ctx.extra.get(BIDIR_SPANS_KEY)
+    if not spans or not any(spans):
+        return None
+    cached = ctx.extra.get("_bidir_bounds")
+    if cached is None:
+        meta = ctx.attn_metadata
+        lo = torch.zeros(num_tokens, dtype=torch.int32)
+        hi = torch.zeros(num_tokens, dtype=torch.int32)
+        for i, seq_spans in enumerate(spans):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            first_pos = meta.seq_lens[i] - (end - start)
+            for s, e in seq_spans:
+                a, b = max(s, first_pos) - first_pos + start, min(e, meta.seq_lens[i]) - first_pos + start
+                if b > a:
+                    lo[a:b], hi[a:b] = s, e
+        cached = ctx.extra["_bidir_bounds"] = (lo.to(device), hi.to(device))
+    return cached
 
 
 def router_topk(x, proj_weight, scale, per_expert_scale, top_k: int, eps: float, root_size: float):
