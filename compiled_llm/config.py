@@ -30,6 +30,7 @@ class EngineConfig:
     compile_cache: str | None = None  # folder of precompiled artefacts (python -m compiled_llm compile-cache)
     jit_monitor: str = "off"  # off | warn | error: what a JIT compile after start-up warm-up does
     cudagraph_batch_sizes: str | None = None  # "1,2,4,8"; None: powers of two up to max_num_seqs on CUDA, none on CPU
+    compile_sizes: str | None = None  # buckets with their own static compile; None: all; "none": dynamic compile
     full_graph_decode: str = "auto"  # auto | on | off: capture decode whole (attention included) where faster
     compile_passes: str | None = None  # comma-separated fusion passes; None: all that apply; "none": no fusion
     op_providers: str | None = None  # override the op resolver: "attention=reference,rms_norm=triton"
@@ -81,6 +82,10 @@ _HELP = {
     "jit_monitor": "off, warn or error: what a JIT compile after start-up warm-up does (error: raise)",
     "cudagraph_batch_sizes": "comma-separated token counts compiled statically and captured as CUDA Graphs "
                              "(default: powers of two up to max-num-seqs on CUDA, none on CPU; 'none' for none)",
+    "compile_sizes": "comma-separated batch sizes (of --cudagraph-batch-sizes) that get their own static "
+                     "Inductor compile; the other sizes replay the dynamic-token-count compile, padded (and "
+                     "captured as CUDA Graphs). Default: all of them; 'none': only the dynamic compile, the "
+                     "fastest warm start",
     "full_graph_decode": "auto, on or off: capture decode steps as one CUDA Graph, attention included, when the "
                          "attention kernels allow it (auto: only where measured faster than piecewise graphs)",
     "compile_passes": "comma-separated fusion passes to run (add_rms_norm, qk_norm_rope_kv_write, "

@@ -129,3 +129,23 @@ def test_default_warm_up_covers_a_lone_decode_token():
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     assert (llm.generate("Once upon a time", params)[0].outputs[0].token_ids
             == eager.generate("Once upon a time", params)[0].outputs[0].token_ids)
+
+
+def test_compile_sizes_none_pads_buckets_onto_the_dynamic_compile(tiny_ckpt):
+    """compile_sizes='none': the batch buckets (padding; CUDA graphs on the GPU) replay the one dynamic
+    compile per piece instead of a static compile each, the warm-start saving; tokens equal eager's."""
+    folder, _ = tiny_ckpt("dense")
+    kw = dict(block_size=4, max_model_len=128, num_kv_blocks=96, dtype="float32")
+    before = MONITOR.compiles["inductor"]
+    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="none",
+              jit_monitor="error", **kw)
+    pieces = llm.engine.runner.compiler.compiled.backend.pieces
+    assert MONITOR.compiles["inductor"] - before == len(pieces)  # the dynamic compiles only
+    assert all(p.static[s] is p.dynamic for p in pieces for s in (2, 4))
+    ps = prompts(llm.engine.runner.model_config.vocab_size)
+    eager = LLM(str(folder), enforce_eager=True, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    assert got == want
+    with pytest.raises(ValueError, match="not batch sizes"):
+        LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="3", **kw)

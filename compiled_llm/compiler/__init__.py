@@ -37,6 +37,19 @@ def parse_sizes(text: str | None, device: torch.device, max_num_seqs: int) -> li
     return sizes
 
 
+def parse_compile_sizes(text: str | None, sizes: list[int]) -> list[int] | None:
+    """None: every bucket compiles statically; 'none' or '': none does; '1,8': those (each must be a bucket)."""
+    if text is None:
+        return None
+    if text.strip().lower() in ("", "none"):
+        return []
+    chosen = sorted({int(s) for s in text.split(",") if s.strip()})
+    missing = [s for s in chosen if s not in sizes]
+    if missing:
+        raise ValueError(f"compile sizes {missing} are not batch sizes (--cudagraph-batch-sizes gives {sizes})")
+    return chosen
+
+
 def parse_passes(text: str | None) -> tuple[str, ...] | None:
     if text is None or text.strip().lower() == "all":
         return None
@@ -63,8 +76,9 @@ class ModelCompiler:
         self.specs = specs
         self.hf_config = {k: v for k, v in hf_config.items() if k != "_name_or_path"}  # no paths in the key
         self.facts = dict(facts or {}, dtype=dtype, layers=specs)
+        sizes = parse_sizes(config.cudagraph_batch_sizes, self.device, config.max_num_seqs)
         ccfg = CompilerConfig(
-            batch_sizes=parse_sizes(config.cudagraph_batch_sizes, self.device, config.max_num_seqs),
+            batch_sizes=sizes, compile_sizes=parse_compile_sizes(config.compile_sizes, sizes),
             cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode,
             passes=parse_passes(config.compile_passes), dtype=dtype, tp_group=_tp_group_name(),
             jit_monitor=config.jit_monitor)
@@ -83,7 +97,7 @@ class ModelCompiler:
         providers = {op: sorted({name for name, _ in spec.chosen.values()}) for op, spec in OPS.items()}
         return {"dtype": str(self.dtype), "block_size": c.block_size, "max_num_seqs": c.max_num_seqs,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "max_model_len": c.max_model_len,
-                "batch_sizes": self.compiled.sizes, "passes": self.compiled.pass_manager.config,
+                "batch_sizes": self.compiled.sizes, "compile_sizes": self.compiled.config.compile_sizes, "passes": self.compiled.pass_manager.config,
                 "full_graph_decode": c.full_graph_decode, "providers": providers, "tp": self.compiled.config.tp_group}
 
     def warm_up(self, kv_caches: dict, block_size: int, context_factory=None, progress: bool = True) -> None:

@@ -43,7 +43,8 @@ def is_split_node(node: torch.fx.Node, ops: set | None = None) -> bool:
 
 @dataclass
 class CompilerConfig:
-    batch_sizes: list[int] = field(default_factory=list)  # static compiles (and CUDA graphs) for these token counts
+    batch_sizes: list[int] = field(default_factory=list)  # buckets: padded token counts (CUDA graphs on CUDA)
+    compile_sizes: list[int] | None = None  # buckets with their own static compile (None: every bucket)
     cudagraphs: bool = False  # capture each piece per batch size (CUDA only)
     full_graph_decode: str = "auto"  # auto: measure piecewise vs whole-graph capture of decode; on; off
     passes: tuple[str, ...] | None = None  # None: every pass that applies

@@ -1,6 +1,7 @@
 """One compiled piece of the split graph: an Inductor compile for the dynamic token count, one per static
-batch size (compiled on first use; warm-up makes that first use happen at start-up), and on CUDA one
-captured CUDA Graph per batch size, replayed with the inputs copied into the captured buffers."""
+batch size named in compile_sizes (compiled on first use; warm-up makes that first use happen at start-up;
+other batch sizes run the dynamic compile), and on CUDA one captured CUDA Graph per batch size, replayed
+with the inputs copied into the captured buffers."""
 
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ class PieceRunner:
             return self.dynamic(*args)
         fn = self.static.get(size)
         if fn is None:
-            fn = self.static[size] = self._compile(list(args), str(size))
+            sizes = self.backend.config.compile_sizes
+            static = sizes is None or size in sizes
+            fn = self.static[size] = self._compile(list(args), str(size)) if static else self.dynamic
         if not state.cudagraphs or state.capturing_full_graph:
             return fn(*args)
         entry = self.graphs.get(size)
