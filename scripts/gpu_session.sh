@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
-# Steps (default: all, in this order): correctness compiler throughput latency peers
+# Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
 set -u
@@ -35,6 +35,16 @@ for step in $steps; do
                --out "$OUT/latency.json" ;;
     peers) run peers 540 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256 \
              --warmup 1 --runs 3 --peer transformers --peer transformers-static --out "$OUT" ;;
+    warmstart)  # compile-cache build then hit on the 26B-A4B shapes, static bucket compiles vs none
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/g26'))"
+      for cs in none default; do
+        flag=$([ $cs = none ] && echo "--compile-sizes none" || echo "")
+        for pass in build hit; do
+          run warmstart_${cs}_$pass 280 python3 -m compiled_llm compile-cache --model /tmp/g26 --load-format dummy \
+            --skip-tokenizer-init --max-model-len 8192 --max-num-seqs 8 --out /tmp/cc_$cs --report $flag
+        done
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done
