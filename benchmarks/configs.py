@@ -1,4 +1,4 @@
-"""Released Gemma 4 text shapes, for benchmarks with random weights (--load-format dummy)."""
+"""Released Gemma 4 and Qwen3.5 MoE text shapes, for benchmarks with random weights (--load-format dummy)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,40 @@ GEMMA4_E4B = {
     "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "num_kv_shared_layers": 18,
 }
 
-PRESETS = {"gemma-4-26b-a4b": GEMMA4_26B_A4B, "gemma-4-31b": GEMMA4_31B, "gemma-4-e4b": GEMMA4_E4B}
+# Qwen3.5-35B-A3B text model: 3 Gated DeltaNet layers then 1 gated full-attention layer, MoE in every layer.
+QWEN3_5_35B_A3B = {
+    "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "vocab_size": 248320,
+}
+# partial rotary over a quarter of head_dim, interleaved M-RoPE; section as transformers' Qwen3_5 default
+_QWEN_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+              "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+
+PRESETS = {"gemma-4-26b-a4b": GEMMA4_26B_A4B, "gemma-4-31b": GEMMA4_31B, "gemma-4-e4b": GEMMA4_E4B,
+           "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
+
+
+def qwen_layer_types(layers: int, interval: int = 4) -> list[str]:
+    """interval - 1 linear-attention layers, then one full-attention layer, repeated."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+def qwen_config(shape: dict, max_position_embeddings: int = 131072) -> dict:
+    """A flat Qwen3.5 MoE text config (what Qwen3_5TextConfig.from_dict reads) for a shape dict."""
+    text = dict(shape)
+    text.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], rope_parameters=_QWEN_ROPE,
+                layer_types=qwen_layer_types(text["num_hidden_layers"], text.get("full_attention_interval", 4)),
+                rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
+                max_position_embeddings=max_position_embeddings, torch_dtype="bfloat16")
+    return text
 
 
 def config_dict(name: str, max_position_embeddings: int = 131072) -> dict:
+    if name.startswith("qwen"):
+        return qwen_config(PRESETS[name], max_position_embeddings)
     text = dict(PRESETS[name])
     text.update(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], rope_parameters=_ROPE,
                 layer_types=_pattern(text["num_hidden_layers"]), rms_norm_eps=1e-6,
@@ -46,8 +76,12 @@ def config_dict(name: str, max_position_embeddings: int = 131072) -> dict:
     return text
 
 
-def write_checkpoint_folder(name: str, folder: Path) -> Path:
+def write_config_folder(cfg: dict, folder: Path) -> Path:
     """A folder with config.json only: enough for load_format='dummy' with skip_tokenizer_init."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config_dict(name), indent=1))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     return folder
+
+
+def write_checkpoint_folder(name: str, folder: Path) -> Path:
+    return write_config_folder(config_dict(name), folder)

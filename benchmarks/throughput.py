@@ -1,6 +1,7 @@
 """Offline throughput: fixed random token prompts, greedy, EOS ignored, prefix cache off.
 
     python benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256,4096x8x512 --peer transformers
+    python benchmarks/throughput.py --config qwen3.5-35b-a3b --shapes 1024x8x256
 
 Each shape is input x batch x output; we report the median output tokens/s over the timed runs,
 the shape's floor (see floor.py) and our share of it, and each peer's figure in the same run.
@@ -67,15 +68,23 @@ def run_ours(folder: str, shapes, args) -> tuple[dict, LLM]:
     return out, llm
 
 
+def hf_classes(cfg: dict) -> tuple[type, type]:
+    """transformers' text model and config classes for a flat preset config (same parameter names as ours)."""
+    import transformers
+
+    if "Qwen3_5MoeForCausalLM" in cfg.get("architectures", []):
+        return transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig
+    return transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig
+
+
 def run_transformers(llm: LLM, cfg: dict, shapes, args, static: bool) -> dict:
     """transformers' own generate on our weights (copied over), eager or with a static cache (compiled)."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
+    model_cls, config_cls = hf_classes(cfg)
     kw = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")}
     prev = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, args.dtype if args.dtype != "auto" else "bfloat16"))
     with torch.device(args.device):
-        hf = Gemma4ForCausalLM(Gemma4TextConfig(**kw)).eval()
+        hf = model_cls(config_cls(**kw)).eval()
     torch.set_default_dtype(prev)
     missing, unexpected = hf.load_state_dict(llm.engine.runner.model.state_dict(), strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
@@ -97,7 +106,7 @@ def run_transformers(llm: LLM, cfg: dict, shapes, args, static: bool) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=sorted(PRESETS), default="gemma-4-26b-a4b")
     ap.add_argument("--model", default=None, help="a checkpoint folder instead of a preset config")
@@ -114,7 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-runs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     shapes = parse_shapes(args.shapes)
     if args.model:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import floor  # noqa: E402
-from configs import config_dict  # noqa: E402
+from configs import config_dict, qwen_layer_types, write_config_folder  # noqa: E402
 
 
 def test_floor_of_the_26b_shape_matches_the_known_figure():
@@ -21,6 +21,79 @@ def test_floor_of_the_26b_shape_matches_the_known_figure():
     # more sequences touch more experts; more context reads more KV
     assert floor.decode_step_bytes(cfg, 8, 1024) > floor.decode_step_bytes(cfg, 1, 1024)
     assert floor.decode_step_bytes(cfg, 1, 32768) > floor.decode_step_bytes(cfg, 1, 1024)
+
+
+# hidden 8; layers: linear then full; full attention 2 heads, 1 KV head, head_dim 4; linear attention 1 key head,
+# 2 value heads, key dim 2, value dim 3, conv kernel 3; 4 experts top-2, expert width 5, shared expert width 6
+TINY_QWEN = {
+    "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 10,
+    "hidden_size": 8, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2, "linear_key_head_dim": 2, "linear_value_head_dim": 3, "linear_conv_kernel_dim": 3,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 5, "shared_expert_intermediate_size": 6,
+    "tie_word_embeddings": False,
+}
+
+
+def test_qwen_floor_matches_a_hand_count():
+    lm_head = 10 * 8
+    full = 8 * (2 * 8 + 4 + 4) + 8 * 8  # q_proj with gate (2 x 2 heads x 4), k, v; o_proj
+    conv_dim = 2 * 2 + 6  # q, k (1 head x 2) and v (2 heads x 3)
+    linear = 8 * (conv_dim + 6 + 2 + 2) + 6 * 8 + conv_dim * 3  # in_proj qkv, z, b, a; out_proj; conv
+    shared = 3 * 8 * 6 + 8  # shared expert and its gate
+    # decode, batch 2, context 7: 4 * (1 - (1 - 2/4) ** 2) = 3 experts touched per layer
+    moe = 3 * (3 * 5 * 8) + 8 * 4 + shared
+    kv = 2 * 7 * (2 * 1 * 4)  # full layer's K and V
+    state = 2 * (2 * (2 * 2 * 3) * 4 + 2 * conv_dim * 2 * 2)  # float32 state and bf16 conv window, read + write
+    expected = (lm_head + full + linear + 2 * moe + kv) * 2 + state
+    assert floor.decode_step_bytes(TINY_QWEN, 2, 7) == pytest.approx(expected)
+    assert expected == 3900
+
+    # prefill, batch 2, prompt 4: top-2 experts per token, causal attention, chunked delta rule
+    per_token = lm_head / 4 + full + linear + 2 * (2 * (3 * 5 * 8) + 8 * 4 + shared)
+    attention = 2 * 2 * 2 * 4 * 4 * 4 / 2
+    delta = 2 * 4 * 2 * (3 * 2 * 3 + 64 * (3 * 2 + 2 * 3))  # 2 x tokens x value heads x multiply-adds per head
+    expected = 2 * per_token * 2 * 4 + (attention + delta) * 2
+    assert floor.prefill_flops(TINY_QWEN, 2, 4) == pytest.approx(expected)
+    assert expected == 47456
+
+    # the nested (conditional-generation) layout counts the same; floor_seconds adds prefill and decode
+    nested = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+              "text_config": {k: v for k, v in TINY_QWEN.items() if k != "architectures"}}
+    assert floor.decode_step_bytes(nested, 2, 7) == floor.decode_step_bytes(TINY_QWEN, 2, 7)
+    seconds = floor.floor_seconds(TINY_QWEN, 4, 2, 3, bandwidth=100.0, flops=1000.0)
+    assert seconds == pytest.approx(47456 / 1000 + sum(floor.decode_step_bytes(TINY_QWEN, 2, c) / 100 for c in (5, 6)))
+
+
+def test_qwen_preset_floor_is_about_three_billion_active_parameters():
+    cfg = config_dict("qwen3.5-35b-a3b")
+    assert floor.decode_step_bytes(cfg, 1, 1) / 2 == pytest.approx(3.0e9, rel=0.1)
+    assert floor.decode_step_bytes(cfg, 8, 1024) > floor.decode_step_bytes(cfg, 1, 1024)
+    assert floor.decode_step_bytes(cfg, 1, 32768) > floor.decode_step_bytes(cfg, 1, 1024)
+
+
+def test_throughput_accepts_the_qwen_preset():
+    import throughput
+
+    assert throughput.build_parser().parse_args(["--config", "qwen3.5-35b-a3b"]).config == "qwen3.5-35b-a3b"
+
+
+def test_shrunken_qwen_preset_runs_with_dummy_weights(tmp_path):
+    """The preset's layout with fewer layers, experts and heads (head_dim stays 256: the M-RoPE section
+    needs its 32 rotary frequencies) loads with random weights and generates; transformers' peer takes our
+    weights as they are."""
+    import throughput
+
+    cfg = dict(config_dict("qwen3.5-35b-a3b"), num_hidden_layers=4, layer_types=qwen_layer_types(4), hidden_size=64,
+               vocab_size=512, num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+               moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    folder = write_config_folder(cfg, tmp_path / "qwen3.5-small")
+    throughput.main(["--model", str(folder), "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
+                     "--shapes", "8x2x4", "--warmup", "0", "--runs", "1", "--enforce-eager", "--peer", "transformers",
+                     "--peer-warmup", "0", "--peer-runs", "1", "--out", str(tmp_path / "out")])
+    row = json.loads(next((tmp_path / "out").glob("throughput_*.json")).read_text())["rows"][0]
+    assert row["shape"] == "8x2x4" and row["ours_tok_s"] > 0 and row["transformers_tok_s"] > 0
 
 
 def test_throughput_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
