@@ -32,6 +32,18 @@ def test_delta_rule_kernels(group):
 
 # ---- checks (in the subprocess) ------------------------------------------------------------------
 
+def _slots_and_offsets(cache, lens, init):
+    """Sequence i uses slot i + 1 (slot 0 and the last stay untouched); a sequence without initial state
+    gets a NaN slot, which it must not read. Returns (slots, query_start_loc)."""
+    for i, keep in enumerate(init):
+        if not keep:
+            cache[i + 1] = float("nan")
+    qsl = [0]
+    for ln in lens:
+        qsl.append(qsl[-1] + ln)
+    return [i + 1 for i in range(len(lens))], qsl
+
+
 def _case(lens, hk, hv, dk, dv, init, seed=0):
     import torch
 
@@ -43,13 +55,7 @@ def _case(lens, hk, hv, dk, dv, init, seed=0):
     beta = torch.rand(n, hv, generator=g)
     num_slots = len(lens) + 2
     cache = torch.randn(num_slots, hv, dk, dv, generator=g) * 0.5
-    for i, keep in enumerate(init):
-        if not keep:
-            cache[i + 1] = float("nan")  # a fresh sequence must not read its slot
-    slots = [i + 1 for i in range(len(lens))]
-    qsl = [0]
-    for ln in lens:
-        qsl.append(qsl[-1] + ln)
+    slots, qsl = _slots_and_offsets(cache, lens, init)
     return q, k, v, decay, beta, cache, slots, qsl
 
 
@@ -96,13 +102,7 @@ def _check_conv(lens, dim, k, init, dtype="float32", seed=0):
     x = torch.randn(sum(lens) + pad, dim, generator=g).to(dt)
     w = torch.randn(dim, k, generator=g).to(dt)
     cache = torch.randn(len(lens) + 2, dim, k - 1, generator=g).to(dt)
-    for i, keep in enumerate(init):
-        if not keep:
-            cache[i + 1] = float("nan")  # a fresh sequence must not read its slot
-    slots = [i + 1 for i in range(len(lens))]
-    qsl = [0]
-    for ln in lens:
-        qsl.append(qsl[-1] + ln)
+    slots, qsl = _slots_and_offsets(cache, lens, init)
     ref_cache = cache.clone()
     ref = causal_conv1d_with_state(x, w, ref_cache, slots, init, qsl)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731

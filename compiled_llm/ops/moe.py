@@ -25,26 +25,25 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def ref_geglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                  down_proj: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * down[e] @ (gelu_tanh(gate) * up), [gate, up] = gate_up[e] @ x[t], e = ids[t, j].
+def ref_gated_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                  down_proj: torch.Tensor, act) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * down[e] @ (act(gate) * up), [gate, up] = gate_up[e] @ x[t], e = ids[t, j].
     Ids outside [0, E) are skipped (expert parallel: another rank's experts). Loops over the experts that
     were picked (data-dependent); while a CUDA graph is being captured it computes every expert densely
     instead, which has static shapes."""
+    num_experts = gate_up_proj.shape[0]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return dense_geglu_moe(x, weights, ids, gate_up_proj, down_proj)
+        route = dense_route(weights, ids, num_experts)
+        gate, up = torch.einsum("th,efh->tef", x, gate_up_proj).chunk(2, dim=-1)
+        y = torch.einsum("tei,ehi->teh", act(gate) * up, down_proj)
+        return torch.einsum("teh,te->th", y.float(), route.float()).to(x.dtype)
     out = torch.zeros_like(x)
-    for e in local_experts(ids, gate_up_proj.shape[0]):
+    for e in [e for e in ids.unique().tolist() if 0 <= e < num_experts]:
         token, slot = torch.where(ids == e)
         gate, up = F.linear(x[token], gate_up_proj[e]).chunk(2, dim=-1)
-        y = F.linear(gelu_tanh(gate) * up, down_proj[e]) * weights[token, slot, None]
+        y = F.linear(act(gate) * up, down_proj[e]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
-
-
-def local_experts(ids: torch.Tensor, num_experts: int) -> list[int]:
-    """The experts in [0, num_experts) that ids picks (others belong to another rank)."""
-    return [e for e in ids.unique().tolist() if 0 <= e < num_experts]
 
 
 def dense_route(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -54,11 +53,10 @@ def dense_route(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> t
     return route.scatter_add_(1, ids.clamp(0, num_experts - 1), torch.where(valid, weights, 0))
 
 
-def dense_geglu_moe(x, weights, ids, gate_up_proj, down_proj):
-    route = dense_route(weights, ids, gate_up_proj.shape[0])
-    gate, up = torch.einsum("th,efh->tef", x, gate_up_proj).chunk(2, dim=-1)
-    y = torch.einsum("tei,ehi->teh", gelu_tanh(gate) * up, down_proj)
-    return torch.einsum("teh,te->th", y.float(), route.float()).to(x.dtype)
+def ref_geglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                  down_proj: torch.Tensor) -> torch.Tensor:
+    """Routed experts with a GELU-tanh gate (Gemma 4); see ref_gated_moe."""
+    return ref_gated_moe(x, weights, ids, gate_up_proj, down_proj, gelu_tanh)
 
 
 def _triton(caps: Capabilities, shape: dict) -> str | None:
