@@ -7,6 +7,7 @@ import logging
 from collections import Counter
 
 import pytest
+import torch
 
 from compiled_llm import LLM
 from compiled_llm.compiler.verify import FusionCheckError, Mismatch, compare, per_layer, verify
@@ -58,3 +59,51 @@ def test_a_compiled_moe_engine_without_the_routed_op_refuses_to_start(tiny_ckpt)
     with pytest.raises(FusionCheckError, match=r"layer 0: geglu_moe matched 0 of 1 in the dynamic compile"):
         LLM(str(folder), enforce_eager=False, block_size=4, max_model_len=64, num_kv_blocks=32, dtype="float32",
             compile_passes="add_rms_norm,qk_norm_rope_kv_write,router_topk")
+
+
+def test_an_fx_cache_hit_from_another_layer_counts_for_this_layer(tiny_ckpt):
+    """`softcap` ([sliding, full]) ends with the same graph piece as `dense` ([sliding, full] x 2): its layer 1
+    and dense's layer 3 compile to one Inductor graph, so the second model's last piece is an FX-cache hit.
+    Match counts replayed from it must count for this model's layer (they are kept relative to the piece's
+    first layer), or the check would see layer 3's fusions in a two-layer model and refuse to start."""
+    from torch._dynamo.utils import counters
+
+    kw = dict(enforce_eager=False, block_size=4, max_model_len=64, num_kv_blocks=32, dtype="float32",
+              fusion_check="error")
+    LLM(str(tiny_ckpt("dense")[0]), **kw)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    llm = LLM(str(tiny_ckpt("softcap")[0]), **kw)
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits
+    got = per_layer(llm.engine.runner.compiler.compiled.matches_by_shape()["dynamic"])
+    assert got == {0: Counter(qk_norm_rope_kv_write=1, add_rms_norm=1), 1: Counter(qk_norm_rope_kv_write=1, add_rms_norm=1)}
+
+
+def test_a_static_compile_that_misses_a_fusion_replays_the_dynamic_compile(tiny_ckpt, monkeypatch, caplog):
+    """Seen on the H200: a static batch-size compile sometimes missed the GEGLU MoE fusion its dynamic compile
+    got. That size then replays the dynamic compile (tokens unchanged), with a warning, instead of running
+    every expert on every token or refusing to start."""
+    from compiled_llm import SamplingParams
+    from compiled_llm.passes.geglu_moe import GegluMoEPass
+
+    real = GegluMoEPass.__call__
+
+    def only_dynamic(self, graph):  # the pass misses every graph whose token count is static
+        dims = [d for n in graph.nodes if n.op == "placeholder" and hasattr(n.meta.get("val"), "shape")
+                for d in n.meta["val"].shape]
+        return real(self, graph) if any(isinstance(d, torch.SymInt) for d in dims) else 0
+
+    monkeypatch.setattr(GegluMoEPass, "__call__", only_dynamic)
+    folder, _ = tiny_ckpt("moe")
+    kw = dict(block_size=4, max_model_len=64, num_kv_blocks=32, dtype="float32")
+    with caplog.at_level(logging.WARNING, logger="compiled_llm"):
+        llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2", fusion_check="error",
+                  jit_monitor="error", **kw)
+    assert "the static compile for 2 tokens missed geglu_moe" in caplog.text
+    pieces = llm.engine.runner.compiler.compiled.backend.pieces
+    moe_pieces = [p for p in pieces if p.matches["dynamic"]["geglu_moe"]]
+    assert moe_pieces and all(p.static[2] is p.dynamic for p in moe_pieces)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}]
+    eager = LLM(str(folder), enforce_eager=True, **kw)
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])

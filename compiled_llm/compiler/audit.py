@@ -29,7 +29,7 @@ from compiled_llm.compiler.backend import CompilerConfig, is_split_node
 from compiled_llm.compiler.model import CompiledModel
 from compiled_llm.compiler.verify import compare, judged, per_layer
 from compiled_llm.ops.registry import OPS, Capabilities, model_facts, preserved_choices, select_providers
-from compiled_llm.passes.base import layer_of, node_layers
+from compiled_llm.passes.base import first_layer, layer_of, node_layers
 
 GPU = Capabilities("cuda", (9, 0), frozenset({"triton"}))  # an H100/H200 with Triton, without FlashInfer
 
@@ -152,7 +152,7 @@ def piece_signature(gm: torch.fx.GraphModule, args: list) -> tuple[tuple, int]:
     Layer numbers enter the key relative to the first: each node's layers, the layer index a custom op
     takes, and an integer index into a tensor (Gemma's per-layer input `ple[:, i]`)."""
     layers = {n: set() if n.op == "placeholder" else node_layers(n) for n in gm.graph.nodes}
-    base = min(set().union(*layers.values()), default=0)
+    base = first_layer(gm.graph)
     pos: dict = {}
 
     def norm(a, layer_int: bool = False):
@@ -182,11 +182,6 @@ def piece_signature(gm: torch.fx.GraphModule, args: list) -> tuple[tuple, int]:
     return tuple(rows), base
 
 
-def _shift(key: str, by: int) -> str:
-    name, sep, layer = key.partition("@")
-    return key if not sep or layer == "-" else f"{name}@{int(layer) + by}"
-
-
 def inspect_compile(tokens: int, stats: dict | None = None, dedupe: bool = True):
     """A compile function for the backend: Inductor up to and including our passes, then stop. A piece
     whose signature matches one inspected before is not compiled again: its matches and largest tensor
@@ -200,13 +195,11 @@ def inspect_compile(tokens: int, stats: dict | None = None, dedupe: bool = True)
     def compile_fn(gm, args, config_patches):
         key, base = piece_signature(gm, args)
         hit = seen_pieces.get(key) if dedupe else None
-        if hit is not None:
+        if hit is not None:  # the counts are relative to the graph's first layer, as an FX-cache hit replays them
             first, delta, largest = hit
-            shift = base - first
-            for k, n in delta.items():
-                counters["inductor"][_shift(k, shift)] += n
+            counters["inductor"].update(delta)
             if largest is not None and largest.layer is not None:
-                largest = replace(largest, layer=largest.layer + shift)
+                largest = replace(largest, layer=largest.layer + base - first)
             stats["replayed"] = stats.get("replayed", 0) + 1
             return _Inspected(gm, largest)
         passes = config_patches["post_grad_custom_pre_pass"]

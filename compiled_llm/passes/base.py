@@ -11,10 +11,11 @@ carries meaning (RoPE's rotate-half split, GEGLU's [gate, up] halves) the pass c
 Scalars the replacement needs (eps, layer index, top-k) are traced with sentinel values and become
 pattern arguments through `scalar_workaround`.
 
-Each replaced match is counted under `compiled_llm.<pass>` and `compiled_llm.<pass>@<layer>` in
-Inductor's counters (which its FX-graph cache replays on a hit); the layer is the first model layer any
-matched node came from (Dynamo's nn_module_stack), so the compiler can check every layer got the fusions
-the model declares (compiler/verify.py).
+Each replaced match is counted under `compiled_llm.<pass>` and `compiled_llm.<pass>@+<offset>` in
+Inductor's counters (which its FX-graph cache replays on a hit); the offset is the first model layer any
+matched node came from (Dynamo's nn_module_stack) minus the graph's first layer, which the compiled piece
+turns back into a layer index, so the compiler can check every layer got the fusions the model declares
+(compiler/verify.py).
 """
 
 from __future__ import annotations
@@ -95,6 +96,13 @@ def node_layers(node: torch.fx.Node) -> set[int]:
 def layer_of(match) -> int | None:
     """The first model layer any matched node came from."""
     return min(set().union(*(node_layers(n) for n in match.nodes)), default=None)
+
+
+def first_layer(graph: torch.fx.Graph) -> int:
+    """The first model layer a graph's nodes came from (0 for a graph outside the layers). Match counts
+    are kept relative to it: Inductor's FX-graph cache replays a compile's counts for any structurally
+    identical graph, and the model's look-alike layers give exactly such graphs at other layer indices."""
+    return min(set().union(*(node_layers(n) for n in graph.nodes if n.op != "placeholder")), default=0)
 
 
 def _val(node):
@@ -181,11 +189,12 @@ class FusionPass:
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         self._layers = []
+        base = first_layer(graph)
         n = sum(stage.apply(graph) for stage in self.stages)
         if n:
             counters["inductor"][f"compiled_llm.{self.name}"] += n
             for layer, k in Counter(self._layers).items():
-                counters["inductor"][f"compiled_llm.{self.name}@{'-' if layer is None else layer}"] += k
+                counters["inductor"][f"compiled_llm.{self.name}@{'-' if layer is None else f'+{layer - base}'}"] += k
             self.replaced += n
             pm.stable_topological_sort(graph)  # a multi-output replacement can land before its inputs
             graph.eliminate_dead_code()

@@ -62,8 +62,12 @@ class PassManager(CustomGraphPass):
             cls = known[name]
             self.passes.append(cls(dtypes, device, tp_group) if name == "allreduce_rms_norm" else cls(dtypes, device))
         self._uuid = None
+        self.calls = 0  # graphs the passes ran on (an FX-cache hit runs none)
+        self.last_input = ""  # the last graph as the passes received it, for a report of a missed fusion
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        self.calls += 1
+        self.last_input = str(graph)
         for p in self.passes:
             p(graph)
         if os.environ.get("COMPILED_LLM_DUMP_GRAPHS"):
