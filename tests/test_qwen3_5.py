@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.models.registry import resolve_model_class
-from compiled_llm.ops.attention import set_forward_context
+from compiled_llm.ops.context import set_forward_context
 from compiled_llm.runtime.scheduler import ScheduledSeq
 from compiled_llm.runtime.sequence import Sequence
 from qwen3_5_tiny import CONFIGS, FULL, LIN, make_qwen_checkpoint

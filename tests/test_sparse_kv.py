@@ -17,8 +17,8 @@ import torch
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.config import EngineConfig
 from compiled_llm.ops import sparse as sparse_ops
-from compiled_llm.ops.attention import (AttentionMetadata, AttentionSpec, ForwardContext, GroupMetadata, ref_attention,
-                                        set_forward_context)
+from compiled_llm.ops.attention import AttentionSpec, ref_attention
+from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.rope import apply_rope, rope_inv_freq
 from compiled_llm.ops.sparse import SPARSE_KEY, SparseMetadata, omnikv_select
 from compiled_llm.runtime.block_manager import BlockManager

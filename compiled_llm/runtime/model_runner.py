@@ -12,7 +12,7 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.models.loader import init_dummy_weights, load_weights, resolve_dtype
 from compiled_llm.models.registry import resolve_model_class
 from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, prepare_media
-from compiled_llm.ops.attention import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
+from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateMetadata, allocate_states

@@ -41,7 +41,7 @@ from compiled_llm.distributed.parallel_state import (abort_parallel, destroy_par
                                                      init_parallel, resolve_backend)
 from compiled_llm.multimodal import transport
 from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, merge, plan_media, soft_tokens
-from compiled_llm.ops.attention import AttentionMetadata, ForwardContext
+from compiled_llm.ops.context import AttentionMetadata, ForwardContext
 from compiled_llm.runtime.errors import EngineDeadError
 
 log = logging.getLogger("compiled_llm")
