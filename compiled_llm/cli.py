@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command in ("generate", "serve"):
-            from compiled_llm.runtime.workers import is_engine_process, run_node
+            from compiled_llm.runtime.executor import is_engine_process, run_node
 
             config = config_from_args(args)
             if not is_engine_process(config):  # another node's ranks, or a torchrun rank other than 0

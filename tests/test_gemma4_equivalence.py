@@ -25,7 +25,7 @@ def make_llm(folder, **kw):
 def test_prefill_logits_match(tiny_ckpt, name):
     folder, hf = tiny_ckpt(name)
     llm = make_llm(folder)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     ids = prompts(hf.config.vocab_size, (23,))[0]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

@@ -13,19 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compiled_llm.models.interfaces import media_modalities, uses_mrope
 from compiled_llm.multimodal.inputs import MediaItem, MultiModalInputs, runs, tensor_hash
 
 MODALITIES = ("image", "audio", "video")
 AUDIO_SAMPLE_RATE = 16_000
-
-
-def media_model(runner):
-    """The model whose towers embed the media: the runner's own, or rank 0's under a parallel runner
-    (runtime/workers.py ParallelRunner keeps its ModelRunner in `.local`); None when there is none."""
-    if hasattr(runner, "execute_media"):
-        return runner.model
-    local = getattr(runner, "local", None)
-    return getattr(local, "model", None)
 
 
 def load_processor(path: str):
@@ -108,14 +100,12 @@ def process_multimodal_prompt(engine, prompt: dict, processor=None) -> tuple[str
     unknown = set(data) - set(MODALITIES)
     if unknown:
         raise ValueError(f"unknown modality {sorted(unknown)}; use {', '.join(MODALITIES)}")
-    model = media_model(engine.runner)
-    if model is None:
-        raise ValueError("this runner has no media path (multimodal prompts need the model on this process)")
+    model = engine.executor.model
     images, audios, videos = (_as_list(data.get(m)) for m in MODALITIES)
     if not (images or audios or videos):
         ids = engine.tokenize(text, add_special_tokens=prompt.get("add_special_tokens", True))
         return text, ids, None
-    supported = model.supported_modalities() if getattr(model, "supports_multimodal", False) else set()
+    supported = media_modalities(model)
     for m, items in zip(MODALITIES, (images, audios, videos)):
         if items and m not in supported:
             raise ValueError(f"this model does not take {m} input" +
@@ -183,10 +173,10 @@ def process_multimodal_prompt(engine, prompt: dict, processor=None) -> tuple[str
             items.append(MediaItem("audio", t, torch.arange(s, e), tensor_hash("audio", t)))
     items.sort(key=lambda it: it.first)
     mm = MultiModalInputs(items)
-    if hasattr(model, "prompt_positions"):  # M-RoPE: [3, tokens] positions for the prompt
+    if uses_mrope(model):  # M-RoPE: [3, tokens] positions for the prompt
         mm.mrope, mm.mrope_delta = model.prompt_positions(ids_t.tolist(), items)
     bidir = mm.bidir_spans
-    if getattr(model, "bidirectional_vision", False):
+    if model.bidirectional_vision:
         for m in ("image", "video"):
             if m in tok:
                 bidir += runs(ids_t, tok[m])

@@ -14,7 +14,7 @@ from compiled_llm.outputs import CompletionOutput, Logprob, RequestMetrics, Requ
 from compiled_llm.runtime.block_manager import BlockManager, group_sinks, group_window
 from compiled_llm.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from compiled_llm.runtime.errors import EngineDeadError
-from compiled_llm.runtime.model_runner import ModelRunner
+from compiled_llm.runtime.executor import Executor, make_executor
 from compiled_llm.runtime.sampler import Sampler, SamplingRow
 from compiled_llm.runtime.scheduler import Scheduler
 from compiled_llm.runtime.sequence import Sequence, Status
@@ -57,16 +57,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self._dead: EngineDeadError | None = None
-        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            from compiled_llm.runtime.workers import ParallelRunner  # rank 0 here, a process per other rank
-
-            self.runner = ParallelRunner(config)
-        else:
-            self.runner = ModelRunner(config)
+        self.executor: Executor | None = None
+        self.executor = make_executor(config)
         model_path = config.resolved_model()
         self.model_name = Path(model_path).name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or model_path)
-        mcfg = self.runner.model_config
+        mcfg = self.executor.model_config
         if config.max_model_len is None:
             config.max_model_len = mcfg.max_position_embeddings
         elif config.max_model_len < 2:
@@ -77,17 +73,17 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        if self.runner.state_specs and config.enable_prefix_caching:
+        if self.executor.state_specs and config.enable_prefix_caching:
             # A cached prefix would need the recurrent state at that point, which is not kept.
             log.warning("prefix caching is off for this model: its recurrent (linear-attention) layers "
                         "keep per-sequence state that cached KV blocks cannot restore")
             config.enable_prefix_caching = False
-        num_blocks = self.runner.plan_blocks(config.max_model_len)
+        num_blocks = self.executor.plan_blocks(config.max_model_len)
         self._check_capacity(num_blocks)
-        self.runner.allocate_kv_cache(num_blocks)
-        sparse = self.runner.sparse
+        self.executor.allocate_kv_cache(num_blocks)
+        sparse = self.executor.sparse
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.runner.group_block_bytes(), self.runner.num_state_slots,
+                                          self.executor.group_block_bytes(), self.executor.num_state_slots,
                                           hash_prompt_only=sparse is not None and not sparse.hash_generated_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
@@ -134,7 +130,7 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.runner.model_config.vocab_size
+        vocab = self.executor.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         limit = self.config.max_model_len
@@ -142,9 +138,9 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {limit}, which must leave room "
                              "for at least one generated token")
         max_tokens = limit - len(ids) if params.max_tokens is None else min(params.max_tokens, limit - len(ids))
-        if mm is not None and hasattr(self.runner, "register_media"):  # parallel: every rank gets the media once
+        if mm is not None:  # parallel engines: every rank gets the media once
             try:
-                self.runner.register_media(request_id, mm)
+                self.executor.register_media(request_id, mm)
             except EngineDeadError as e:
                 self._dead = e
                 raise
@@ -153,7 +149,7 @@ class LLMEngine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+                gen = torch.Generator(device=self.executor.device).manual_seed(params.seed + i)
             seq = Sequence(request_id, i, ids, params, max_tokens, now, gen)
             seq.mm = mm
             if self.tokenizer is not None:
@@ -187,7 +183,7 @@ class LLMEngine:
         if not batch:
             return []
         try:
-            logits = self.runner.execute(batch)
+            logits = self.executor.execute(batch)
         except EngineDeadError as e:  # a worker died: this and every later step fail
             self._dead = e
             raise
@@ -217,9 +213,9 @@ class LLMEngine:
         """Ended requests' media registrations go on every rank (parallel engines; a preempted request keeps
         its registration). A dead worker shows at the next step, not here (abort runs in cleanup paths)."""
         rids = [r.request_id for r in reqs if r.has_media]
-        if rids and self._dead is None and hasattr(self.runner, "release_media"):
+        if rids and self._dead is None:
             try:
-                self.runner.release_media(rids)
+                self.executor.release_media(rids)
             except EngineDeadError as e:
                 self._dead = e
 
@@ -279,7 +275,7 @@ class LLMEngine:
         first = min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
         req.metrics.first_token_time = first
         req.metrics.num_cached_tokens = max(s.num_cached_tokens for s in req.seqs)
-        if self.runner.sparse is not None:
+        if self.executor.sparse is not None:
             req.metrics.sparse_attended_tokens = sum(s.sparse_attended_tokens for s in req.seqs)
             req.metrics.sparse_cached_tokens = sum(s.sparse_cached_tokens for s in req.seqs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics,
@@ -288,13 +284,12 @@ class LLMEngine:
     # ---- health and shutdown -------------------------------------------------------------------
     def is_healthy(self) -> bool:
         """False once the engine cannot run any more (a worker process died): /health answers 503."""
-        return self._dead is None and getattr(self.runner, "is_healthy", lambda: True)()
+        return self._dead is None and self.executor.is_healthy()
 
     def shutdown(self) -> None:
         """Stops the worker processes of a parallel engine (nothing to do for one process)."""
-        runner = getattr(self, "runner", None)
-        if runner is not None and hasattr(runner, "shutdown"):
-            runner.shutdown()
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def __del__(self):
         try:
@@ -317,8 +312,8 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }
-        if self.runner.sparse is not None:  # sparse_method, sparse_attended_tokens, sparse_cached_tokens
-            stats.update(self.runner.sparse.stats())
+        if self.executor.sparse is not None:  # sparse_method, sparse_attended_tokens, sparse_cached_tokens
+            stats.update(self.executor.sparse.stats())
         return stats
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

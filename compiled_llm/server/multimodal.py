@@ -22,12 +22,9 @@ def part_modality(part) -> str:
 
 def media_placeholders(engine) -> dict[str, str]:
     """modality -> placeholder text, for the modalities this checkpoint takes ({} for a text-only one)."""
-    from compiled_llm.multimodal.processor import media_model
+    from compiled_llm.models.interfaces import media_modalities
 
-    model = media_model(engine.runner)
-    if model is None or not getattr(model, "supports_multimodal", False):
-        return {}
-    supported = model.supported_modalities()
+    supported = media_modalities(engine.executor.model)
     if not supported:
         return {}
     proc = getattr(engine, "_mm_processor", None)
