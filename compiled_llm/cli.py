@@ -53,7 +53,7 @@ def _compile_cache(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     config.compile_cache, config.enforce_eager = args.out, False
-    compiler = LLMEngine(config).runner.compiler
+    compiler = LLMEngine(config).executor.runner.compiler
     if compiler is None:
         print("error: this model runs eager (the compiler is off for it); nothing to cache", file=sys.stderr)
         return 2
