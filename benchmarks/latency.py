@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
     llm = LLM(folder, device=args.device, dtype=args.dtype, load_format=args.load_format, skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=longest + 16, max_num_seqs=1,
               max_num_batched_tokens=max(lengths + [args.decode_context]), enforce_eager=args.enforce_eager)
-    vocab = llm.engine.runner.model_config.vocab_size
+    vocab = llm.engine.executor.runner.model_config.vocab_size
 
     def run(prompt: list[int], n: int):
         llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

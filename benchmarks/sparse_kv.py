@@ -136,7 +136,7 @@ def bench(args) -> list[dict]:
     rows = []
     for name in args.methods.split(","):
         llm = make_llm(folder, name, max_len, args)
-        vocab = llm.engine.runner.model_config.vocab_size
+        vocab = llm.engine.executor.runner.model_config.vocab_size
         g = torch.Generator().manual_seed(args.seed)
         run_one(llm, [torch.randint(10, vocab - 1, (min(lengths[0], 512),), generator=g).tolist()], 4)  # warm-up
         for n in lengths:
@@ -181,7 +181,7 @@ def evaluate(args) -> list[dict]:
                        for i in range(args.batch)]
         else:
             g = torch.Generator().manual_seed(args.seed)
-            vocab = llms["dense"].engine.runner.model_config.vocab_size
+            vocab = llms["dense"].engine.executor.runner.model_config.vocab_size
             prompts = torch.randint(10, vocab - 1, (args.batch, n), generator=g).tolist()
             targets = None
         ref = greedy(llms["dense"], prompts, args.output)

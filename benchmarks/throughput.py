@@ -57,7 +57,7 @@ def run_ours(folder: str, shapes, args) -> tuple[dict, LLM]:
               enable_prefix_caching=False, max_model_len=longest + 16, max_num_seqs=max(b for _, b, _ in shapes),
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               seed=args.seed)
-    vocab = llm.engine.runner.model_config.vocab_size
+    vocab = llm.engine.executor.runner.model_config.vocab_size
     out = {}
     for p, b, o in shapes:
         prompts = [{"prompt_token_ids": x} for x in random_prompts(b, p, vocab)]
@@ -86,7 +86,7 @@ def run_transformers(llm: LLM, cfg: dict, shapes, args, static: bool) -> dict:
     with torch.device(args.device):
         hf = model_cls(config_cls(**kw)).eval()
     torch.set_default_dtype(prev)
-    missing, unexpected = hf.load_state_dict(llm.engine.runner.model.state_dict(), strict=False)
+    missing, unexpected = hf.load_state_dict(llm.engine.executor.runner.model.state_dict(), strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
     hf.generation_config.eos_token_id = None
     out = {}

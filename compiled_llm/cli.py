@@ -81,7 +81,7 @@ def _compile_cache(args: argparse.Namespace) -> int:
         print("error: compile-cache needs --out DIR (or --dry-run)", file=sys.stderr)
         return 2
     config.compile_cache, config.enforce_eager = args.out, False
-    compiler = LLMEngine(config).runner.compiler
+    compiler = LLMEngine(config).executor.runner.compiler
     if compiler is None:
         print("error: this model runs eager (the compiler is off for it); nothing to cache", file=sys.stderr)
         return 2
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command in ("generate", "serve"):
-            from compiled_llm.runtime.workers import is_engine_process, run_node
+            from compiled_llm.runtime.executor import is_engine_process, run_node
 
             config = config_from_args(args)
             if not is_engine_process(config):  # another node's ranks, or a torchrun rank other than 0

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compiled_llm.models.gemma4 import Experts, Router  # noqa: E402
 from compiled_llm.ops import attention as A  # noqa: E402
+from compiled_llm.ops import context as C  # noqa: E402
 from compiled_llm.ops.rope import apply_rope, rope_inv_freq  # noqa: E402
 from compiled_llm.ops.triton import _common  # noqa: E402
 from compiled_llm.ops.triton import moe as M  # noqa: E402
@@ -156,10 +157,10 @@ def attn_reference(q, cache, bt, seq_lens, q_lens, *, kv_heads, head_dim, window
     src = A.AttentionSpec(layer_idx=0, k_eq_v=k_eq_v, inv_freq=inv_freq,
                           k_norm_weight=None if k_norm_weight is None else k_norm_weight.float(), **kw)
     spec = A.AttentionSpec(layer_idx=1, **kw)
-    meta = A.AttentionMetadata(query_start_loc=qsl, seq_lens=list(seq_lens), block_size=PAGE,
-                               groups={window: A.GroupMetadata(block_tables=bt, slot_mapping=torch.empty(0))})
-    ctx = A.ForwardContext(attn_metadata=meta, kv_caches={0: torch.nan_to_num(cache.float())}, layers={0: src, 1: spec})
-    with A.set_forward_context(ctx):
+    meta = C.AttentionMetadata(query_start_loc=qsl, seq_lens=list(seq_lens), block_size=PAGE,
+                               groups={window: C.GroupMetadata(block_tables=bt, slot_mapping=torch.empty(0))})
+    ctx = C.ForwardContext(attn_metadata=meta, kv_caches={0: torch.nan_to_num(cache.float())}, layers={0: src, 1: spec})
+    with C.set_forward_context(ctx):
         out = A.reference_attention(q.float().reshape(q.shape[0], -1), None, None, 1)
     return out.view(q.shape)
 

@@ -41,7 +41,7 @@ def main():
             got = run(enforce_eager=True, **kw)
             print("MATCH" if got == ref else f"DIFF {got} vs {ref}", kw, flush=True)
         llm, got = run(keep=True, enforce_eager=True, tensor_parallel_size=2)
-        pid = llm.engine.runner.worker_pids()[1]
+        pid = llm.engine.executor.worker_pids()[1]
         os.kill(pid, signal.SIGKILL)
         t = time.time()
         try:
@@ -56,7 +56,7 @@ def main():
         print("compiled tp1 vs eager:", "MATCH" if ref_c == ref else "DIFF")
         llm, got = run(keep=True, enforce_eager=False, tensor_parallel_size=2)
         print("compiled tp2:", "MATCH" if got == ref else f"DIFF {got} vs {ref}", flush=True)
-        for s in llm.engine.runner.collective_rpc("compiler_summary"):
+        for s in llm.engine.executor.collective_rpc("compiler_summary"):
             print({k: v for k, v in s.items() if k != "counters"}, flush=True)
         llm.engine.shutdown()
 

@@ -64,7 +64,7 @@ def models(names: list[str]) -> bool:
             start = time.perf_counter() - t
             outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             one = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts[:1]]
-            comp = llm.engine.runner.compiler
+            comp = llm.engine.executor.runner.compiler
             s = comp.summary()
             agree = min(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(outs, ref))
             good = (outs == ref and one == ref[:1]) if dtype == "float32" else agree >= 8
@@ -141,7 +141,7 @@ def speed() -> bool:
             out[f"{mode}/batch{batch}"] = dt / 64 * 1000
             extra = ""
             if mode == "compiled":
-                s = llm.engine.runner.compiler.summary()
+                s = llm.engine.executor.runner.compiler.summary()
                 extra = f" whole-graph={s['whole_graph_decode_sizes']} decode ms {s['decode_timings_ms']}"
             print(f"speed {mode:8s} batch {batch}: {dt / 64 * 1000:.2f} ms/step (256-token prompts, 64 steps){extra}",
                   flush=True)

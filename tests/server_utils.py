@@ -119,6 +119,26 @@ class FakeTokenizer:
         return [chr(i - 3) if i >= 3 else f"<{i}>" for i in ids]
 
 
+class FakeInputProcessor:
+    """The server's side of admission (LLMEngine.new_input_processor()): a text-only model, a plain template."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def media_placeholders(self) -> dict[str, str]:
+        return {}
+
+    def process_media_prompt(self, prompt: dict):
+        raise ValueError("this model takes no media")
+
+
 class FakeEngine:
     """The engine contract with a trivial model: sample j of a prompt cycles through letters.
 
@@ -208,6 +228,8 @@ class FakeEngine:
                 "num_free_blocks": 100 - running, "num_total_blocks": 100, "prefix_cache_queries": 10,
                 "prefix_cache_hits": 5, "num_preemptions": 0}
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+    def is_healthy(self):
+        return True
+
+    def new_input_processor(self):
+        return FakeInputProcessor(FakeTokenizer())

@@ -150,6 +150,20 @@ def test_chat_applies_template(llm):
         llm.chat([])
 
 
+def test_input_processor_copy_is_independent(llm):
+    """The server's input processor (another thread) renders and tokenizes as the engine does, with a
+    tokenizer of its own; a text-only model has no media placeholders."""
+    mine = llm.engine.new_input_processor()
+    assert mine.tokenizer is not llm.engine.tokenizer
+    msgs = [{"role": "user", "content": "hello"}]
+    text = mine.apply_chat_template(msgs)
+    assert text == llm.engine.apply_chat_template(msgs)
+    assert mine.tokenize(text, add_special_tokens=False) == llm.engine.tokenize(text, add_special_tokens=False)
+    assert mine.media_placeholders() == {}
+    with pytest.raises(ValueError, match="role"):
+        mine.apply_chat_template([{"role": "wizard", "content": "x"}])
+
+
 def test_unknown_architecture_and_missing_weights(tmp_path, tiny_ckpt):
     import json
     import shutil

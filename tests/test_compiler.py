@@ -40,7 +40,7 @@ def compiled(tiny_ckpt):
 
 
 def summary(llm) -> dict:
-    return llm.engine.runner.compiler.summary()
+    return llm.engine.executor.runner.compiler.summary()
 
 
 def matches(llm) -> dict[str, int]:
@@ -100,7 +100,7 @@ def test_every_attention_op_sits_between_pieces(compiled):
     from compiled_llm.compiler.piecewise import PieceRunner
 
     llm, hf = compiled("dense")
-    backend = llm.engine.runner.compiler.compiled.backend
+    backend = llm.engine.executor.runner.compiler.compiled.backend
     split = backend.split_gm
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     kinds = []
@@ -124,7 +124,7 @@ def test_every_attention_op_sits_between_pieces(compiled):
 
 def test_compile_after_warmup_is_an_error_under_jit_monitor_error(compiled):
     llm, hf = compiled("dense")
-    model = llm.engine.runner.compiler.compiled
+    model = llm.engine.executor.runner.compiler.compiled
     model.sizes.insert(0, 2)  # a batch size warm-up never saw: its first use compiles
     engine = llm.engine
     try:
@@ -157,10 +157,10 @@ def test_compile_sizes_none_pads_buckets_onto_the_dynamic_compile(tiny_ckpt):
     before = MONITOR.compiles["inductor"]
     llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="none",
               jit_monitor="error", **kw)
-    pieces = llm.engine.runner.compiler.compiled.backend.pieces
+    pieces = llm.engine.executor.runner.compiler.compiled.backend.pieces
     assert MONITOR.compiles["inductor"] - before == len(pieces)  # the dynamic compiles only
     assert all(p.static[s] is p.dynamic for p in pieces for s in (2, 4))
-    ps = prompts(llm.engine.runner.model_config.vocab_size)
+    ps = prompts(llm.engine.executor.runner.model_config.vocab_size)
     eager = LLM(str(folder), enforce_eager=True, **kw)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
     want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]

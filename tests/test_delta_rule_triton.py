@@ -140,7 +140,7 @@ def group_engine():
                                                                "swiglu_moe=reference")):
             llm = LLM(tmp, enforce_eager=True, block_size=4, max_model_len=64, max_num_seqs=4,
                       max_num_batched_tokens=8, op_providers=override)
-            chosen = llm.engine.runner.op_providers
+            chosen = llm.engine.executor.runner.op_providers
             want = "triton" if override is None else "reference"
             assert all(chosen[op][None] == want for op in ("causal_conv1d", "gated_delta_rule", "swiglu_moe")), chosen
             out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

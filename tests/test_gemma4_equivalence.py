@@ -25,7 +25,7 @@ def make_llm(folder, **kw):
 def test_prefill_logits_match(tiny_ckpt, name):
     folder, hf = tiny_ckpt(name)
     llm = make_llm(folder)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     ids = prompts(hf.config.vocab_size, (23,))[0]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
@@ -35,7 +35,7 @@ def test_prefill_logits_match(tiny_ckpt, name):
     seq = Sequence("x", 0, ids, GREEDY, 1, 0.0)
     llm.engine.block_manager.allocate(seq, len(ids))
     input_ids, positions, meta, _ = runner.prepare([ScheduledSeq(seq, len(ids))])
-    from compiled_llm.ops.attention import ForwardContext, set_forward_context
+    from compiled_llm.ops.context import ForwardContext, set_forward_context
     with torch.no_grad(), set_forward_context(ForwardContext(meta, runner.kv_caches, runner.specs)):
         ours = runner.model.compute_logits(runner.model(input_ids, positions))
     llm.engine.block_manager.free(seq)

@@ -63,9 +63,9 @@ def test_strict_loading_names_the_tensor(tmp_path, tiny_ckpt):
 def test_dtype_cast(tiny_ckpt, dtype):
     folder, hf = tiny_ckpt("dense")
     llm = LLM(str(folder), enforce_eager=True, dtype=dtype, max_model_len=64)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     assert all(p.dtype == getattr(torch, dtype) for p in model.parameters())
-    assert all(c.dtype == getattr(torch, dtype) for c in llm.engine.runner.kv_caches.values())
+    assert all(c.dtype == getattr(torch, dtype) for c in llm.engine.executor.runner.kv_caches.values())
     prompt = [5, 6, 7, 8, 9, 10]
     ours = ids_of(llm.generate({"prompt_token_ids": prompt}, GREEDY))[0]
     ref = hf_greedy(hf, prompt, 16)
@@ -79,9 +79,9 @@ def test_dummy_weights(tiny_ckpt):
     a = LLM(str(folder), enforce_eager=True, load_format="dummy", seed=3, max_model_len=64)
     b = LLM(str(folder), enforce_eager=True, load_format="dummy", seed=3, max_model_len=64)
     c = LLM(str(folder), enforce_eager=True, load_format="auto", max_model_len=64)
-    wa = a.engine.runner.model.model.layers[0].experts.gate_up_proj
-    assert torch.equal(wa, b.engine.runner.model.model.layers[0].experts.gate_up_proj)
-    assert not torch.equal(wa, c.engine.runner.model.model.layers[0].experts.gate_up_proj)
+    wa = a.engine.executor.runner.model.model.layers[0].experts.gate_up_proj
+    assert torch.equal(wa, b.engine.executor.runner.model.model.layers[0].experts.gate_up_proj)
+    assert not torch.equal(wa, c.engine.executor.runner.model.model.layers[0].experts.gate_up_proj)
     prompt = {"prompt_token_ids": [5, 6, 7]}
     assert ids_of(a.generate(prompt, GREEDY)) == ids_of(b.generate(prompt, GREEDY))
 
@@ -119,7 +119,10 @@ def test_conditional_generation_checkpoint_served_text_only(tmp_path):
 
 
 def test_registry_declares_capabilities():
+    from compiled_llm.models.interfaces import supports_multimodal, supports_pp, supports_tp, uses_mrope
+
     cls = resolve_model_class({"architectures": ["Gemma4ForCausalLM"]})
-    assert cls.supports_multimodal is False and cls.uses_mrope is False
+    assert supports_multimodal(cls) is False and uses_mrope(cls) is False
+    assert supports_pp(cls) and supports_tp(cls)
     with pytest.raises(ValueError, match="supported:"):
         resolve_model_class({"architectures": ["LlamaForCausalLM"]})

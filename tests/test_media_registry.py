@@ -1,4 +1,4 @@
-"""The rank-local media registry of parallel engines (runtime/workers.py, multimodal/transport.py), without
+"""The rank-local media registry of parallel engines (runtime/executor/, multimodal/transport.py), without
 processes: fake ranks answer the driver's RPCs in turn. The 2-process runs are in tests/test_parallel.py."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 from compiled_llm.multimodal import transport
 from compiled_llm.multimodal.inputs import MediaItem, MultiModalInputs, tensor_hash
-from compiled_llm.runtime.workers import MEDIA_FAULT_ENV, ParallelRunner, RankWorker
+from compiled_llm.runtime.executor.multiproc import MultiProcExecutor
+from compiled_llm.runtime.executor.worker import MEDIA_FAULT_ENV, RankWorker
 
 
 def fake_rank(rank: int, first_stage: bool = True) -> RankWorker:
@@ -22,8 +23,8 @@ def fake_rank(rank: int, first_stage: bool = True) -> RankWorker:
     return w
 
 
-def fake_driver(ranks: list[RankWorker], share_memory: bool = True) -> ParallelRunner:
-    pr = ParallelRunner.__new__(ParallelRunner)
+def fake_driver(ranks: list[RankWorker], share_memory: bool = True) -> MultiProcExecutor:
+    pr = MultiProcExecutor.__new__(MultiProcExecutor)
     pr.ranks_share_memory = share_memory
     pr.calls = []
 
@@ -100,9 +101,9 @@ def test_engine_registers_once_and_releases_on_finish_and_abort(tmp_path, monkey
 
     make_mm_checkpoint(tmp_path, audio=False)
     llm = LLM(str(tmp_path), enforce_eager=True, max_model_len=320, block_size=8)
-    runner, live, log = llm.engine.runner, set(), []
-    monkeypatch.setattr(runner, "register_media", lambda rid, mm: (live.add(rid), log.append(rid)), raising=False)
-    monkeypatch.setattr(runner, "release_media", lambda rids: live.difference_update(rids), raising=False)
+    executor, live, log = llm.engine.executor, set(), []
+    monkeypatch.setattr(executor, "register_media", lambda rid, mm: (live.add(rid), log.append(rid)))
+    monkeypatch.setattr(executor, "release_media", lambda rids: live.difference_update(rids))
     prompt = {"prompt": "The quick <|image|> brown fox", "multi_modal_data": {"image": image(1)}}
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=2)
     llm.generate([prompt, "Once upon a time"], params)

@@ -73,7 +73,7 @@ def test_resolver_shape_limits_and_overrides():
 
 def _context(specs, num_blocks=8, block_size=4, seqs=((5, 5), (3, 9), (1, 6)), dtype=torch.float32):
     """A forward context for sequences given as (new tokens, context length after them), random caches."""
-    from compiled_llm.ops.attention import AttentionMetadata, ForwardContext, GroupMetadata
+    from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata
 
     g = torch.Generator().manual_seed(0)
     caches = {i: torch.randn(1 if s.k_eq_v else 2, num_blocks * len(seqs), block_size, s.num_kv_heads, s.head_dim,
@@ -113,7 +113,8 @@ def group_norm():
 
 
 def group_qk_norm_rope():
-    from compiled_llm.ops.attention import AttentionSpec, set_forward_context
+    from compiled_llm.ops.attention import AttentionSpec
+    from compiled_llm.ops.context import set_forward_context
     from compiled_llm.ops.qk_norm_rope import ref_qk_norm_rope_kv_write
     from compiled_llm.ops.rope import rope_inv_freq
     from compiled_llm.ops.triton.qk_norm_rope import qk_norm_rope_kv_write
@@ -140,7 +141,8 @@ def group_qk_norm_rope():
 
 
 def group_kv_write():
-    from compiled_llm.ops.attention import AttentionSpec, ref_kv_cache_write, set_forward_context
+    from compiled_llm.ops.attention import AttentionSpec, ref_kv_cache_write
+    from compiled_llm.ops.context import set_forward_context
     from compiled_llm.ops.triton.qk_norm_rope import kv_cache_write
 
     for k_eq_v in (False, True):
@@ -160,7 +162,8 @@ def group_kv_write():
 
 
 def group_attention():
-    from compiled_llm.ops.attention import AttentionSpec, ref_attention, set_forward_context
+    from compiled_llm.ops.attention import AttentionSpec, ref_attention
+    from compiled_llm.ops.context import set_forward_context
     from compiled_llm.ops.triton.providers import attention
 
     d = 32  # the kernels' tl.dot needs half a head >= 16

@@ -46,8 +46,8 @@ def reference(tiny_ckpt, name):
         folder, hf = tiny_ckpt(name)
         ps = prompts(hf.config.vocab_size)
         llm = make_llm(folder)
-        counts = {n: p.numel() for n, p in llm.engine.runner.model.named_parameters()}
-        kv_heads = [layer.num_kv_heads for layer in llm.engine.runner.model_config.layers]
+        counts = {n: p.numel() for n, p in llm.engine.executor.runner.model.named_parameters()}
+        kv_heads = [layer.num_kv_heads for layer in llm.engine.executor.runner.model_config.layers]
         _REFERENCE[name] = (ps, generate_ids(llm, ps), counts, kv_heads)
     return _REFERENCE[name]
 
@@ -128,7 +128,7 @@ def test_partition_override(monkeypatch):
 def test_unsupported_settings_are_refused():
     from compiled_llm.config import EngineConfig
     from compiled_llm.models.qwen3_5 import Qwen3_5ForCausalLM
-    from compiled_llm.runtime.workers import check_parallel_config
+    from compiled_llm.runtime.executor.launch import check_parallel_config
 
     with pytest.raises(ValueError, match="Qwen3_5ForCausalLM does not support tensor parallelism yet"):
         check_parallel_config(EngineConfig(tensor_parallel_size=2), Qwen3_5ForCausalLM)
@@ -179,9 +179,9 @@ def test_tp2_greedy_and_weight_slices(tiny_ckpt, parallel_llm):
     ps, ref, full, kv_heads = reference(tiny_ckpt, "all")
     llm = parallel_llm("all", tensor_parallel_size=2)
     assert generate_ids(llm, ps) == ref
-    runner = llm.engine.runner
-    check_tp2_counts(runner.collective_rpc("param_counts"), full, kv_heads)
-    specs = runner.specs  # the KV cache is sized for this rank's heads: 2 query heads, 1 KV head
+    executor = llm.engine.executor
+    check_tp2_counts(executor.collective_rpc("param_counts"), full, kv_heads)
+    specs = executor.runner.specs  # the KV cache is sized for this rank's heads: 2 query heads, 1 KV head
     assert {s.num_heads for s in specs.values()} == {2} and {s.num_kv_heads for s in specs.values()} == {1}
 
 
@@ -189,11 +189,11 @@ def test_tp2_expert_parallel_greedy_and_experts(tiny_ckpt, parallel_llm):
     ps, ref, full, _ = reference(tiny_ckpt, "all")
     llm = parallel_llm("all", tensor_parallel_size=2, enable_expert_parallel=True)
     assert generate_ids(llm, ps) == ref
-    per_rank = llm.engine.runner.collective_rpc("param_counts")
+    per_rank = llm.engine.executor.collective_rpc("param_counts")
     for counts in per_rank:  # whole experts, half of them each
         for name in (n for n in full if ".experts." in n):
             assert counts[name] == full[name] // 2
-    experts = llm.engine.runner.model.model.layers[0].experts
+    experts = llm.engine.executor.runner.model.model.layers[0].experts
     assert (experts.num_local_experts, experts.first_expert, experts.local_intermediate) == (2, 0, 16)
 
 
@@ -201,7 +201,7 @@ def test_expert_parallel_all_to_all_dispatch(tiny_ckpt, parallel_llm, monkeypatc
     monkeypatch.setenv("COMPILED_LLM_MOE_DISPATCH", "all_to_all")  # the spawned worker inherits it
     ps, ref, _, _ = reference(tiny_ckpt, "moe")
     llm = parallel_llm("moe", tensor_parallel_size=2, enable_expert_parallel=True)
-    assert llm.engine.runner.model.model.layers[0].experts.use_all_to_all(1)
+    assert llm.engine.executor.runner.model.model.layers[0].experts.use_all_to_all(1)
     assert generate_ids(llm, ps) == ref
 
 
@@ -211,10 +211,10 @@ def test_pp2_greedy_and_stage_weights(tiny_ckpt, parallel_llm):
     ps, ref, full, _ = reference(tiny_ckpt, "all")
     llm = parallel_llm("all", pipeline_parallel_size=2)
     assert generate_ids(llm, ps) == ref
-    runner = llm.engine.runner
-    info = runner.collective_rpc("info")
+    executor = llm.engine.executor
+    info = executor.collective_rpc("info")
     assert [i["layers"] for i in info] == [(0, 3), (3, 7)]
-    check_pp2_counts(runner.collective_rpc("param_counts"), full, info)
+    check_pp2_counts(executor.collective_rpc("param_counts"), full, info)
 
 
 def test_killed_worker_fails_fast(tiny_ckpt, parallel_llm):
@@ -222,7 +222,7 @@ def test_killed_worker_fails_fast(tiny_ckpt, parallel_llm):
     llm = parallel_llm("dense", tensor_parallel_size=2)
     assert generate_ids(llm, ps[:1]) == ref[:1]
     assert llm.engine.is_healthy()
-    pid = llm.engine.runner.worker_pids()[1]
+    pid = llm.engine.executor.worker_pids()[1]
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=rf"worker rank 1 \(pid {pid}\) was killed by SIGKILL"):
@@ -241,7 +241,7 @@ def test_tp2_allreduce_rms_norm_pass_fires(tiny_ckpt, parallel_llm):
     llm = parallel_llm("dense", tensor_parallel_size=2, enforce_eager=False, compile_passes="allreduce_rms_norm")
     assert generate_ids(llm, ps[:2]) == ref[:2]
     layers = len(ref and reference(tiny_ckpt, "dense")[3])
-    for summary in llm.engine.runner.collective_rpc("compiler_summary"):
+    for summary in llm.engine.executor.collective_rpc("compiler_summary"):
         # per layer: o_proj -> post_attention_layernorm, down_proj -> post_feedforward_layernorm
         assert summary["passes"]["allreduce_rms_norm"]["matches"] >= 2 * layers
 
@@ -260,11 +260,11 @@ def test_every_model_every_mode(tiny_ckpt, parallel_llm, name, mode):
     ps, ref, full, kv_heads = reference(tiny_ckpt, name)
     llm = parallel_llm(name, **MODES[mode])
     assert generate_ids(llm, ps) == ref
-    counts = llm.engine.runner.collective_rpc("param_counts")
+    counts = llm.engine.executor.collective_rpc("param_counts")
     if mode == "tp2":
         check_tp2_counts(counts, full, kv_heads)
     elif mode == "pp2":
-        check_pp2_counts(counts, full, llm.engine.runner.collective_rpc("info"))
+        check_pp2_counts(counts, full, llm.engine.executor.collective_rpc("info"))
 
 
 @pytest.mark.slow
@@ -333,9 +333,9 @@ def test_tp2_and_pp2_with_an_image(tmp_path):
         try:
             assert llm.generate(prompt, params)[0].outputs[0].token_ids == ref[0].outputs[0].token_ids, kw
             llm.engine.add_request("held", prompt, params)
-            assert llm.engine.runner.collective_rpc("media_requests") == held
+            assert llm.engine.executor.collective_rpc("media_requests") == held
             llm.engine.abort_request("held")
-            assert llm.engine.runner.collective_rpc("media_requests") == [[], []]
+            assert llm.engine.executor.collective_rpc("media_requests") == [[], []]
         finally:
             llm.engine.shutdown()
 
@@ -346,7 +346,7 @@ def test_tp2_media_registration_rolls_back_and_releases(tmp_path, monkeypatch):
     rolls back, the engine stays healthy and the next image requests (preempted ones among them) give the
     single-process tokens. Once requests end (finish or abort) every rank's registry and /dev/shm are empty."""
     from compiled_llm.multimodal import transport
-    from compiled_llm.runtime.workers import MEDIA_FAULT_ENV
+    from compiled_llm.runtime.executor.worker import MEDIA_FAULT_ENV
     from multimodal_tiny import image, make_mm_checkpoint
 
     make_mm_checkpoint(tmp_path, audio=False)
@@ -358,19 +358,19 @@ def test_tp2_media_registration_rolls_back_and_releases(tmp_path, monkeypatch):
     ref = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **kw).generate(prompts, params)]
     llm = LLM(str(tmp_path), tensor_parallel_size=2, **kw)
     try:
-        runner = llm.engine.runner
+        executor = llm.engine.executor
         with pytest.raises(ValueError, match="on rank 1: RuntimeError: media registration fault injected on rank 1"):
             llm.engine.add_request("bad", prompts[0], params)
-        assert runner.collective_rpc("media_requests") == [[], []]
+        assert executor.collective_rpc("media_requests") == [[], []]
         assert llm.engine.is_healthy() and not llm.engine.has_unfinished_requests()
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
         assert llm.engine.scheduler.num_preemptions > 0  # a preempted request kept its registration
-        assert runner.collective_rpc("media_requests") == [[], []]
+        assert executor.collective_rpc("media_requests") == [[], []]
         llm.engine.add_request("aborted", prompts[1], params)
-        assert runner.collective_rpc("media_requests") == [["aborted"], ["aborted"]]
+        assert executor.collective_rpc("media_requests") == [["aborted"], ["aborted"]]
         llm.engine.step()
         llm.engine.abort_request("aborted")
-        assert runner.collective_rpc("media_requests") == [[], []]
+        assert executor.collective_rpc("media_requests") == [[], []]
         assert not [n for n in os.listdir(transport.SHM_DIR) if n.startswith(f"{transport.PREFIX}{os.getpid()}-")]
     finally:
         llm.engine.shutdown()

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.models.registry import resolve_model_class
-from compiled_llm.ops.attention import set_forward_context
+from compiled_llm.ops.context import set_forward_context
 from compiled_llm.runtime.scheduler import ScheduledSeq
 from compiled_llm.runtime.sequence import Sequence
 from qwen3_5_tiny import CONFIGS, FULL, LIN, make_qwen_checkpoint
@@ -69,7 +69,7 @@ def free_slots(llm) -> int:
 def test_prefill_logits_match(qwen_ckpt, name):
     folder, hf = qwen_ckpt(name)
     llm = make_llm(folder)
-    runner, bm = llm.engine.runner, llm.engine.block_manager
+    runner, bm = llm.engine.executor.runner, llm.engine.block_manager
     ids = prompts(hf.config.get_text_config().vocab_size, (23,))[0]
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
@@ -157,7 +157,7 @@ def test_state_slots_come_out_of_the_cache_budget(qwen_ckpt):
     with pytest.raises(ValueError, match="recurrent state of 8 sequences"):
         make_llm(folder, kv_cache_memory_bytes=10_000)
     small, big = make_llm(folder, kv_cache_memory_bytes=1 << 20), make_llm(folder, kv_cache_memory_bytes=2 << 20)
-    assert small.engine.runner.state_bytes() > 0
+    assert small.engine.executor.runner.state_bytes() > 0
     assert big.engine.get_stats()["num_total_blocks"] > small.engine.get_stats()["num_total_blocks"]
 
 
@@ -184,17 +184,19 @@ def test_per_expert_and_packed_checkpoints_load_alike(qwen_ckpt, tmp_path):
     dst = tmp_path / "packed"
     shutil.copytree(folder, dst)
     save_file(packed, str(dst / "model.safetensors"))
-    a, b = make_llm(folder).engine.runner.model, make_llm(dst).engine.runner.model
+    a, b = make_llm(folder).engine.executor.runner.model, make_llm(dst).engine.executor.runner.model
     for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), na
 
 
 def test_registry_declares_capabilities():
+    from compiled_llm.models.interfaces import has_recurrent_state, supports_multimodal, supports_pp, uses_mrope
+
     for arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
                  "Qwen3_5MoeForConditionalGeneration"):
         cls = resolve_model_class({"architectures": [arch]})
-        assert cls.uses_mrope is True and cls.supports_multimodal == arch.endswith("ConditionalGeneration")
-        assert cls.supports_pipeline_parallel is False
+        assert uses_mrope(cls) is True and supports_multimodal(cls) == arch.endswith("ConditionalGeneration")
+        assert supports_pp(cls) is False and has_recurrent_state(cls)
 
 
 # ---- reference ops against transformers' functions ------------------------------------------
@@ -365,7 +367,7 @@ def test_image_prompt_matches_transformers(qwen_ckpt):
 
     tower = VisionTower(json.loads((folder / "config.json").read_text())["vision_config"]).load(folder)
     llm = make_llm(folder)
-    runner, bm = llm.engine.runner, llm.engine.block_manager
+    runner, bm = llm.engine.executor.runner, llm.engine.block_manager
     model = runner.model
     feats = tower(pixels, grid)
     embeds = merge_embeddings(model.model.embed_tokens(torch.tensor(ids)), torch.tensor(types), feats)
@@ -405,7 +407,7 @@ def test_compiled_greedy_matches_transformers(qwen_ckpt, hf_ref, name):
     ps, ref = hf_ref(name)
     llm = make_llm(folder, enforce_eager=False, max_num_batched_tokens=7, cudagraph_batch_sizes="1,2,4,8",
                    jit_monitor="error")
-    summary = llm.engine.runner.compiler.summary()
+    summary = llm.engine.executor.runner.compiler.summary()
     types = CONFIGS[name][1]["layer_types"]
     # every linear-attention layer splits twice (conv1d, delta rule), every full-attention layer once
     assert summary["attention_ops"] == 2 * types.count(LIN) + types.count(FULL)

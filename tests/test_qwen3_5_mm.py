@@ -99,8 +99,8 @@ def test_compiled_engine_image_prompt_matches_transformers(vl_ckpt):
     text, images = TWO
     llm = make_llm(folder, enforce_eager=False, cudagraph_batch_sizes="1,2", jit_monitor="error")
     calls = []
-    compiled = llm.engine.runner.compiler
-    llm.engine.runner.compiler = lambda ids, pos: calls.append(pos.dim()) or compiled(ids, pos)
+    compiled = llm.engine.executor.runner.compiler
+    llm.engine.executor.runner.compiler = lambda ids, pos: calls.append(pos.dim()) or compiled(ids, pos)
     check(llm.generate(prompt(text, images), PARAMS)[0], two_ref(hf, proc))
     assert calls and set(calls) == {1} and len(calls) >= N - 1  # every decode step compiled
 
@@ -182,7 +182,7 @@ def test_vision_weights_load_strictly(vl_ckpt, tmp_path):
     folder, _, _ = vl_ckpt()
     weights = load_file(str(folder / "model.safetensors"))
     assert any(k.startswith("model.visual.") for k in weights)  # transformers' layout for the tower
-    model = make_llm(folder).engine.runner.model
+    model = make_llm(folder).engine.executor.runner.model
     assert model.visual is not None and model.supported_modalities() == {"image", "video"}
     for name, change in (("missing", lambda w: w.pop("model.visual.merger.linear_fc2.weight")),
                          ("unexpected", lambda w: w.update({"model.visual.bogus.weight": torch.zeros(2)}))):

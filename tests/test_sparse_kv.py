@@ -17,8 +17,8 @@ import torch
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.config import EngineConfig
 from compiled_llm.ops import sparse as sparse_ops
-from compiled_llm.ops.attention import (AttentionMetadata, AttentionSpec, ForwardContext, GroupMetadata, ref_attention,
-                                        set_forward_context)
+from compiled_llm.ops.attention import AttentionSpec, ref_attention
+from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.rope import apply_rope, rope_inv_freq
 from compiled_llm.ops.sparse import SPARSE_KEY, SparseMetadata, omnikv_select
 from compiled_llm.runtime.block_manager import BlockManager
@@ -348,7 +348,7 @@ def _needle_model(folder):
 
 @torch.no_grad()
 def _install_needle_weights(llm):
-    model = llm.engine.runner.model.model
+    model = llm.engine.executor.runner.model.model
     g = torch.Generator().manual_seed(0)
     emb = torch.zeros(64, 64)
     emb[:, 8:] = 0.1 * torch.randn(64, 56, generator=g)
@@ -413,7 +413,7 @@ def test_needle_in_a_haystack(tmp_path):
             if seq is None or seq.num_computed_tokens <= len(prompt):
                 continue
             if name == "omnikv":  # the pick of this decode step
-                seen.append(pos in eng.runner.sparse.index[0].tolist())
+                seen.append(pos in eng.executor.runner.sparse.index[0].tolist())
             if name == "streamingllm":
                 released.append(seq.block_tables[(budget - 4, 4)][pos // 4] == -1)
         outs[name] = out[0].outputs[0].token_ids
@@ -463,7 +463,7 @@ def test_tensor_parallel_matches_one_process(tiny_ckpt, tiny_llms, method):
     ref = greedy(tiny_llms[method], prompts, 12)
     llm = LLM(str(folder), **BASE, **METHODS[method], tensor_parallel_size=2)
     try:
-        assert {s.num_heads for s in llm.engine.runner.specs.values()} == {2}
+        assert {s.num_heads for s in llm.engine.executor.runner.specs.values()} == {2}
         assert greedy(llm, prompts, 12) == ref
         assert llm.engine.get_stats()["sparse_attended_tokens"] > 0
     finally:

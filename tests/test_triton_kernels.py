@@ -94,6 +94,7 @@ def _attn_reference(q, cache, bt, seq_lens, q_lens, *, page, kv_heads, group, he
     import torch
 
     from compiled_llm.ops import attention as A
+    from compiled_llm.ops import context as C
 
     qsl = [0]
     for ql in q_lens:
@@ -103,11 +104,11 @@ def _attn_reference(q, cache, bt, seq_lens, q_lens, *, page, kv_heads, group, he
                           k_norm_weight=k_norm_weight, inv_freq=inv_freq)
     spec = A.AttentionSpec(layer_idx=1, num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim,
                            sliding_window=window, cache_layer=0, scale=scale, softcap=softcap)
-    meta = A.AttentionMetadata(query_start_loc=qsl, seq_lens=list(seq_lens), block_size=page,
-                               groups={window: A.GroupMetadata(block_tables=bt, slot_mapping=torch.empty(0))})
-    ctx = A.ForwardContext(attn_metadata=meta, kv_caches={0: cache}, layers={0: src, 1: spec},
+    meta = C.AttentionMetadata(query_start_loc=qsl, seq_lens=list(seq_lens), block_size=page,
+                               groups={window: C.GroupMetadata(block_tables=bt, slot_mapping=torch.empty(0))})
+    ctx = C.ForwardContext(attn_metadata=meta, kv_caches={0: cache}, layers={0: src, 1: spec},
                            extra={A.BIDIR_SPANS_KEY: spans} if spans else {})
-    with A.set_forward_context(ctx):
+    with C.set_forward_context(ctx):
         out = A.reference_attention(q.reshape(q.shape[0], -1), None, None, 1)
     return out.view(q.shape), ctx
 

@@ -18,7 +18,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from compiled_llm.compiler.backend import Backend, CompilerConfig
-from compiled_llm.ops.attention import GroupMetadata, get_forward_context, set_forward_context
+from compiled_llm.ops.context import GroupMetadata, get_forward_context, set_forward_context
 from compiled_llm.ops.jit import MONITOR
 from compiled_llm.passes.manager import PassManager
 

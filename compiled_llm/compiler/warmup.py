@@ -15,7 +15,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from compiled_llm.ops.attention import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
+from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.jit import MONITOR, REGISTRY
 from compiled_llm.ops.registry import OPS
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.gemma4_config import Gemma4TextConfig, LayerShape
+from compiled_llm.models.interfaces import SupportsEP, SupportsPP, SupportsTP
 from compiled_llm.models.parallel_layers import (ColumnParallelLinear, ExpertWeights, HeadParallelLinear,
                                                  ParallelLMHead, PPMissingLayer, RowParallelLinear,
                                                  VocabParallelEmbedding, local_num_heads, make_layers)
@@ -233,14 +234,8 @@ class Gemma4Model(nn.Module):
         return self.norm(x)
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(nn.Module, SupportsPP, SupportsTP, SupportsEP):
     """Text-only Gemma 4. Also serves Gemma4ForConditionalGeneration checkpoints' language model."""
-
-    supports_pipeline_parallel = True
-    supports_tensor_parallel = True
-    supports_expert_parallel = True
-    supports_multimodal = False
-    uses_mrope = False
 
     def __init__(self, cfg: Gemma4TextConfig):
         super().__init__()

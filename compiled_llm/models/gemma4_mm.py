@@ -20,6 +20,7 @@ import torch
 
 from compiled_llm.models.gemma4 import Gemma4ForCausalLM
 from compiled_llm.models.gemma4_config import Gemma4TextConfig
+from compiled_llm.models.interfaces import SupportsMultiModal
 
 _TOWER_PREFIXES = {  # checkpoint prefix -> our attribute
     "model.vision_tower.": "vision_tower.",
@@ -40,10 +41,8 @@ def _build_tower(sub: dict | None, kind: str):
     return AutoModel.from_config(cfg), cfg
 
 
-class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM, SupportsMultiModal):
     """Gemma 4 text backbone (ours) plus transformers' vision/audio towers and embedders."""
-
-    supports_multimodal = True
 
     def __init__(self, cfg: Gemma4TextConfig):
         super().__init__(cfg)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compiled_llm.models.interfaces import HasRecurrentState, UsesMRoPE
 from compiled_llm.models.qwen3_5_config import FULL, LINEAR, Qwen3_5TextConfig
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.conv1d import causal_conv1d
@@ -213,12 +214,9 @@ class Qwen3_5Model(nn.Module):
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE):
     """Qwen3.5 dense text model (the conditional-generation checkpoints: models/qwen3_5_mm.py)."""
 
-    supports_pipeline_parallel = False
-    supports_multimodal = False
-    uses_mrope = True
     moe = False
 
     def __init__(self, cfg: Qwen3_5TextConfig):

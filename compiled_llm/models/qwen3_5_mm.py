@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from compiled_llm.models.interfaces import SupportsMultiModal
 from compiled_llm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from compiled_llm.models.qwen3_5_config import Qwen3_5TextConfig
 from compiled_llm.models.qwen3_5_vision import IMAGE, TEXT, VIDEO, VisionTower, mrope_positions
@@ -20,8 +21,7 @@ from compiled_llm.models.qwen3_5_vision import IMAGE, TEXT, VIDEO, VisionTower, 
 MEDIA_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
 
-class _VisionMixin:
-    supports_multimodal = True
+class _VisionMixin(SupportsMultiModal):
     bidirectional_vision = False  # causal vision tokens: the scheduler may split an image across chunks
 
     def _init_vision(self, cfg: Qwen3_5TextConfig) -> None:

@@ -8,24 +8,29 @@ split per item (so that each gets its own content hash and embedding) and matche
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from compiled_llm.models.interfaces import media_modalities, uses_mrope
 from compiled_llm.multimodal.inputs import MediaItem, MultiModalInputs, runs, tensor_hash
 
 MODALITIES = ("image", "audio", "video")
 AUDIO_SAMPLE_RATE = 16_000
 
 
-def media_model(runner):
-    """The model whose towers embed the media: the runner's own, or rank 0's under a parallel runner
-    (runtime/workers.py ParallelRunner keeps its ModelRunner in `.local`); None when there is none."""
-    if hasattr(runner, "execute_media"):
-        return runner.model
-    local = getattr(runner, "local", None)
-    return getattr(local, "model", None)
+def placeholder_texts(proc, modalities: set[str]) -> dict[str, str]:
+    """modality -> the text that stands for one item in a prompt, for the modalities the model takes."""
+    out = {}
+    # Qwen-VL processors expand a bare pad token; the model expects it between vision start/end markers
+    start, end = getattr(proc, "vision_start_token", None), getattr(proc, "vision_end_token", None)
+    for m in modalities:
+        token = getattr(proc, f"{m}_token", None)
+        if token:
+            out[m] = start + token + end if start and end and m in ("image", "video") else token
+    return out
 
 
 def load_processor(path: str):
@@ -96,9 +101,12 @@ def _grid_items(out, ids_t: torch.Tensor, tok: dict[str, int], n_images: int, n_
     return items
 
 
-def process_multimodal_prompt(engine, prompt: dict, processor=None) -> tuple[str, list[int], MultiModalInputs | None]:
-    """Runs the processor; returns (text, token ids, media) for LLMEngine.add_request. ValueError on bad input.
-    processor: another thread's own processor (the server's /tokenize); default: the engine's."""
+def process_multimodal_prompt(prompt: dict, model, get_processor: Callable, tokenize: Callable,
+                              max_chunk_tokens: int | None) -> tuple[str, list[int], MultiModalInputs | None]:
+    """Runs the processor; returns (text, token ids, media). ValueError on bad input.
+    model: the one whose towers embed the media (its media contract: models/interfaces.py SupportsMultiModal);
+    get_processor(): the checkpoint's processor (loaded on first use); tokenize(text, add_special_tokens):
+    for a prompt without items; max_chunk_tokens: one step's token budget under chunked prefill, else None."""
     text = prompt.get("prompt")
     data = prompt.get("multi_modal_data") or {}
     if not isinstance(text, str) or not text:
@@ -108,21 +116,16 @@ def process_multimodal_prompt(engine, prompt: dict, processor=None) -> tuple[str
     unknown = set(data) - set(MODALITIES)
     if unknown:
         raise ValueError(f"unknown modality {sorted(unknown)}; use {', '.join(MODALITIES)}")
-    model = media_model(engine.runner)
-    if model is None:
-        raise ValueError("this runner has no media path (multimodal prompts need the model on this process)")
     images, audios, videos = (_as_list(data.get(m)) for m in MODALITIES)
     if not (images or audios or videos):
-        ids = engine.tokenize(text, add_special_tokens=prompt.get("add_special_tokens", True))
+        ids = tokenize(text, prompt.get("add_special_tokens", True))
         return text, ids, None
-    supported = model.supported_modalities() if getattr(model, "supports_multimodal", False) else set()
+    supported = media_modalities(model)
     for m, items in zip(MODALITIES, (images, audios, videos)):
         if items and m not in supported:
             raise ValueError(f"this model does not take {m} input" +
                              (f" (it takes: {', '.join(sorted(supported))})" if supported else ""))
-    proc = processor or getattr(engine, "_mm_processor", None)
-    if proc is None:
-        proc = engine._mm_processor = load_processor(engine.config.tokenizer or engine.config.resolved_model())
+    proc = get_processor()
     for m, items in zip(MODALITIES, (images, audios, videos)):
         token = getattr(proc, f"{m}_token", None)
         if token and text.count(token) != len(items):
@@ -183,17 +186,16 @@ def process_multimodal_prompt(engine, prompt: dict, processor=None) -> tuple[str
             items.append(MediaItem("audio", t, torch.arange(s, e), tensor_hash("audio", t)))
     items.sort(key=lambda it: it.first)
     mm = MultiModalInputs(items)
-    if hasattr(model, "prompt_positions"):  # M-RoPE: [3, tokens] positions for the prompt
+    if uses_mrope(model):  # M-RoPE: [3, tokens] positions for the prompt
         mm.mrope, mm.mrope_delta = model.prompt_positions(ids_t.tolist(), items)
     bidir = mm.bidir_spans
-    if getattr(model, "bidirectional_vision", False):
+    if model.bidirectional_vision:
         for m in ("image", "video"):
             if m in tok:
                 bidir += runs(ids_t, tok[m])
         bidir.sort()
-        cfg = engine.config
-        if cfg.enable_chunked_prefill and any(e - s > cfg.max_num_batched_tokens for s, e in bidir):
+        if max_chunk_tokens is not None and any(e - s > max_chunk_tokens for s, e in bidir):
             raise ValueError(f"an image or video frame takes {max(e - s for s, e in bidir)} tokens, more than one "
-                             f"step's budget (max_num_batched_tokens={cfg.max_num_batched_tokens}); its tokens "
+                             f"step's budget (max_num_batched_tokens={max_chunk_tokens}); its tokens "
                              "attend to each other both ways, so they must be prefilled in one step")
     return text, ids_t.tolist(), mm

@@ -4,7 +4,7 @@ embeddings, and the bidirectional spans the attention op honours. Only steps tha
 `plan_media` finds what a step needs (which rows take which item's soft tokens) without running any tower;
 `prepare_media` (one process) runs the towers on the sequence's own items. Under parallelism the driver
 sends the plan's references and each first-stage rank runs the towers on its registered copy
-(runtime/workers.py)."""
+(runtime/executor/worker.py)."""
 
 from __future__ import annotations
 

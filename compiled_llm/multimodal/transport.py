@@ -1,4 +1,4 @@
-"""A request's media tensors, handed once to every rank of a parallel engine (runtime/workers.py).
+"""A request's media tensors, handed once to every rank of a parallel engine (runtime/executor/).
 
 The driver writes the processor tensors of all the request's items into one shared-memory file (under
 /dev/shm) and sends a small `Manifest` (names, dtypes, shapes, offsets) with the registration RPC; each

@@ -1,18 +1,18 @@
 """Paged attention: the one op every attention layer calls.
 
 The op reads and writes the paged KV cache. Per-step data (block tables, slot mappings, sequence lengths)
-and the cache tensors reach it through the forward context that the runtime sets around each forward;
+and the cache tensors reach it through the forward context (ops/context.py) set around each forward;
 per-layer constants (head counts, window, K=V mode) come from the layer specs the model declares.
 This module holds the reference implementation, which runs on any device.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from compiled_llm.ops.context import current_forward_context, get_forward_context, layer_cache
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 from compiled_llm.ops.rope import apply_rope
 
@@ -49,51 +49,6 @@ class AttentionSpec:
         return (self.sliding_window, self.sink_tokens) if self.sink_tokens else self.sliding_window
 
 
-@dataclass
-class GroupMetadata:
-    """Block tables and slot mapping of one KV-cache group (full layers, or sliding layers of one window)."""
-
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, -1 where a block was released
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset of each new token
-
-
-@dataclass
-class AttentionMetadata:
-    query_start_loc: list[int]  # num_seqs + 1 offsets into the token dimension
-    seq_lens: list[int]  # context length of each sequence after this step's tokens
-    block_size: int
-    groups: dict[int | None, GroupMetadata]
-    seq_lens_tensor: torch.Tensor | None = None
-    query_start_loc_tensor: torch.Tensor | None = None
-
-
-@dataclass
-class ForwardContext:
-    attn_metadata: AttentionMetadata
-    kv_caches: dict[int, torch.Tensor]  # cache layer -> [2 or 1, num_blocks, block_size, kv_heads, head_dim]
-    layers: dict[int, AttentionSpec]
-    extra: dict = field(default_factory=dict)
-
-
-_CONTEXT: ForwardContext | None = None
-
-
-@contextlib.contextmanager
-def set_forward_context(ctx: ForwardContext):
-    global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, ctx
-    try:
-        yield ctx
-    finally:
-        _CONTEXT = prev
-
-
-def get_forward_context() -> ForwardContext:
-    if _CONTEXT is None:
-        raise RuntimeError("attention called outside a forward context (the runtime sets one per step)")
-    return _CONTEXT
-
-
 def write_kv(cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, slots: torch.Tensor, spec: AttentionSpec):
     """Scatter this step's keys and values into their slots (K=V layers store the value only).
     Rows past len(slots) (padding) are ignored, and so are slots < 0 (padded CUDA-graph slots)."""
@@ -122,13 +77,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.T
         return flat[0].index_select(0, slots), v
     k = (v.float() * source.k_norm_weight.float()).to(v.dtype)
     return apply_rope(k, positions, source.inv_freq), v
-
-
-def layer_cache(layer_idx: int) -> tuple[ForwardContext, AttentionSpec, torch.Tensor, GroupMetadata]:
-    """The forward context, the layer's spec, the cache it reads and its group's block tables."""
-    ctx = get_forward_context()
-    spec = ctx.layers[layer_idx]
-    return ctx, spec, ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
 
 
 def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
@@ -234,7 +182,8 @@ def _(k, v, layer_idx):
 
 @torch.library.custom_op("compiled_llm::attention", mutates_args=())
 def attention_op(q: torch.Tensor, kv_written: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
-    if (_CONTEXT is not None and any(_CONTEXT.extra.get(BIDIR_SPANS_KEY) or ())
+    ctx = current_forward_context()
+    if (ctx is not None and any(ctx.extra.get(BIDIR_SPANS_KEY) or ())
             and ATTENTION.provider_name(layer_idx) not in SPAN_MASK_PROVIDERS):
         return ref_attention(q, layer_idx)  # media prefill steps on a provider without the span mask
     return ATTENTION.impl(layer_idx)(q, layer_idx)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.rope import apply_rope
 
 SPARSE_KEY = "sparse_kv"  # ForwardContext.extra key
@@ -153,8 +154,6 @@ def _streaming_shift(q: torch.Tensor, q_pos: torch.Tensor, spec) -> torch.Tensor
 
 def sparse_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """Attention for a layer a sparse method applies to (called by ref_attention). q: [tokens, H * D]."""
-    from compiled_llm.ops.attention import layer_cache
-
     ctx, spec, cache, group = layer_cache(layer_idx)
     sm: SparseMetadata | None = ctx.extra.get(SPARSE_KEY)
     if spec.omnikv is not None and sm is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiled_llm.ops.attention import get_forward_context
+from compiled_llm.ops.context import get_forward_context
 
 STATE_KEY = "state"
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 
 from compiled_llm.config import EngineConfig
+from compiled_llm.models.interfaces import recurrent_state_specs
 from compiled_llm.models.loader import init_dummy_weights, load_weights, resolve_dtype
 from compiled_llm.models.registry import resolve_model_class
 from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, prepare_media
-from compiled_llm.ops.attention import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
+from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateMetadata, allocate_states
@@ -79,7 +80,7 @@ class ModelRunner:
         # the KV groups the block tables cover (under pipeline parallelism: every stage's, set by the driver)
         self.kv_groups = {s.kv_group for s in self.specs.values()}
         # Recurrent layers (hybrid models): per-sequence state, one slot per possible running sequence.
-        self.state_specs = model.state_specs() if hasattr(model, "state_specs") else {}
+        self.state_specs = recurrent_state_specs(model)
         self.num_state_slots = config.max_num_seqs if self.state_specs else 0
         self.state_caches: dict[int, dict[str, torch.Tensor]] = {}
         self.block_size = config.block_size
@@ -193,7 +194,7 @@ class ModelRunner:
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas)
         dev = self.device
         positions = torch.tensor(pos, dtype=torch.long)
-        if any(getattr(item.seq.mm, "mrope", None) is not None for item in batch):
+        if any(item.seq.mm is not None and item.seq.mm.mrope is not None for item in batch):
             positions = mrope_batch_positions(batch, positions)
             if bool((positions == positions[:1]).all()):  # text and decode tokens only: one row says it all,
                 positions = positions[0]  # and the step keeps the compiled path

@@ -93,6 +93,16 @@ class Scheduler:
             budget -= n
         return out
 
+    def advance(self, batch: list[ScheduledSeq]) -> list[Sequence]:
+        """After the step's forward: each sequence's computed tokens move on and its newly full blocks are
+        committed (hashed for the prefix cache). Returns the sequences that completed their tokens this
+        step, in batch order: the ones that sample a token."""
+        done = [item.seq for item in batch if item.seq.num_computed_tokens + item.num_tokens == len(item.seq)]
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.bm.commit(item.seq)
+        return done
+
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)

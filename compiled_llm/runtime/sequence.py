@@ -1,4 +1,4 @@
-"""A sequence: one sample of one request, with its tokens, progress and cache blocks."""
+"""A sequence: one sample of one request, with its tokens, progress and cache blocks; a request: its samples."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from enum import Enum, auto
 
 import torch
 
-from compiled_llm.outputs import Logprob
+from compiled_llm.outputs import Logprob, RequestMetrics
 from compiled_llm.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -69,3 +69,24 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+
+class Request:
+    """One request: its prompt and its n sequences (samples), from admission until all of them end."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence],
+                 arrival_time: float, mm=None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.seqs = seqs
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.mm = mm  # multimodal.MultiModalInputs that its sequences share (None: text only)
+
+    @property
+    def has_media(self) -> bool:
+        return self.mm is not None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -60,7 +60,7 @@ class APIKeyMiddleware:
 def create_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, media_policy=None) -> FastAPI:
     """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does."""
-    names = list(served_model_names or [getattr(engine, "model_name", "model")])
+    names = list(served_model_names or [engine.model_name])
     aengine = AsyncEngine(engine, Metrics(names[0]))
     state = ServerState(aengine, names, chat_template=chat_template, api_key=api_key)
     if media_policy is not None:  # multimodal.media.MediaPolicy (--allowed-media-domains, ...)

@@ -4,12 +4,15 @@ The engine is not thread safe, so only the engine thread touches it. add/abort c
 locked inbox that the thread drains between steps; every step's outputs go back to the event loop in
 one loop.call_soon_threadsafe call, each into the asyncio.Queue of the HTTP request that owns it.
 All running requests share each step (continuous batching).
+
+The event loop renders chat templates, tokenizes and expands media placeholders with an input processor
+of its own (`engine.new_input_processor()`); of the engine itself it reads only `is_healthy()` (flags)
+and the config, which does not change after start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import threading
 import time
@@ -75,13 +78,10 @@ class _Add:
 class AsyncEngine:
     def __init__(self, engine, metrics: Metrics | None = None):
         self.engine = engine
-        self.metrics = metrics or Metrics(getattr(engine, "model_name", "model"))
-        # The server tokenizes in the event loop while the engine thread detokenizes: give the
-        # server its own copy so the (Rust) tokenizer is never used from two threads at once.
-        try:
-            self.tokenizer = copy.deepcopy(engine.tokenizer)
-        except Exception:  # pragma: no cover - depends on the tokenizer class
-            self.tokenizer = engine.tokenizer
+        self.metrics = metrics or Metrics(engine.model_name)
+        # The server tokenizes in the event loop while the engine thread detokenizes: the server's own
+        # input processor has its own tokenizer, so the (Rust) tokenizer is never used from two threads.
+        self.inputs = engine.new_input_processor()
         self._cond = threading.Condition()
         self._inbox: list = []
         self._error: EngineDeadError | None = None
@@ -109,10 +109,13 @@ class AsyncEngine:
         return self._error
 
     @property
+    def tokenizer(self):
+        return self.inputs.tokenizer
+
+    @property
     def healthy(self) -> bool:
         # a dead parallel worker shows in the engine itself even before a step fails
-        engine_ok = getattr(self.engine, "is_healthy", lambda: True)()
-        return self._thread is not None and self.error is None and engine_ok
+        return self._thread is not None and self.error is None and self.engine.is_healthy()
 
     @property
     def stats(self) -> dict:

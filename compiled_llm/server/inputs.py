@@ -6,8 +6,7 @@ import asyncio
 
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.errors import APIError
-from compiled_llm.server.multimodal import (expanded_token_ids, is_media_part, media_placeholders, media_prompt,
-                                            placeholder_for)
+from compiled_llm.server.multimodal import expanded_token_ids, is_media_part, media_prompt, placeholder_for
 from compiled_llm.server.protocol import ChatMessage, InputMessage
 
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -69,27 +68,20 @@ def chat_messages(messages: list[ChatMessage | InputMessage], instructions: str 
     return out
 
 
-def chat_media_prompt(state, messages: list[dict], media: list, add_generation_prompt: bool,
-                      chat_template: str | None) -> dict:
-    """The engine prompt of a chat with media: the rendered template (placeholders in it) and the decoded
-    media (400 for bad or too many media)."""
+def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None) -> str:
+    """The chat template rendered with the server's input processor (400 for template errors)."""
     try:
-        text = state.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                chat_template=chat_template)
-    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-    return media_prompt(text, media, state.media_policy)
-
-
-def chat_prompt(engine, tokenizer, messages: list[dict], add_generation_prompt: bool,
-                chat_template: str | None, add_special_tokens: bool = False) -> list[int]:
-    """Render the chat template and tokenize it (the template already has the special tokens)."""
-    try:
-        text = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+        return inputs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                           chat_template=chat_template)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def chat_prompt(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                add_special_tokens: bool = False) -> list[int]:
+    """Render the chat template and tokenize it (the template already has the special tokens)."""
+    text = render_chat(inputs, messages, add_generation_prompt, chat_template)
+    return list(inputs.tokenize(text, add_special_tokens=add_special_tokens))
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:
@@ -104,16 +96,16 @@ def completion_prompts(prompt) -> list[str | list[int]]:
 
 async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
                              instructions: str | None = None) -> list[int] | dict:
-    """Token ids of a text-only chat; for a chat with media parts, a multimodal prompt dict (its media fetched
-    and decoded off the event loop)."""
+    """Token ids of a text-only chat; for a chat with media parts, a multimodal prompt dict: the rendered
+    template (placeholders in it) and the media, fetched and decoded off the event loop (400 for bad or too
+    many media)."""
     if not has_media(api_messages):
-        return chat_prompt(state.engine, state.tokenizer, chat_messages(api_messages, instructions),
-                           add_generation_prompt, state.chat_template)
+        return chat_prompt(state.inputs, chat_messages(api_messages, instructions), add_generation_prompt,
+                           state.chat_template)
     media: list = []
-    placeholders = media_placeholders(state.engine)
-    messages = chat_messages(api_messages, instructions, media, placeholders)
-    return await asyncio.to_thread(chat_media_prompt, state, messages, media, add_generation_prompt,
-                                   state.chat_template)
+    messages = chat_messages(api_messages, instructions, media, state.inputs.media_placeholders())
+    text = render_chat(state.inputs, messages, add_generation_prompt, state.chat_template)
+    return await asyncio.to_thread(media_prompt, text, media, state.media_policy)
 
 
 async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
@@ -121,8 +113,8 @@ async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_
     """/tokenize of chat messages: the template's tokens; with media parts, the ids after the processor expanded
     the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
     if not has_media(api_messages):
-        return chat_prompt(state.engine, state.tokenizer, chat_messages(api_messages), add_generation_prompt,
-                           state.chat_template, add_special_tokens=add_special_tokens)
+        return chat_prompt(state.inputs, chat_messages(api_messages), add_generation_prompt, state.chat_template,
+                           add_special_tokens=add_special_tokens)
     prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt)
     prompt["add_special_tokens"] = add_special_tokens
     return await asyncio.to_thread(expanded_token_ids, state, prompt)

@@ -20,34 +20,6 @@ def part_modality(part) -> str:
     return _PART_MODALITY[part.type]
 
 
-def media_placeholders(engine) -> dict[str, str]:
-    """modality -> placeholder text, for the modalities this checkpoint takes ({} for a text-only one)."""
-    from compiled_llm.multimodal.processor import media_model
-
-    model = media_model(engine.runner)
-    if model is None or not getattr(model, "supports_multimodal", False):
-        return {}
-    supported = model.supported_modalities()
-    if not supported:
-        return {}
-    proc = getattr(engine, "_mm_processor", None)
-    if proc is None:
-        from compiled_llm.multimodal.processor import load_processor
-
-        try:
-            proc = engine._mm_processor = load_processor(engine.config.tokenizer or engine.config.resolved_model())
-        except (ValueError, OSError):
-            return {}
-    out = {}
-    # Qwen-VL processors expand a bare pad token; the model expects it between vision start/end markers
-    start, end = getattr(proc, "vision_start_token", None), getattr(proc, "vision_end_token", None)
-    for m in supported:
-        token = getattr(proc, f"{m}_token", None)
-        if token:
-            out[m] = start + token + end if start and end and m in ("image", "video") else token
-    return out
-
-
 def placeholder_for(part, placeholders: dict[str, str]) -> str:
     m = part_modality(part)
     if m not in placeholders:
@@ -82,15 +54,10 @@ def media_prompt(text: str, parts: list, policy: MediaPolicy) -> dict:
 
 def expanded_token_ids(state, prompt: dict) -> list[int]:
     """The token ids the model sees for a media prompt: placeholders expanded by the checkpoint's processor
-    (/tokenize). Runs the server's own processor, off the engine thread; 400 for what admission refuses."""
-    from compiled_llm.multimodal.processor import load_processor, process_multimodal_prompt
-
-    engine = state.engine
-    with state.processor_lock:  # one thread at a time: the processor's tokenizer is not thread safe
-        try:
-            if state.processor is None:
-                state.processor = load_processor(engine.config.tokenizer or engine.config.resolved_model())
-            _, ids, _ = process_multimodal_prompt(engine, prompt, processor=state.processor)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+    (/tokenize). Runs the server's own input processor, off the engine thread (its media processor is
+    locked: one thread at a time); 400 for what admission refuses."""
+    try:
+        _, ids, _ = state.inputs.process_media_prompt(prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
     return ids

@@ -1,8 +1,7 @@
-"""What every route needs: the async engine, served names, chat template, tokenizer helpers."""
+"""What every route needs: the async engine, served names, chat template, the server's input processor."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,12 +26,15 @@ class ServerState:
     def __post_init__(self):
         self.token_text = TokenText(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
-        self.processor = None  # the checkpoint's processor for /tokenize (the engine thread has its own)
-        self.processor_lock = threading.Lock()
 
     @property
     def engine(self):
         return self.aengine.engine
+
+    @property
+    def inputs(self):
+        """The server's own input processor (chat template, tokenizer, media processor): never the engine's."""
+        return self.aengine.inputs
 
     @property
     def tokenizer(self):

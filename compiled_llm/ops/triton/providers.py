@@ -14,8 +14,9 @@ import contextlib
 import torch
 import triton
 
-from compiled_llm.ops.attention import (BIDIR_SPANS_KEY, AttentionMetadata, AttentionSpec, ForwardContext,
-                                        GroupMetadata, get_forward_context, layer_cache, set_forward_context)
+from compiled_llm.ops.attention import BIDIR_SPANS_KEY, AttentionSpec
+from compiled_llm.ops.context import (AttentionMetadata, ForwardContext, GroupMetadata, get_forward_context, layer_cache,
+                                      set_forward_context)
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.triton.moe import fused_geglu_moe, fused_router_topk, fused_swiglu_moe
 from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled_llm.ops.attention import layer_cache
+from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.triton._common import _reduce_angle
 

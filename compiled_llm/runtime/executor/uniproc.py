@@ -1,0 +1,27 @@
+"""The one-process executor: the whole model in this process, the engine's calls go to its ModelRunner."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.runtime.executor.abstract import Executor
+from compiled_llm.runtime.model_runner import ModelRunner
+from compiled_llm.runtime.scheduler import ScheduledSeq
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        self.runner = ModelRunner(config)
+
+    def group_block_bytes(self) -> dict[int | None, int]:
+        return self.runner.group_block_bytes()
+
+    def plan_blocks(self, max_model_len: int) -> dict[int | None, int]:
+        return self.runner.plan_blocks(max_model_len)
+
+    def allocate_kv_cache(self, num_blocks: dict[int | None, int]) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        return self.runner.execute(batch)

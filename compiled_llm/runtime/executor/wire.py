@@ -1,0 +1,46 @@
+"""What the driver sends the other ranks each step: the prepared inputs, built once on rank 0 and run by
+every rank. The wire carries CPU tensors (a gloo broadcast); each rank moves them to its own device."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from compiled_llm.ops.context import AttentionMetadata
+
+
+@dataclass
+class MediaRefs:
+    """A step's media, by reference: each first-stage rank runs the towers on its registered copy."""
+
+    rows: torch.Tensor  # step rows that take soft tokens, in the order of refs
+    refs: list[tuple[str, int, int, int]]  # (request id, item index, first soft token, end)
+    done: list[str]  # requests whose prompt ends in this step: drop their cached soft tokens after it
+
+
+@dataclass
+class StepInput:
+    """One prepared step, as every rank runs it."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    rows: torch.Tensor  # token rows whose logits are wanted
+    extra: dict  # forward-context extras (no per-rank state in them)
+    media: MediaRefs | None = None
+
+
+def to_device(obj, device: torch.device):
+    """Tensors inside the step's metadata, moved to device (the wire carries CPU tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj

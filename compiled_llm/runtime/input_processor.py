@@ -1,0 +1,141 @@
+"""Admission: a prompt and its SamplingParams -> a Request of n Sequences, checked before anything is queued.
+
+A prompt is text (tokenized here), token ids (taken as given), or a media prompt
+{"prompt": text, "multi_modal_data": {...}}, which the checkpoint's own processor turns into token ids and
+media items (multimodal/processor.py; the processor is loaded on first use and owned here). Bad input
+raises ValueError saying what is wrong. The chat template is rendered here too.
+
+Threads: the engine's processor is used by the engine's thread only. Another thread (the server's event
+loop) asks the engine for a copy (`LLMEngine.new_input_processor()`): a tokenizer and a media processor of
+its own, and otherwise only what does not change after start-up (the config, the vocabulary size, the
+model's media contract). A copy's media processor is locked, so worker threads may share it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.models.interfaces import media_modalities
+from compiled_llm.multimodal.processor import load_processor, placeholder_texts, process_multimodal_prompt
+from compiled_llm.runtime.detokenizer import IncrementalDetokenizer
+from compiled_llm.runtime.sequence import Request, Sequence
+from compiled_llm.sampling_params import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer, model, vocab_size: int, device: torch.device):
+        """model: the one whose media towers admission asks about (rank 0's shard); device: where the
+        sampler runs (seeded requests' generators live there)."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = model
+        self.vocab_size = vocab_size
+        self.device = device
+        self._media_processor = None
+        self._media_lock = threading.Lock()
+        self._placeholders: dict[str, str] | None = None
+
+    def copy(self) -> InputProcessor:
+        """An independent processor for another thread: its own tokenizer and media processor."""
+        try:
+            tokenizer = copy.deepcopy(self.tokenizer)
+        except Exception:  # pragma: no cover - depends on the tokenizer class
+            tokenizer = self.tokenizer
+        return InputProcessor(self.config, tokenizer, self.model, self.vocab_size, self.device)
+
+    # ---- text ----------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        if not messages:
+            raise ValueError("messages is empty")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+                raise ValueError(f"unknown message role {m.get('role') if isinstance(m, dict) else m!r}")
+        kwargs = {"chat_template": chat_template} if chat_template else {}
+        if not chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; pass one (--chat-template)")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **kwargs)
+
+    # ---- media ---------------------------------------------------------------------------------
+    def media_placeholders(self) -> dict[str, str]:
+        """modality -> the text that stands for one item in a prompt, for the modalities this checkpoint
+        takes ({} for a text-only one, or one whose processor cannot be loaded). Computed once."""
+        if self._placeholders is None:
+            modalities, placeholders = media_modalities(self.model), {}
+            if modalities:
+                with self._media_lock:
+                    try:
+                        placeholders = placeholder_texts(self._processor(), modalities)
+                    except (ValueError, OSError):
+                        placeholders = {}
+            self._placeholders = placeholders
+        return self._placeholders
+
+    def process_media_prompt(self, prompt: dict):
+        """(text, token ids, MultiModalInputs or None) of a media prompt (docs/multimodal.md)."""
+        if self.tokenizer is None:
+            raise ValueError("this engine was started without a tokenizer: multimodal prompts need one")
+        cfg = self.config
+        with self._media_lock:
+            return process_multimodal_prompt(prompt, self.model, self._processor, self.tokenize,
+                                             cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else None)
+
+    def _processor(self):
+        """The checkpoint's processor, loaded on first use (the caller holds the lock)."""
+        if self._media_processor is None:
+            self._media_processor = load_processor(self.config.tokenizer or self.config.resolved_model())
+        return self._media_processor
+
+    # ---- admission -----------------------------------------------------------------------------
+    def process(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
+                arrival_time: float) -> Request:
+        """The request's sequences, each with its detokenizer and, for a seeded request, its generator."""
+        text, ids, mm = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {limit}, which must leave room "
+                             "for at least one generated token")
+        max_tokens = limit - len(ids) if params.max_tokens is None else min(params.max_tokens, limit - len(ids))
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seq = Sequence(request_id, i, ids, params, max_tokens, arrival_time, gen)
+            seq.mm = mm
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                                         params.spaces_between_special_tokens)
+            seqs.append(seq)
+        return Request(request_id, text, ids, seqs, arrival_time, mm)
+
+    def _prompt_ids(self, prompt: str | list[int] | dict):
+        if isinstance(prompt, dict):  # {"prompt": text, "multi_modal_data": {...}} (docs/multimodal.md)
+            return self.process_media_prompt(prompt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine was started without a tokenizer: give prompt token ids")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenize(prompt), None
+        return None, [int(t) for t in prompt], None
