@@ -48,14 +48,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _audit(config) -> int:
-    """compile-cache --dry-run: the graph audit (compiler/audit.py) of the checkpoint's config, no weights,
+    """compile-cache --dry-run: the graph audit (runtime/audit.py) of the checkpoint's config, no weights,
     no GPU; exit status 1 when some layer misses a fusion its model declares."""
     from pathlib import Path
 
     import torch
 
     from compiled_llm.compiler import parse_passes, parse_sizes
-    from compiled_llm.compiler.audit import audit
+    from compiled_llm.runtime.audit import audit
     from compiled_llm.models.loader import resolve_dtype
     from compiled_llm.models.registry import resolve_model_class
     from compiled_llm.runtime.model_runner import read_hf_config

@@ -106,7 +106,7 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
                     start = time.perf_counter() - t
                     got = greedy(llm, prompts)
                     one = greedy(llm, prompts[:1])  # a lone sequence: batch 1 decode
-                    s = llm.engine.runner.compiler.summary()
+                    s = llm.engine.executor.runner.compiler.summary()
                     agree, gap_e, gap_c = compare(ref, got)
                     same_one = one[0][0] == ref[0][0]
                     if dtype == "float32":
@@ -144,9 +144,9 @@ def big(config: str, shape: str) -> bool:
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b, fusion_check="error")
     start = time.perf_counter() - t
-    comp = llm.engine.runner.compiler
+    comp = llm.engine.executor.runner.compiler
     s = comp.summary()
-    vocab = llm.engine.runner.model_config.vocab_size
+    vocab = llm.engine.executor.runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, vocab - 1, (p,), generator=g).tolist()} for _ in range(b)]
     params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
@@ -167,7 +167,7 @@ def big(config: str, shape: str) -> bool:
         "captured_graphs": s["captured_graphs"], "whole_graph": s["whole_graph_decode_sizes"],
         "decode_timings_ms": s["decode_timings_ms"], "counters": s.get("counters"),
         "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-        "kv_blocks": stats.get("num_total_blocks"), "memory_profile": getattr(llm.engine.runner, "memory_profile", None)}
+        "kv_blocks": stats.get("num_total_blocks"), "memory_profile": getattr(llm.engine.executor.runner, "memory_profile", None)}
     print(f"big {config} {shape}: {tok_s:.1f} tok/s (runs {RESULTS['big']['runs_s']}), start-up {start:.1f}s "
           f"(compile {comp.startup_seconds:.1f}s), peak {RESULTS['big']['peak_memory_GiB']} GiB", flush=True)
     print(comp.report(), flush=True)

@@ -1,7 +1,7 @@
 """Runs our fusion passes over small functions: the matches they replace, and the compiled result.
 
 `fuse(fn, args)` compiles with Inductor on the CPU (C++), so the result can be compared with eager;
-`inspect(fn, args, device="cuda")` stops after our passes (compiler/audit.py's inspect compile) and needs
+`inspect(fn, args, device="cuda")` stops after our passes (runtime/audit.py's inspect compile) and needs
 no kernel, so it also runs on fake CUDA tensors: the graph a GPU would compile, on a machine without one.
 """
 
@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from compiled_llm.compiler.audit import inspect_compile
+from compiled_llm.compiler.inspect import inspect_compile
 from compiled_llm.passes.manager import PassManager
 
 

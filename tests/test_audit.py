@@ -1,4 +1,4 @@
-"""The graph audit (compiler/audit.py) at the released shapes: Gemma 4 26B-A4B, 31B, E4B and Qwen3.5 35B-A3B
+"""The graph audit (runtime/audit.py) at the released shapes: Gemma 4 26B-A4B, 31B, E4B and Qwen3.5 35B-A3B
 built under fake tensors on a (fake) CUDA device, compiled as far as our passes, with no weights and no
 GPU. It pins per layer the fusions that match on the GPU's graph, the graph pieces and the largest
 tensor of an 8192-token prefill, so a change that breaks a fusion on the GPU fails here first. `.ci/run`
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from compiled_llm.cli import main
-from compiled_llm.compiler.audit import audit
+from compiled_llm.runtime.audit import audit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from configs import config_dict  # noqa: E402

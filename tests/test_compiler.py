@@ -85,10 +85,10 @@ def test_moe_in_bfloat16_gets_every_fusion_in_every_compile(tiny_ckpt):
     kw = dict(block_size=4, max_model_len=128, num_kv_blocks=96, dtype="bfloat16")
     llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="1,4", fusion_check="error",
               jit_monitor="error", **kw)
-    shapes = llm.engine.runner.compiler.compiled.matches_by_shape()
+    shapes = llm.engine.executor.runner.compiler.compiled.matches_by_shape()
     assert sorted(shapes) == ["1", "4", "dynamic"]
     assert matches(llm) == EXPECTED["moe"]
-    ps = [{"prompt_token_ids": p} for p in prompts(llm.engine.runner.model_config.vocab_size)]
+    ps = [{"prompt_token_ids": p} for p in prompts(llm.engine.executor.runner.model_config.vocab_size)]
     got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
     eager = LLM(str(folder), enforce_eager=True, **kw)
     want = [o.outputs[0].token_ids for o in eager.generate(ps, GREEDY)]
@@ -175,7 +175,7 @@ def test_warm_up_builds_attention_kernels_only_for_layers_that_launch_them(tiny_
     K=16 crashed the GPU start-up; now only the layers that chose Triton give keys."""
     import json
 
-    from compiled_llm.compiler.audit import GPU
+    from compiled_llm.runtime.audit import GPU
     from compiled_llm.compiler.warmup import kernel_keys
     from compiled_llm.models.gemma4 import Gemma4ForCausalLM
     from compiled_llm.ops.registry import model_facts, preserved_choices, select_providers

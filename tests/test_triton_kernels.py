@@ -346,7 +346,7 @@ def _check_router(T, E, H, k, seed):
     with torch.no_grad():
         ref_w, ref_ids = router(x)
         w, ids = fused_router_topk(x, router.scale, router.proj.weight, router.per_expert_scale, k,
-                                   router.norm.eps)
+                                   router.eps)
     assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
     _close(f"router T={T} E={E} H={H} k={k}", w, ref_w, rtol=1e-4, atol=1e-6)
 

@@ -74,7 +74,7 @@ def test_an_fx_cache_hit_from_another_layer_counts_for_this_layer(tiny_ckpt):
     hits = counters["inductor"]["fxgraph_cache_hit"]
     llm = LLM(str(tiny_ckpt("softcap")[0]), **kw)
     assert counters["inductor"]["fxgraph_cache_hit"] > hits
-    got = per_layer(llm.engine.runner.compiler.compiled.matches_by_shape()["dynamic"])
+    got = per_layer(llm.engine.executor.runner.compiler.compiled.matches_by_shape()["dynamic"])
     assert got == {0: Counter(qk_norm_rope_kv_write=1, add_rms_norm=1), 1: Counter(qk_norm_rope_kv_write=1, add_rms_norm=1)}
 
 
@@ -99,7 +99,7 @@ def test_a_static_compile_that_misses_a_fusion_replays_the_dynamic_compile(tiny_
         llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2", fusion_check="error",
                   jit_monitor="error", **kw)
     assert "the static compile for 2 tokens missed geglu_moe" in caplog.text
-    pieces = llm.engine.runner.compiler.compiled.backend.pieces
+    pieces = llm.engine.executor.runner.compiler.compiled.backend.pieces
     moe_pieces = [p for p in pieces if p.matches["dynamic"]["geglu_moe"]]
     assert moe_pieces and all(p.static[2] is p.dynamic for p in moe_pieces)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

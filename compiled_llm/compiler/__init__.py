@@ -70,7 +70,8 @@ def _tp_group_name() -> str | None:
 
 class ModelCompiler:
     def __init__(self, model: torch.nn.Module, config, device: torch.device, dtype: torch.dtype, specs: dict,
-                 hf_config: dict, facts: dict | None = None):
+                 hf_config: dict, facts: dict | None = None, stateful: bool = False):
+        """stateful: the model has recurrent-state ops (no whole-graph decode capture for it)."""
         self.config = config
         self.model = model
         self.device = torch.device(device)
@@ -85,7 +86,6 @@ class ModelCompiler:
             passes=parse_passes(config.compile_passes), dtype=dtype, tp_group=_tp_group_name(),
             jit_monitor=config.jit_monitor)
         attention = {k: name for k, (name, _) in OPS["attention"].chosen.items()}
-        stateful = bool(model.state_specs()) if hasattr(model, "state_specs") else False
         self.compiled = CompiledModel(model, ccfg, self.device, attention, whole_graph=not stateful)
         self.cache: CompileCache | None = None
         self.startup_seconds = 0.0

@@ -28,6 +28,16 @@ CAPTURABLE = {"triton"}  # attention / KV-write providers whose launches a CUDA 
 _NO_01_SPECIALISATION = {"backed_size_oblivious": True} if hasattr(fx_config, "backed_size_oblivious") else {}
 
 
+def allow_many_engines() -> None:
+    """Every engine in a process compiles the same forward code object (one Dynamo cache entry per model,
+    two after a one-token recompile): raise Dynamo's per-code-object cap (8, meant to stop recompile loops in
+    a training step) so that a process holding or creating several compiled engines (tests, notebooks, an
+    API user comparing models) does not hit it."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 1024)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8192)
+
+
 @dataclasses.dataclass
 class RunState:
     bucket: int | None = None  # the static size this call runs at (None: dynamic)
@@ -115,6 +125,7 @@ class CompiledModel:
         self.full_graph_ok = (whole_graph and self.state.cudagraphs and config.full_graph_decode != "off"
                               and bool(providers)
                               and providers <= CAPTURABLE)
+        allow_many_engines()
         self.pass_manager = PassManager(config.passes, config.dtype, self.device, config.tp_group)
         self.backend = Backend(config, self.pass_manager, self.state)
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
@@ -215,7 +226,8 @@ class CompiledModel:
         return {
             "passes": {name: {"fusion": fusion, "matches": matches.get(name, 0)}
                        for name, fusion in self.pass_manager.fusions().items()},
-            "pieces": len(self.backend.pieces),
+            "pieces": sum(1 for p in self.backend.pieces if p.graph == 0),  # of the first Dynamo graph
+            "dynamo_graphs": self.backend.graph_count,
             "attention_ops": len(self.backend.attention_pieces),
             "static_sizes": self.sizes,
             "captured_graphs": graphs,

@@ -74,7 +74,7 @@ class PieceRunner:
         passes = self.backend.pass_manager
         calls = passes.calls
         t0 = time.perf_counter()
-        compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/audit.py)
+        compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/inspect.py)
         fn = compile_fn(gm, args, config_patches=passes.inductor_config())
         self.inputs[self.label(shape)] = passes.last_input if passes.calls != calls else None
         self.compile_seconds += time.perf_counter() - t0

@@ -94,7 +94,8 @@ class ModelRunner:
                 log.info("compiler off for this run (sparse KV or pipeline parallel): eager")
             else:
                 from compiled_llm.compiler import ModelCompiler
-                self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts)
+                self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts,
+                                              stateful=bool(self.state_specs))
 
     # ---- KV cache ------------------------------------------------------------------------
     def group_block_bytes(self) -> dict[int | None, int]:
