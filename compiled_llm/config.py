@@ -20,7 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # CPU budget; default 1 GiB
-    gpu_memory_utilization: float = 0.85  # GPU budget: fraction of free memory
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU's total memory this engine may use (as vLLM)
     num_kv_blocks: int | None = None  # overrides the budget (tests)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -55,6 +55,10 @@ class EngineConfig:
     omnikv_recent: int = 64
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], not {self.gpu_memory_utilization}")
+
     def resolved_model(self) -> str:
         return str(self.model) if self.model else str(DEMO_MODEL_DIR)
 
@@ -71,7 +75,9 @@ _HELP = {
     "max_num_batched_tokens": "per-step token budget; prompts longer than this are prefilled in chunks",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory_bytes": "KV-cache budget in bytes (CPU; default 1 GiB)",
-    "gpu_memory_utilization": "fraction of free GPU memory given to the KV cache",
+    "gpu_memory_utilization": "fraction of the GPU's total memory this engine may use: weights, the activations "
+                              "of a max-num-batched-tokens step (measured at start-up), CUDA graphs and the "
+                              "sampler come out of it, the KV cache gets the rest (as vLLM)",
     "num_kv_blocks": "exact number of KV-cache blocks (overrides the budget)",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes across requests",
     "enable_chunked_prefill": "split long prompts across steps",
