@@ -9,11 +9,33 @@ from pathlib import Path
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; other names are checked and kept. Done once, when
+    the config is made, so every later decision (backend, rank devices, memory plan) reads the real device:
+    a GPU machine must never build a model on the CPU just because nobody passed --device."""
+    import torch  # here, not at the top: config.py stays importable without loading torch (CLI --help)
+
+    name = str(device).strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"  # the runner logs the device it builds on
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA GPU; use --device auto or cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} was asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+    return name
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # checkpoint folder; None means the built-in demo model
     tokenizer: str | None = None
-    device: str = "cpu"
+    device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N; resolved on creation
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -56,6 +78,7 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        self.device = resolve_device(self.device)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], not {self.gpu_memory_utilization}")
 
@@ -68,7 +91,7 @@ _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 _HELP = {
     "model": "checkpoint folder in Hugging Face layout (default: the built-in demo model)",
     "tokenizer": "tokenizer folder (default: the model folder)",
-    "device": "cpu or cuda",
+    "device": "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
     "dtype": "weights and activations dtype: auto (the checkpoint's), float32, bfloat16, float16",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "most sequences in one step",

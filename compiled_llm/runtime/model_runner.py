@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -50,6 +51,21 @@ def mrope_batch_positions(batch: list[ScheduledSeq], flat: torch.Tensor) -> torc
     return torch.cat(out, dim=1)
 
 
+def quiet_cpp_extension_import() -> None:
+    """Inductor's C++ builds on the CPU import torch.utils.cpp_extension, which logs "No CUDA runtime is found,
+    using CUDA_HOME=..." on any machine with a CUDA toolkit but no usable GPU. On a CPU run that is expected,
+    not a fault, and it reads like one: the module is imported here once, with that one logger quieted."""
+    if "torch.utils.cpp_extension" in sys.modules:
+        return
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        logger.setLevel(level)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -62,21 +78,9 @@ class ModelRunner:
         self.model_config = model_cls.config_from_hf(self.hf_config)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype)
-        torch.manual_seed(config.seed)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)  # parameters in the serving dtype; rope tables stay float32
-        try:
-            with torch.device(self.device):
-                model = model_cls(self.model_config).eval()
-        finally:
-            torch.set_default_dtype(prev)
-        if config.load_format == "dummy":
-            init_dummy_weights(model, config.seed)
-        elif config.load_format == "auto":
-            load_weights(model, folder, model.hf_to_ours)
-        else:
+        if config.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {config.load_format!r}; use auto or dummy")
-        self.model = model
+        self.model = model = self._build_model(model_cls, folder)
         self.specs = model.attention_specs()
         self.sparse = SparseKV.build(config, self.specs, self.device)  # marks the specs; None without a method
         # the KV groups the block tables cover (under pipeline parallelism: every stage's, set by the driver)
@@ -98,7 +102,37 @@ class ModelRunner:
                 log.info("compiler off for this run (sparse KV or pipeline parallel): eager")
             else:
                 from compiled_llm.compiler import ModelCompiler
+
+                if self.device.type == "cpu":
+                    quiet_cpp_extension_import()
                 self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts)
+
+    def _build_model(self, model_cls, folder: Path) -> torch.nn.Module:
+        """The model on its device in the serving dtype, with its weights; logged, since a large model
+        takes minutes here and the log is all a non-terminal run shows."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        no_gpu = "" if torch.cuda.is_available() else " (torch sees no CUDA GPU)"
+        log.info("building %s (%d layers) on %s%s in %s", model_cls.__name__,
+                 getattr(self.model_config, "num_hidden_layers", 0), self.device, no_gpu,
+                 str(self.dtype).replace("torch.", ""))
+        torch.manual_seed(cfg.seed)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # parameters in the serving dtype; rope tables stay float32
+        try:
+            with torch.device(self.device):
+                model = model_cls(self.model_config).eval()
+        finally:
+            torch.set_default_dtype(prev)
+        if cfg.load_format == "dummy":
+            log.info("random weights (--load-format dummy)")
+            init_dummy_weights(model, cfg.seed)
+        else:
+            load_weights(model, folder, model.hf_to_ours)
+        params = list(model.parameters())
+        log.info("model ready in %.1fs: %.1fM parameters, %s", time.perf_counter() - t0,
+                 sum(p.numel() for p in params) / 1e6, gib(sum(p.numel() * p.element_size() for p in params)))
+        return model
 
     # ---- KV cache ------------------------------------------------------------------------
     def group_block_bytes(self) -> dict[int | None, int]:
@@ -250,8 +284,13 @@ class ModelRunner:
         return allocate_states(self.state_specs, num_slots, self.dtype, self.device)
 
     def allocate_kv_cache(self, num_blocks: dict[int | None, int]) -> None:
+        t0 = time.perf_counter()
+        kv_bytes = sum(n * self.group_block_bytes().get(g, 0) for g, n in num_blocks.items())
+        log.info("allocating the KV cache: %s (blocks per group %s), recurrent state %s", gib(kv_bytes),
+                 {("full" if g is None else f"window {g}"): n for g, n in num_blocks.items()}, gib(self.state_bytes()))
         self.kv_caches: dict[int, torch.Tensor] = self._kv_tensors(num_blocks)
         self.state_caches = self._state_tensors(self.num_state_slots)
+        log.info("KV cache allocated in %.1fs", time.perf_counter() - t0)
         if self.compiler is not None:  # everything compiles before the first request
             self.compiler.warm_up(self.kv_caches, self.block_size,
                                   self._warmup_context if self.state_specs else None)
