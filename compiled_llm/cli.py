@@ -47,11 +47,39 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(config) -> int:
+    """compile-cache --dry-run: the graph audit (compiler/audit.py) of the checkpoint's config, no weights,
+    no GPU; exit status 1 when some layer misses a fusion its model declares."""
+    from pathlib import Path
+
+    import torch
+
+    from compiled_llm.compiler import parse_passes, parse_sizes
+    from compiled_llm.compiler.audit import audit
+    from compiled_llm.models.loader import resolve_dtype
+    from compiled_llm.models.registry import resolve_model_class
+    from compiled_llm.runtime.model_runner import read_hf_config
+
+    hf = read_hf_config(Path(config.resolved_model()))
+    device = torch.device("cuda" if config.device in ("auto", "cuda") else config.device)  # the GPU's graph by default
+    dtype = resolve_dtype(config.dtype, resolve_model_class(hf).config_from_hf(hf).torch_dtype)
+    sizes = parse_sizes(config.cudagraph_batch_sizes, device, config.max_num_seqs)
+    report = audit(hf, device=device, dtype=dtype, tokens=config.max_num_batched_tokens, batch_sizes=sizes,
+                   passes=parse_passes(config.compile_passes), block_size=config.block_size)
+    print(report.text())
+    return 1 if report.mismatches else 0
+
+
 def _compile_cache(args: argparse.Namespace) -> int:
     """Builds (or checks) the compile cache in --out: starts the engine once, which warms up everything."""
     from compiled_llm.runtime.engine import LLMEngine
 
     config = config_from_args(args)
+    if args.dry_run:
+        return _audit(config)
+    if not args.out:
+        print("error: compile-cache needs --out DIR (or --dry-run)", file=sys.stderr)
+        return 2
     config.compile_cache, config.enforce_eager = args.out, False
     compiler = LLMEngine(config).runner.compiler
     if compiler is None:
@@ -86,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     cc = sub.add_parser("compile-cache", help="precompile everything into a folder that `serve --compile-cache` "
                         "and LLM(compile_cache=...) start from", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    cc.add_argument("--out", required=True, metavar="DIR", help="the cache folder (created or rebuilt)")
+    cc.add_argument("--out", metavar="DIR", help="the cache folder (created or rebuilt); required unless --dry-run")
+    cc.add_argument("--dry-run", action="store_true",
+                    help="build nothing: print the graph audit (per layer, the fusions that matched against those the "
+                         "model declares; graph pieces; the largest tensor of a max-num-batched-tokens prefill) for "
+                         "the GPU's graph, from config.json alone, on any machine; exit 1 on a missing fusion")
     cc.add_argument("--report", action="store_true", help="print per-pass matches, graph pieces and captured graphs")
     add_engine_args(cc)
     cc.set_defaults(func=_compile_cache)

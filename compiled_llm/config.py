@@ -55,6 +55,7 @@ class EngineConfig:
     compile_sizes: str | None = None  # buckets with their own static compile; None: all; "none": dynamic compile
     full_graph_decode: str = "auto"  # auto | on | off: capture decode whole (attention included) where faster
     compile_passes: str | None = None  # comma-separated fusion passes; None: all that apply; "none": no fusion
+    fusion_check: str = "warn"  # warn | error: what a layer missing a declared fusion does (compiler/verify.py)
     op_providers: str | None = None  # override the op resolver: "attention=reference,rms_norm=triton"
     seed: int = 0
     trust_remote_code: bool = False
@@ -119,6 +120,8 @@ _HELP = {
                          "attention kernels allow it (auto: only where measured faster than piecewise graphs)",
     "compile_passes": "comma-separated fusion passes to run (add_rms_norm, qk_norm_rope_kv_write, "
                       "allreduce_rms_norm, router_topk, geglu_moe; default: all that apply; 'none': no fusion)",
+    "fusion_check": "warn or error: what a compiled layer that missed a fusion its model declares does (a MoE "
+                    "layer that would run every expert on every token is always an error)",
     "op_providers": "override the op provider resolver, e.g. 'attention=reference,rms_norm=triton'",
     "seed": "seed for dummy weights and unseeded sampling",
     "trust_remote_code": "accepted for vLLM compatibility; remote code is never run",

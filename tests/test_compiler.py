@@ -32,7 +32,7 @@ def compiled(tiny_ckpt):
             folder, hf = tiny_ckpt(name)
             sizes = "4" if name == "dense" else "none"
             llm = LLM(str(folder), enforce_eager=False, block_size=4, max_model_len=128, num_kv_blocks=96,
-                      cudagraph_batch_sizes=sizes, jit_monitor="error", dtype="float32")
+                      cudagraph_batch_sizes=sizes, jit_monitor="error", dtype="float32", fusion_check="error")
             _LLMS[name] = (llm, hf)
         return _LLMS[name]
 
@@ -75,6 +75,24 @@ def test_compiled_greedy_equals_transformers_and_eager(compiled, tiny_ckpt, name
                 dtype="float32")
     assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == ref
     assert not MONITOR.late  # nothing compiled after warm-up
+
+
+def test_moe_in_bfloat16_gets_every_fusion_in_every_compile(tiny_ckpt):
+    """bfloat16 graphs carry casts float32 graphs do not (torch 2.11 folds some of them): the MoE pattern
+    once matched in float32 and missed in bfloat16. Static buckets 1 and 4 are checked too
+    (fusion_check='error' raises at start-up on any layer that misses a declared fusion)."""
+    folder, _ = tiny_ckpt("moe")
+    kw = dict(block_size=4, max_model_len=128, num_kv_blocks=96, dtype="bfloat16")
+    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="1,4", fusion_check="error",
+              jit_monitor="error", **kw)
+    shapes = llm.engine.runner.compiler.compiled.matches_by_shape()
+    assert sorted(shapes) == ["1", "4", "dynamic"]
+    assert matches(llm) == EXPECTED["moe"]
+    ps = [{"prompt_token_ids": p} for p in prompts(llm.engine.runner.model_config.vocab_size)]
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
+    eager = LLM(str(folder), enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in eager.generate(ps, GREEDY)]
+    assert got == want
 
 
 def test_every_attention_op_sits_between_pieces(compiled):
@@ -149,3 +167,27 @@ def test_compile_sizes_none_pads_buckets_onto_the_dynamic_compile(tiny_ckpt):
     assert got == want
     with pytest.raises(ValueError, match="not batch sizes"):
         LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="3", **kw)
+
+
+def test_warm_up_builds_attention_kernels_only_for_layers_that_launch_them(tiny_ckpt):
+    """The `all` model mixes head_dim 16 (sliding: the reference, the Triton kernels need >= 32) and 32
+    (global: Triton). Warm-up used to build the Triton kernel for every layer's key, and `tl.dot` at
+    K=16 crashed the GPU start-up; now only the layers that chose Triton give keys."""
+    import json
+
+    from compiled_llm.compiler.audit import GPU
+    from compiled_llm.compiler.warmup import kernel_keys
+    from compiled_llm.models.gemma4 import Gemma4ForCausalLM
+    from compiled_llm.ops.registry import model_facts, preserved_choices, select_providers
+
+    cfg = Gemma4ForCausalLM.config_from_hf(json.loads((tiny_ckpt("all")[0] / "config.json").read_text()))
+    with torch.device("meta"):
+        specs = Gemma4ForCausalLM(cfg).attention_specs()
+    facts = model_facts(cfg, block_size=16)
+    with preserved_choices():
+        table = select_providers("cuda", torch.bfloat16, specs, facts, caps=GPU)
+        keys = [key for kernel, key in kernel_keys(dict(facts, dtype=torch.bfloat16, layers=specs))
+                if kernel.name == "paged_attention"]
+    assert {specs[i].head_dim for i, p in table["attention"].items() if p == "reference"} == {16}
+    assert {specs[i].head_dim for i, p in table["attention"].items() if p == "triton"} == {32}
+    assert keys and {key[2] for key in keys} == {32}  # ("attention", dtype, head_dim, ...)

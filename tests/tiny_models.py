@@ -19,6 +19,8 @@ CONFIGS: dict[str, dict] = {
     "dense": dict(layer_types=[SLIDING, FULL, SLIDING, FULL], hidden_size_per_layer_input=0),
     "moe": dict(layer_types=[SLIDING, SLIDING, FULL], enable_moe_block=True, num_experts=8, top_k_experts=2,
                 moe_intermediate_size=24, hidden_size_per_layer_input=0),
+    "moe16": dict(layer_types=[SLIDING, FULL], enable_moe_block=True, num_experts=16, top_k_experts=2,
+                  moe_intermediate_size=24, hidden_size_per_layer_input=0),
     "ple": dict(layer_types=[SLIDING, FULL, SLIDING, FULL], hidden_size_per_layer_input=8),
     "shared_kv": dict(layer_types=[SLIDING, FULL, SLIDING, FULL, SLIDING, FULL], num_kv_shared_layers=2,
                       hidden_size_per_layer_input=8),

@@ -15,6 +15,7 @@ import torch
 from compiled_llm.compiler.backend import CompilerConfig
 from compiled_llm.compiler.cache import CompileCache, compile_counters, count_cpp_builds
 from compiled_llm.compiler.model import CompiledModel
+from compiled_llm.compiler.verify import FusionCheckError, verify
 from compiled_llm.compiler.warmup import warm_up
 from compiled_llm.ops.registry import OPS
 
@@ -71,6 +72,7 @@ class ModelCompiler:
     def __init__(self, model: torch.nn.Module, config, device: torch.device, dtype: torch.dtype, specs: dict,
                  hf_config: dict, facts: dict | None = None):
         self.config = config
+        self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
         self.specs = specs
@@ -116,9 +118,16 @@ class ModelCompiler:
                 run()
         else:
             run()
+        self.verify()
         self.startup_seconds = time.perf_counter() - t0
         log.info("compiled in %.1fs%s\n%s", self.startup_seconds,
                  f" (compile cache: {self.cache.status})" if self.cache else "", self.report())
+
+    def verify(self) -> list:
+        """Each layer's fusions against the model's declaration, in every compile (compiler/verify.py)."""
+        return verify(self.model.expected_fusions(), self.compiled.matches_by_shape(),
+                      set(self.compiled.pass_manager.fusions()), self.config.fusion_check,
+                      self.facts.get("num_experts", 0))
 
     def summary(self) -> dict:
         out = self.compiled.summary()
@@ -138,4 +147,4 @@ class ModelCompiler:
         return "\n".join(lines)
 
 
-__all__ = ["ModelCompiler", "CompilerConfig", "CompiledModel", "CompileCache", "parse_sizes"]
+__all__ = ["ModelCompiler", "CompilerConfig", "CompiledModel", "CompileCache", "FusionCheckError", "parse_sizes"]

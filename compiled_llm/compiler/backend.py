@@ -89,7 +89,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         sub = self.fetch_attr(target)
         out = super().call_module(target, args, kwargs)
         if target in self.compute:
-            runner = PieceRunner(target, sub, self.backend)
+            runner = PieceRunner(target, sub, self.backend, graph=self.backend.graph_count - 1)
             runner.compile_dynamic(list(args))
             self.module.__dict__[target] = runner  # the split module now calls the runner
             self.backend.pieces.append(runner)
@@ -104,18 +104,18 @@ class Backend:
         self.config = config
         self.pass_manager = pass_manager
         self.state = state  # compiler.model.RunState: the bucket this call runs at, capture flags
-        self.pieces: list[PieceRunner] = []
+        self.pieces: list[PieceRunner] = []  # every graph's (a recompile's pieces join the first graph's, which stay live)
         self.attention_pieces: list[str] = []
         self.split_gm: torch.fx.GraphModule | None = None
         self.graph_count = 0
+        self.compile_fn = None  # None: Inductor's compile_fx; the graph audit sets its own
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         MONITOR.compile_event("dynamo", f"graph {self.graph_count}")
         self.graph_count += 1
         t0 = time.perf_counter()
         split, compute, attn = split_at_attention(gm)
-        self.split_gm, self.attention_pieces = split, attn
-        self.pieces.clear()
+        self.split_gm, self.attention_pieces = split, attn  # of the latest graph; `pieces` keeps every graph's
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
         with fake_mode:

@@ -198,6 +198,15 @@ class CompiledModel:
                  "whole graph" if size in self.full else "piecewise")
 
     # ---- report ------------------------------------------------------------------------------
+    def matches_by_shape(self) -> dict[str, Counter]:
+        """Per compile ('dynamic', or a static batch size): the passes' matches summed over the pieces, with
+        their per-layer keys ('geglu_moe@3')."""
+        out: dict[str, Counter] = {}
+        for piece in self.backend.pieces:
+            for shape, counter in piece.matches.items():
+                out.setdefault(shape, Counter()).update(counter)
+        return out
+
     def summary(self) -> dict:
         matches: Counter = Counter()
         for piece in self.backend.pieces:

@@ -40,14 +40,15 @@ class CudaGraphEntry:
 
 
 class PieceRunner:
-    def __init__(self, name: str, gm: torch.fx.GraphModule, backend):
+    def __init__(self, name: str, gm: torch.fx.GraphModule, backend, graph: int = 0):
         self.name = name
+        self.graph = graph  # which Dynamo graph of the model (1, 2, ...: recompiles after a guard failed)
         self.gm = gm
         self.backend = backend
         self.dynamic: Callable | None = None
         self.static: dict[int, Callable] = {}
         self.graphs: dict[int, CudaGraphEntry] = {}
-        self.matches: dict[str, Counter] = {}  # shape -> pass name -> matches replaced
+        self.matches: dict[str, Counter] = {}  # compile ('dynamic', '8'; '/g1' after a recompile) -> pass -> matches
         self.compile_seconds = 0.0
 
     def _compile(self, args: list, shape: str) -> Callable:
@@ -57,11 +58,12 @@ class PieceRunner:
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
         before = counters["inductor"].copy()
         t0 = time.perf_counter()
-        fn = compile_fx(gm, args, config_patches=self.backend.pass_manager.inductor_config())
+        compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/audit.py)
+        fn = compile_fn(gm, args, config_patches=self.backend.pass_manager.inductor_config())
         self.compile_seconds += time.perf_counter() - t0
         # our passes count into counters["inductor"]; Inductor's FX cache replays those counts on a hit
         delta = counters["inductor"] - before
-        self.matches[shape] = Counter({k[len("compiled_llm."):]: v for k, v in delta.items()
+        self.matches[shape if self.graph == 0 else f"{shape}/g{self.graph}"] = Counter({k[len("compiled_llm."):]: v for k, v in delta.items()
                                        if k.startswith("compiled_llm.")})
         return fn
 

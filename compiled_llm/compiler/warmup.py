@@ -39,13 +39,20 @@ def dummy_context(specs: dict, kv_caches: dict, block_size: int, num_seqs: int, 
 
 
 def kernel_keys(facts: dict) -> list[tuple]:
-    """(kernel, key) pairs the selected providers' JIT kernels registered for this model."""
+    """(kernel, key) pairs the selected providers' JIT kernels registered for this model. For an op resolved
+    per layer, a kernel sees only the layers that chose its provider (`layers`; every layer stays in
+    `all_layers`): a head_dim-16 layer on the reference must not get a Triton build it cannot take."""
     out = []
     for kernel in REGISTRY.values():
         spec = OPS.get(kernel.op)
-        if spec is None or kernel.provider not in {name for name, _ in spec.chosen.values()}:
+        chosen = {key for key, (name, _) in spec.chosen.items() if name == kernel.provider} if spec else set()
+        if not chosen:
             continue
-        out.extend((kernel, key) for key in kernel.keys(facts))
+        view = facts
+        if spec.per_layer:
+            layers = facts.get("layers", {})
+            view = dict(facts, layers={i: s for i, s in layers.items() if i in chosen}, all_layers=layers)
+        out.extend((kernel, key) for key in kernel.keys(view))
     return out
 
 

@@ -13,7 +13,6 @@ that follows it; at size 1 they are plain linears. Pipeline parallel: a stage bu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from compiled_llm.distributed.parallel_state import get_parallel_state
@@ -21,7 +20,10 @@ from compiled_llm.models.gemma4_config import Gemma4TextConfig, LayerShape
 from compiled_llm.models.parallel_layers import (ColumnParallelLinear, ExpertWeights, HeadParallelLinear,
                                                  ParallelLMHead, PPMissingLayer, RowParallelLinear,
                                                  VocabParallelEmbedding, local_num_heads, make_layers)
+from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.attention import AttentionSpec, attention
+from compiled_llm.ops.moe import dense_gated_moe, ref_geglu_moe, ref_router_topk
+from compiled_llm.ops.norm import ref_rms_norm
 from compiled_llm.ops.rope import apply_rope, rope_inv_freq
 
 
@@ -32,15 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            h = h * self.weight.float()
-        return h.type_as(x)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+        return ref_rms_norm(x, self.weight, self.eps)  # the function the norm fusions search for
 
 
 class MLP(nn.Module):
@@ -104,23 +98,20 @@ class Attention(nn.Module):
 
 class Router(nn.Module):
     """Gemma 4 router: unscaled RMSNorm, learned scale, softmax over experts, top-k, renormalise,
-    then a per-expert scale."""
+    then a per-expert scale (ops/moe.py `ref_router_topk`, which the router fusion searches for)."""
 
     def __init__(self, cfg: Gemma4TextConfig):
         super().__init__()
         self.top_k = cfg.top_k_experts
         self.root_size = cfg.hidden_size ** -0.5
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+        self.eps = cfg.rms_norm_eps
         self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.norm(x) * self.scale * self.root_size
-        probs = torch.softmax(self.proj(h), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.per_expert_scale[ids], ids
+        return ref_router_topk(x, self.proj.weight, self.scale, self.per_expert_scale, self.top_k, self.eps,
+                               self.root_size)
 
 
 class Experts(ExpertWeights):
@@ -140,28 +131,13 @@ class Experts(ExpertWeights):
         """This rank's share of the weighted expert outputs (summed over ranks by `combine`)."""
         if torch.compiler.is_compiling():
             return self.dense(x, weights, ids)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():  # only the experts that were picked
-            local = self.local_expert(e)
-            if local is None:  # another rank's expert
-                continue
-            token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[local]).chunk(2, dim=-1)
-            y = F.linear(gelu_tanh(gate) * up, self.down_proj[local]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return ref_geglu_moe(x, weights, ids - self.first_expert, self.gate_up_proj, self.down_proj)  # picked experts
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The same sum with static shapes, which torch.compile can trace: every expert on every token,
-        weighted by a [tokens, experts] routing matrix that is zero off the top-k. The GEGLU MoE pass
-        replaces this whole function with the routed geglu_moe op."""
-        t, (e, two_i, h) = x.shape[0], self.gate_up_proj.shape
-        route = torch.zeros(t, self.num_experts, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
-        if self.expert_parallel:  # ids are global: keep the columns of this rank's experts
-            route = route[:, self.first_expert:self.first_expert + self.num_local_experts]
-        gate, up = F.linear(x, self.gate_up_proj.reshape(e * two_i, h)).view(t, e, two_i).chunk(2, dim=-1)
-        y = torch.bmm((gelu_tanh(gate) * up).transpose(0, 1), self.down_proj.transpose(1, 2))  # [e, t, h]
-        return torch.bmm(route.float()[:, None, :], y.float().transpose(0, 1)).view(t, h).to(x.dtype)
+        """The same sum with static shapes, which torch.compile can trace (every expert on every token);
+        the GEGLU MoE pass replaces it with the routed geglu_moe op."""
+        return dense_gated_moe(x, weights, ids, self.gate_up_proj, self.down_proj, gelu_tanh, self.num_experts,
+                               self.first_expert).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -285,6 +261,22 @@ class Gemma4ForCausalLM(nn.Module):
         """The specs of this stage's layers, with this rank's head counts (the KV cache is sized by them)."""
         return {layer.self_attn.idx: layer.self_attn.attention_spec() for layer in self.model.layers
                 if not isinstance(layer, PPMissingLayer)}
+
+    def expected_fusions(self) -> dict[int, dict[str, int]]:
+        """The fusions each of this stage's layers gets when compiled (compiler/verify.py checks the passes'
+        per-layer match counts against this): QK-norm + RoPE (+ KV write) in its attention; RMSNorm +
+        residual add after attention, and once more in MoE layers (the summed post-norms are normed again);
+        router + top-k and GEGLU MoE in MoE layers; under tensor parallelism one all-reduce + RMSNorm per
+        row-parallel projection (attention out, MLP down, and the experts' combine)."""
+        tp = get_parallel_state().tp_size > 1
+        out = {}
+        for layer in self.model.layers:
+            if isinstance(layer, PPMissingLayer):
+                continue
+            moe = 1 if layer.moe else 0
+            out[layer.self_attn.idx] = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 1 + moe, "router_topk": moe,
+                                        "geglu_moe": moe, "allreduce_rms_norm": (2 + moe) if tp else 0}
+        return out
 
     def intermediate_shapes(self, num_tokens: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What one pipeline stage hands the next, by name: the residual stream (a Gemma layer takes and

@@ -236,6 +236,11 @@ class Qwen3_5ForCausalLM(nn.Module):
     def attention_specs(self) -> dict[int, AttentionSpec]:
         return {layer.self_attn.idx: layer.self_attn.spec for layer in self.model.layers if layer.layer_type == FULL}
 
+    def expected_fusions(self) -> dict[int, dict[str, int]]:
+        """None of our passes matches Qwen3.5's graphs yet (zero-centred norms, M-RoPE, softmax router; its
+        routed experts call swiglu_moe directly, so nothing falls back to the dense sum)."""
+        return {i: {} for i in range(self.cfg.num_hidden_layers)}
+
     def state_specs(self) -> dict[int, StateSpec]:
         """Per-sequence recurrent state of each linear-attention layer."""
         return {layer.linear_attn.idx: layer.linear_attn.state_spec()

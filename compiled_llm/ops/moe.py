@@ -1,11 +1,15 @@
 """Mixture-of-experts ops: router_topk (Gemma 4's router) and geglu_moe (routed experts, GELU-tanh GEGLU
-over packed [gate, up] weights)."""
+over packed [gate, up] weights).
+
+The models call `ref_router_topk` and `dense_gated_moe` themselves, and the fusion passes search for the
+same two functions, so a model and its pass cannot drift apart: changing the math here changes both."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.norm import ref_rms_norm
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 
@@ -19,10 +23,6 @@ def ref_router_topk(x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Ten
     weights, ids = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * per_expert_scale[ids], ids
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
 
 
 def ref_gated_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -44,6 +44,26 @@ def ref_gated_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
         y = F.linear(act(gate) * up, down_proj[e]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+def dense_gated_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor, act, num_experts: int, first: int = 0) -> torch.Tensor:
+    """The routed experts' sum with static shapes, which torch.compile can trace: every local expert on every
+    token, weighted by a [tokens, experts] routing matrix that is zero off the top-k. ids are global; this
+    rank holds experts [first, first + E_local) (expert parallel; first = 0 and E_local = num_experts
+    otherwise). E/k times the routed FLOPs: the MoE fusion pass replaces it with the routed op, and the
+    compiler refuses to serve a compiled MoE model where that pass missed (compiler/verify.py).
+
+    Returns float32; the caller casts. The pattern ends before that cast because the cast may not be in the
+    graph Inductor hands the passes: torch 2.11's joint-graph pass folds it with the next RMSNorm's upcast
+    (f32 -> bf16 -> f32 becomes f32), so a pattern that ended in it never matched in bfloat16."""
+    t, (e, two_i, h) = x.shape[0], gate_up_proj.shape
+    route = torch.zeros(t, num_experts, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
+    if e != num_experts:  # expert parallel: keep the columns of this rank's experts
+        route = route[:, first:first + e]
+    gate, up = F.linear(x, gate_up_proj.reshape(e * two_i, h)).view(t, e, two_i).chunk(2, dim=-1)
+    y = torch.bmm((act(gate) * up).transpose(0, 1), down_proj.transpose(1, 2))  # [e, t, h]
+    return torch.bmm(route.float()[:, None, :], y.float().transpose(0, 1)).view(t, h)
 
 
 def dense_route(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:

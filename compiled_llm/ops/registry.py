@@ -9,6 +9,7 @@ Ops with per-layer shapes (attention, the KV write) resolve per layer and are ke
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -125,6 +126,19 @@ def register(spec: OpSpec) -> OpSpec:
     return spec
 
 
+@contextlib.contextmanager
+def preserved_choices():
+    """Resolutions made inside (the graph audit's, a test's) are undone on exit, so they never rebind the
+    ops of an engine that lives in the same process."""
+    saved = {name: dict(spec.chosen) for name, spec in OPS.items()}
+    try:
+        yield
+    finally:
+        for name, spec in OPS.items():
+            spec.chosen.clear()
+            spec.chosen.update(saved.get(name, {}))
+
+
 def parse_overrides(text: str | None) -> dict[str, str]:
     """'attention=reference,rms_norm=triton' -> {'attention': 'reference', 'rms_norm': 'triton'}."""
     out = {}
@@ -138,14 +152,16 @@ def parse_overrides(text: str | None) -> dict[str, str]:
 
 
 def select_providers(device: torch.device | str, dtype: torch.dtype, layers: dict[int, Any],
-                     facts: dict | None = None, overrides: str | None = None) -> dict[str, dict]:
+                     facts: dict | None = None, overrides: str | None = None,
+                     caps: Capabilities | None = None) -> dict[str, dict]:
     """Resolves every registered op for this device and model; returns {op: {key: provider}} for the log.
 
     layers: the model's AttentionSpecs (per-layer head_dim, window, ...); facts: model-wide shapes
-    (hidden_size, num_experts, ...)."""
+    (hidden_size, num_experts, ...); caps: the device's capabilities (default: detected; the graph audit
+    passes a GPU's without one)."""
     import compiled_llm.ops  # noqa: F401  (registers every op)
 
-    caps = Capabilities.detect(device)
+    caps = caps or Capabilities.detect(device)
     force = parse_overrides(overrides)
     facts = dict(facts or {}, dtype=dtype, head_dims=sorted({layer.head_dim for layer in layers.values()}))
     table: dict[str, dict] = {}

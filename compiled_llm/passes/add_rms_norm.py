@@ -1,10 +1,11 @@
-"""RMSNorm + residual add: `s = residual + x; y = rms_norm(s, w)` -> fused_add_rms_norm(x, residual, w)."""
+"""RMSNorm + residual add: `s = residual + x; y = rms_norm(s, w)` (ops/norm.py `ref_fused_add_rms_norm`, the
+model's add followed by its RMSNorm, which calls `ref_rms_norm`) -> fused_add_rms_norm(x, residual, w)."""
 
 from __future__ import annotations
 
 import torch
 
-from compiled_llm.ops.norm import ref_rms_norm
+from compiled_llm.ops.norm import ref_fused_add_rms_norm
 from compiled_llm.passes.base import EPS, FusionPass, empty
 
 
@@ -14,8 +15,7 @@ class AddRMSNormPass(FusionPass):
 
     def register(self) -> None:
         def search(x, residual, weight, eps):
-            s = residual + x
-            return ref_rms_norm(s, weight, eps), s
+            return ref_fused_add_rms_norm(x, residual, weight, eps)
 
         def replace(x, residual, weight, eps):
             out = torch.ops.compiled_llm.fused_add_rms_norm(x, residual, weight, eps)
@@ -23,4 +23,4 @@ class AddRMSNormPass(FusionPass):
 
         for dt in self.dtypes:
             self.add(search, replace, [empty(8, 32, dtype=dt), empty(8, 32, dtype=dt), empty(32, dtype=dt)],
-                     {"eps": EPS})
+                     {"eps": EPS}, tokens=8)

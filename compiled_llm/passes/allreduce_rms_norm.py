@@ -32,4 +32,4 @@ class AllReduceRMSNormPass(FusionPass):
             return torch.ops.compiled_llm.allreduce_rms_norm(x, weight, eps, group)
 
         for dt in self.dtypes:
-            self.add(search, replace, [empty(8, 32, dtype=dt), empty(32, dtype=dt)], {"eps": EPS})
+            self.add(search, replace, [empty(8, 32, dtype=dt), empty(32, dtype=dt)], {"eps": EPS}, tokens=8)

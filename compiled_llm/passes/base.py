@@ -1,15 +1,27 @@
 """What every fusion pass shares: a PatternMatcherPass holding (pattern, replacement) pairs, traced from
-plain functions the way the model writes the computation, and a count of the matches it replaced.
+the same functions the models call (ops/norm.py, ops/rope.py, ops/moe.py), and the matches it replaced,
+counted per model layer.
 
-Patterns are traced with `fwd_only` under a fake mode (so traced ops never run), in each dtype family
-the model may use (float32 graphs carry no casts, half-precision graphs do). Scalars the replacement
-needs (eps, layer index, top-k) are traced with sentinel values and become pattern arguments through
-`scalar_workaround`; other ints (shapes) and dtypes are wildcards.
+Patterns are traced with `fwd_only` under a fake mode (so traced ops never run), in each dtype family the
+model may use (float32 graphs carry no casts, half-precision graphs do). A pattern means what it says:
+every constant in it (exponents, reduction and softmax dims, fill values, dtypes, split and slice steps)
+must be equal in the real graph. Only sizes that follow from the input shapes (view and reshape sizes,
+the size of a zeros/full, a split's chunk size, a slice's bounds) are wildcards, and where such a size
+carries meaning (RoPE's rotate-half split, GEGLU's [gate, up] halves) the pass checks it on the match.
+Scalars the replacement needs (eps, layer index, top-k) are traced with sentinel values and become
+pattern arguments through `scalar_workaround`.
+
+Each replaced match is counted under `compiled_llm.<pass>` and `compiled_llm.<pass>@<layer>` in
+Inductor's counters (which its FX-graph cache replays on a hit); the layer is the first model layer any
+matched node came from (Dynamo's nn_module_stack), so the compiler can check every layer got the fusions
+the model declares (compiler/verify.py).
 """
 
 from __future__ import annotations
 
 import inspect
+import re
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -17,6 +29,7 @@ import torch._inductor.pattern_matcher as pm
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+aten = torch.ops.aten
 _REGISTER_PARAMS = inspect.signature(pm.register_replacement).parameters  # differs across torch versions
 
 # sentinel scalars: values that occur nowhere else in a traced pattern
@@ -24,6 +37,21 @@ EPS = 1.2345e-5
 LAYER = 9973
 TOP_K = 3
 ROOT = 0.0123456
+
+# argument positions that hold sizes derived from the input shapes: wildcards in a pattern
+SHAPE_ARGS = {
+    aten.reshape.default: (1,), aten.view.default: (1,), aten._unsafe_view.default: (1,),
+    aten.expand.default: (1,), aten.full.default: (0,), aten.zeros.default: (0,), aten.ones.default: (0,),
+    aten.empty.memory_format: (0,), aten.new_zeros.default: (1,), aten.new_empty.default: (1,),
+    aten.new_full.default: (1,), aten.split.Tensor: (1,), aten.split_with_sizes.default: (1,),
+    aten.slice.Tensor: (2, 3),
+}
+
+_LAYER_RE = re.compile(r"layers(?:\[|\.|\._modules\[')'?(\d+)")
+
+
+class _Shape:
+    """Marks a shape-derived argument of a traced pattern; fx_to_pattern turns it into a wildcard."""
 
 
 def trace_fn(fn, args, **kwargs):
@@ -45,6 +73,65 @@ def trace_fn(fn, args, **kwargs):
     return gm
 
 
+def to_pattern(gm: torch.fx.GraphModule, argnames: list[str], scalars: dict) -> pm.PatternExpr:
+    """The traced graph as a pattern whose constants must match exactly, except shape-derived sizes."""
+    sentinels = set(scalars.values())
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in SHAPE_ARGS:
+            continue
+        args = list(node.args)
+        for i in SHAPE_ARGS[node.target]:
+            if i < len(args) and not (isinstance(args[i], (int, float)) and args[i] in sentinels):
+                args[i] = _Shape()
+        node.args = tuple(args)
+    return pm.fx_to_pattern(gm, ignore_types=(torch.device, _Shape), argnames=argnames, scalar_workaround=scalars)
+
+
+def node_layers(node: torch.fx.Node) -> set[int]:
+    """The model layers (`...layers[i]...` in Dynamo's module stack) a node was traced in."""
+    return {int(m) for path, _ in (node.meta.get("nn_module_stack") or {}).values() for m in _LAYER_RE.findall(str(path))}
+
+
+def layer_of(match) -> int | None:
+    """The first model layer any matched node came from."""
+    return min(set().union(*(node_layers(n) for n in match.nodes)), default=None)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _last_dim_cuts(match: pm.Match, target):
+    """(size of the last dim, args) of each `target` node (slice or split) of the match that cuts a last
+    dim; size None where the node carries no shape (the caller then refuses the match)."""
+    dim_arg = 2 if target == aten.split.Tensor else 1
+    for node in match.nodes:
+        if node.op != "call_function" or node.target != target:
+            continue
+        x = _val(node.args[0])
+        if x is None:
+            yield None, node.args
+            continue
+        dim = node.args[dim_arg] if len(node.args) > dim_arg else 0
+        if dim in (-1, x.dim() - 1):
+            yield x.shape[-1], node.args
+
+
+def rotate_half(match: pm.Match) -> bool:
+    """RoPE as the ops compute it: every slice of the head dim D cuts at 0, D/2 or the end."""
+    for size, args in _last_dim_cuts(match, aten.slice.Tensor):
+        start = args[2] if len(args) > 2 else 0
+        end = args[3] if len(args) > 3 else size
+        if size is None or size % 2 or start not in (0, size // 2) or not (end == size // 2 or end >= size):
+            return False
+    return True
+
+
+def halves(match: pm.Match) -> bool:
+    """GEGLU's [gate, up]: every split of a last dim cuts it into two equal halves."""
+    return all(size is not None and args[1] * 2 == size for size, args in _last_dim_cuts(match, aten.split.Tensor))
+
+
 class FusionPass:
     name = ""  # short id, used in counters and the report
     fusion = ""  # human-readable name of the fusion
@@ -55,6 +142,7 @@ class FusionPass:
         # stages run in order: patterns that contain others (q, k and v) go before them (q alone)
         self.stages = [pm.PatternMatcherPass(pass_name=f"compiled_llm.{self.name}") for _ in range(2)]
         self.replaced = 0
+        self._layers: list[int | None] = []  # layer of each match accepted in the current apply
         # example inputs on the model's device: some canonicalisations Inductor applies first are device-specific
         with torch._guards.tracing(None), FakeTensorMode(), torch.device(self.device):
             self.register()
@@ -63,21 +151,41 @@ class FusionPass:
         raise NotImplementedError
 
     def add(self, search: Callable, replace: Callable, example_inputs: list, scalars: dict | None = None,
-            stage: int = 0) -> None:
-        scalars = scalars or {}
+            stage: int = 0, check: Callable[[pm.Match], bool] | None = None, tokens: int | None = None) -> None:
+        """check(match): what the pattern's wildcard sizes must satisfy for the match to mean the fusion.
+        tokens: the token count of the example inputs (those whose first dim it is); the pattern is then
+        traced a second time at one token, since Inductor canonicalises size-1 dims differently (a bmm
+        over one token becomes an mm), and a static batch size of 1 compiles exactly that graph."""
+        variants = [example_inputs]
+        if tokens is not None:
+            variants.append([empty(1, *x.shape[1:], dtype=x.dtype) if x.dim() and x.shape[0] == tokens else x
+                             for x in example_inputs])
+        for inputs in variants:
+            self._add(search, replace, inputs, scalars or {}, stage, check)
+
+    def _add(self, search, replace, example_inputs, scalars, stage, check) -> None:
         argnames = [*inspect.signature(search).parameters]  # tensors first, the scalars last
         tensors = iter(example_inputs)
         args = [scalars[name] if name in scalars else next(tensors) for name in argnames]
-        pattern = pm.fx_to_pattern(trace_fn(search, args), ignore_types=(int, float, list, torch.device, torch.dtype),
-                                   argnames=argnames, scalar_workaround=scalars)
+        pattern = to_pattern(trace_fn(search, args), argnames, scalars)
+
+        def accept(match: pm.Match) -> bool:
+            if check is not None and not check(match):
+                return False
+            self._layers.append(layer_of(match))
+            return True
+
         extra = {"skip_duplicates": True} if "skip_duplicates" in _REGISTER_PARAMS else {}
-        pm.register_replacement(search, replace, example_inputs, trace_fn, self.stages[stage],
+        pm.register_replacement(search, replace, example_inputs, trace_fn, self.stages[stage], extra_check=accept,
                                 scalar_workaround=scalars, search_fn_pattern=pattern, **extra)
 
     def __call__(self, graph: torch.fx.Graph) -> int:
+        self._layers = []
         n = sum(stage.apply(graph) for stage in self.stages)
         if n:
             counters["inductor"][f"compiled_llm.{self.name}"] += n
+            for layer, k in Counter(self._layers).items():
+                counters["inductor"][f"compiled_llm.{self.name}@{'-' if layer is None else layer}"] += k
             self.replaced += n
             pm.stable_topological_sort(graph)  # a multi-output replacement can land before its inputs
             graph.eliminate_dead_code()

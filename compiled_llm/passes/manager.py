@@ -1,6 +1,10 @@
-"""The pass manager: Inductor's post-grad custom pass. Runs each enabled fusion pass over every compiled
-piece and keeps the match counts. Its uuid (part of Inductor's FX-graph cache key) hashes the source
-of the passes and ops and the pass configuration, so editing a pass or an op recompiles."""
+"""The pass manager: Inductor's post-grad custom *pre* pass. Runs each enabled fusion pass over every
+compiled piece and keeps the match counts. Pre, not post: Inductor's own post-grad passes are
+device-specific (on CUDA, softmax becomes an online-softmax prim, small matmuls are decomposed), so a
+pattern traced once would miss the GPU's graph; before them, the graph is what the joint-graph
+canonicalisations made of it, which is what the patterns are traced through (passes/base.py).
+Its uuid (part of Inductor's FX-graph cache key) hashes the source of the passes and ops and the pass
+configuration, so editing a pass or an op recompiles."""
 
 from __future__ import annotations
 
@@ -71,7 +75,7 @@ class PassManager(CustomGraphPass):
         return self._uuid
 
     def inductor_config(self) -> dict:
-        return {"post_grad_custom_post_pass": self}
+        return {"post_grad_custom_pre_pass": self}
 
     def fusions(self) -> dict[str, str]:
         return {p.name: p.fusion for p in self.passes}

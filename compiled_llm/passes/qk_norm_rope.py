@@ -9,7 +9,7 @@ import torch
 
 from compiled_llm.ops.norm import ref_rms_norm
 from compiled_llm.ops.rope import apply_rope
-from compiled_llm.passes.base import EPS, LAYER, FusionPass, empty
+from compiled_llm.passes.base import EPS, LAYER, FusionPass, empty, rotate_half
 
 
 class QKNormRopeKVWritePass(FusionPass):
@@ -52,6 +52,6 @@ class QKNormRopeKVWritePass(FusionPass):
             pos, inv = empty(7, dtype=torch.long), empty(8)
             qw, kw = empty(16, dtype=dt), empty(16, dtype=dt)
             scalars = {"eps": EPS, "layer_idx": LAYER}
-            self.add(search_qkv, replace_qkv, [q, k, v, pos, inv, qw, kw], scalars)
-            self.add(search_qv, replace_qv, [q, v, pos, inv, qw], scalars)
-            self.add(search_q, replace_q, [q, pos, inv, qw], {"eps": EPS}, stage=1)
+            self.add(search_qkv, replace_qkv, [q, k, v, pos, inv, qw, kw], scalars, check=rotate_half, tokens=7)
+            self.add(search_qv, replace_qv, [q, v, pos, inv, qw], scalars, check=rotate_half, tokens=7)
+            self.add(search_q, replace_q, [q, pos, inv, qw], {"eps": EPS}, stage=1, check=rotate_half, tokens=7)

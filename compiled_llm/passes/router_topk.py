@@ -1,12 +1,12 @@
-"""Router + top-k (Gemma 4): unscaled RMSNorm, learned scale, 1/sqrt(hidden), projection, float32 softmax,
-top-k, renormalise, per-expert scale -> one router_topk op."""
+"""Router + top-k (Gemma 4): ops/moe.py `ref_router_topk`, which the model's router calls (unscaled RMSNorm,
+learned scale, 1/sqrt(hidden), projection, float32 softmax, top-k, renormalise, per-expert scale) -> one
+router_topk op."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from compiled_llm.ops.norm import ref_rms_norm
+from compiled_llm.ops.moe import ref_router_topk
 from compiled_llm.passes.base import EPS, ROOT, TOP_K, FusionPass, empty
 
 
@@ -16,11 +16,7 @@ class RouterTopKPass(FusionPass):
 
     def register(self) -> None:
         def search(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size):
-            h = ref_rms_norm(x, None, eps) * scale * root_size
-            probs = torch.softmax(F.linear(h, proj_weight), dim=-1, dtype=torch.float32)
-            weights, ids = torch.topk(probs, top_k, dim=-1)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-            return weights * per_expert_scale[ids], ids
+            return ref_router_topk(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
 
         def replace(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size):
             out = torch.ops.compiled_llm.router_topk(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
@@ -28,4 +24,5 @@ class RouterTopKPass(FusionPass):
 
         for dt in self.dtypes:
             self.add(search, replace, [empty(8, 32, dtype=dt), empty(16, 32, dtype=dt), empty(32, dtype=dt),
-                                       empty(16, dtype=dt)], {"top_k": TOP_K, "eps": EPS, "root_size": ROOT})
+                                       empty(16, dtype=dt)], {"top_k": TOP_K, "eps": EPS, "root_size": ROOT},
+                     tokens=8)

@@ -130,10 +130,12 @@ def scratch_context(head_dim: int, dtype, device, k_eq_v: bool = False, num_head
 
 
 def _attention_keys(facts: dict) -> list:
+    """The layers that chose this provider (`layers`), each with its cache's source layer (`all_layers`)."""
     dtype, keys = facts["dtype"], set()
     layers = facts.get("layers", {})
+    every = facts.get("all_layers", layers)
     for spec in layers.values():
-        keys.add(("attention",) + _layer_key(spec, layers[spec.cache_layer], dtype))
+        keys.add(("attention",) + _layer_key(spec, every[spec.cache_layer], dtype))
     return sorted(keys, key=repr)
 
 

@@ -1,0 +1,91 @@
+"""The graph audit (compiler/audit.py) at the released shapes: Gemma 4 26B-A4B, 31B, E4B and Qwen3.5 35B-A3B
+built under fake tensors on a (fake) CUDA device, compiled as far as our passes, with no weights and no
+GPU. It pins per layer the fusions that match on the GPU's graph, the graph pieces and the largest
+tensor of an 8192-token prefill, so a change that breaks a fusion on the GPU fails here first. `.ci/run`
+runs this file under torch 2.11 too (the GPU machine's version)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_llm.cli import main
+from compiled_llm.compiler.audit import audit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from configs import config_dict  # noqa: E402
+
+GEMMA_MOE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 2, "router_topk": 1, "geglu_moe": 1}
+GEMMA_DENSE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 1, "router_topk": 0, "geglu_moe": 0}
+
+
+def per_layer(report, shape="dynamic"):
+    got = report.layer_matches(shape)
+    return {i: {n: got.get(i, {}).get(n, 0) for n in report.enabled} for i in report.layers}
+
+
+def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
+    r = audit(config_dict("gemma-4-26b-a4b"), device="cuda", dtype=torch.bfloat16, tokens=8192, batch_sizes=[1, 8])
+    assert r.mismatches == []
+    for shape in ("dynamic", "1", "8"):
+        assert per_layer(r, shape) == {i: GEMMA_MOE for i in range(30)}, shape
+    assert (r.graphs, r.pieces, r.attention_ops) == (1, 31, 30)
+    assert r.layers[0] == "sliding d256" and r.layers[5] == "full d512 k=v"
+    # the largest tensor of an 8192-token prefill is a full layer's query projection (16 heads x 512), not a
+    # [128 experts, tokens, hidden] dense expert sum
+    big = r.largest["dynamic"]
+    assert (big.shape, big.dtype, big.layer) == ((8192, 8192), torch.bfloat16, 5)
+    assert r.largest["8"].shape == (8, 8192)
+
+
+@pytest.mark.parametrize("name, declared, shape", [
+    ("gemma-4-31b", GEMMA_DENSE, (8192, 21504)),  # the MLP's gate/up (intermediate 21504)
+    ("gemma-4-e4b", GEMMA_DENSE, (8192, 10752)),  # the per-layer-embedding projection (42 layers x 256)
+    ("qwen3.5-35b-a3b", {}, (8192, 8192)),  # no pass matches Qwen3.5's graphs yet (issue 18); nothing falls back
+])
+def test_released_configs_fuse_as_declared(name, declared, shape):
+    r = audit(config_dict(name), device="cuda", dtype=torch.bfloat16, tokens=8192)
+    assert r.mismatches == []
+    assert per_layer(r) == {i: {n: declared.get(n, 0) for n in r.enabled} for i in r.layers}
+    assert r.largest["dynamic"].shape == shape
+    if name == "gemma-4-e4b":
+        assert r.layers[24] == "sliding d256 shared" and r.layers[41] == "full d512 shared"
+
+
+def test_a_missing_moe_fusion_shows_as_the_dense_expert_sum():
+    """With the GEGLU MoE pass off, every MoE layer is reported, and the largest tensor becomes the dense
+    sum's [experts, tokens, hidden] intermediate that ran the GPU out of memory."""
+    cfg = config_dict("gemma-4-26b-a4b")
+    cfg.update(num_hidden_layers=2, layer_types=cfg["layer_types"][:2])
+    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=8192,
+              passes=("add_rms_norm", "qk_norm_rope_kv_write", "router_topk"))
+    assert {(m.layer, m.name, m.want, m.got) for m in r.mismatches} == {(0, "geglu_moe", 1, 0), (1, "geglu_moe", 1, 0)}
+    big = r.largest["dynamic"]
+    assert big.shape == (128, 8192, 2816) and big.bytes == 128 * 8192 * 2816 * 2
+
+
+def test_replaying_look_alike_pieces_reports_what_inspecting_each_does(tiny_ckpt):
+    cfg = json.loads((tiny_ckpt("all")[0] / "config.json").read_text())
+    fast = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[2])
+    slow = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[2], dedupe=False)
+    assert fast.replayed > 0 and slow.replayed == 0 and fast.inspected < slow.inspected
+    assert fast.matches == slow.matches and fast.largest == slow.largest and fast.mismatches == []
+
+
+def test_compile_cache_dry_run_prints_the_audit_and_fails_on_a_missing_fusion(tmp_path, capsys):
+    cfg = config_dict("gemma-4-26b-a4b")
+    cfg.update(num_hidden_layers=2, layer_types=cfg["layer_types"][:2], hidden_size=256, num_experts=16,
+               moe_intermediate_size=64, intermediate_size=256, vocab_size=512, num_attention_heads=2,
+               num_key_value_heads=1, num_global_key_value_heads=1, head_dim=64, global_head_dim=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ["compile-cache", "--dry-run", "--model", str(tmp_path), "--device", "cuda", "--max-num-batched-tokens", "256"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "every layer got the fusions its model declares" in out and "256-token prefill" in out
+    assert main(args + ["--compile-passes", "add_rms_norm"]) == 1
+    out = capsys.readouterr().out
+    assert "layer 1: geglu_moe matched 0 of 1 in the dynamic compile" in out
