@@ -161,6 +161,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             help=f"{_HELP[f.name]} (default: {default})")
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
+def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**values)
+    return EngineConfig(**{**values, **overrides})

@@ -85,6 +85,25 @@ def test_bad_devices_are_one_line_errors(monkeypatch, capsys):
     assert err[-1].startswith("error: device 'cuda' was asked for, but torch sees no CUDA GPU")
 
 
+def test_compile_cache_dry_run_audits_the_gpu_graph_by_default_without_a_gpu(tiny_ckpt, monkeypatch, capsys):
+    """The dry run traces fake tensors: --device names the graph to audit (auto: the GPU's), and neither auto
+    nor cuda needs a GPU here."""
+    import compiled_llm.compiler.audit as audit_module
+
+    folder, _ = tiny_ckpt("dense")
+    seen = []
+
+    def fake_audit(hf, *, device, **kw):
+        seen.append(device.type)
+        return type("Report", (), {"mismatches": [], "text": lambda self: "audit"})()
+
+    monkeypatch.setattr(audit_module, "audit", fake_audit)
+    _gpus(monkeypatch, 0)
+    for device in ("auto", "cuda", "cpu"):
+        assert main(["compile-cache", "--dry-run", "--model", str(folder), "--device", device]) == 0
+    assert seen == ["cuda", "cuda", "cpu"]
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "compile-cache"])
 def test_help_says_auto_and_what_gpu_memory_utilization_means(command):
     sub = build_parser()._subparsers._group_actions[0].choices[command]
