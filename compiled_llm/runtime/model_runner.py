@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.loader import init_dummy_weights, load_weights, resolve_dtype
 from compiled_llm.models.registry import resolve_model_class
 from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, prepare_media
@@ -231,6 +230,8 @@ class ModelRunner:
         total = num_seqs * new
         ids = torch.zeros(total, dtype=torch.long, device=self.device)
         positions = torch.arange(context - new, context, device=self.device).repeat(num_seqs)
+        from compiled_llm.distributed.parallel_state import get_parallel_state
+
         kwargs = {}
         if not get_parallel_state().is_first_stage:  # a later pipeline stage starts from the previous one's output
             shapes = self.model.intermediate_shapes(total, self.dtype)
