@@ -221,8 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="prefill chunk: the PyTorch attention paths hold [heads, chunk, context] scores")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.15,
-                    help="KV share of free memory: low, the PyTorch attention paths need room for their scores")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="fraction of the GPU's total memory the engine may use; the start-up profile run "
+                         "measures what the PyTorch attention paths' scores take and leaves room for them")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))

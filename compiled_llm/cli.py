@@ -47,21 +47,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _audit(config) -> int:
+def _audit(config, target: str) -> int:
     """compile-cache --dry-run: the graph audit (runtime/audit.py) of the checkpoint's config, no weights,
-    no GPU; exit status 1 when some layer misses a fusion its model declares."""
+    no GPU; exit status 1 when some layer misses a fusion its model declares. target: the --device flag as
+    given, naming the graph to audit (auto: the GPU's), not a device this machine must have."""
     from pathlib import Path
 
     import torch
 
     from compiled_llm.compiler import parse_passes, parse_sizes
-    from compiled_llm.runtime.audit import audit
     from compiled_llm.models.loader import resolve_dtype
     from compiled_llm.models.registry import resolve_model_class
+    from compiled_llm.runtime.audit import audit
     from compiled_llm.runtime.model_runner import read_hf_config
 
     hf = read_hf_config(Path(config.resolved_model()))
-    device = torch.device("cuda" if config.device in ("auto", "cuda") else config.device)  # the GPU's graph by default
+    device = torch.device("cuda" if target in ("auto", "cuda") else target)  # the GPU's graph by default
     dtype = resolve_dtype(config.dtype, resolve_model_class(hf).config_from_hf(hf).torch_dtype)
     sizes = parse_sizes(config.cudagraph_batch_sizes, device, config.max_num_seqs)
     report = audit(hf, device=device, dtype=dtype, tokens=config.max_num_batched_tokens, batch_sizes=sizes,
@@ -74,9 +75,9 @@ def _compile_cache(args: argparse.Namespace) -> int:
     """Builds (or checks) the compile cache in --out: starts the engine once, which warms up everything."""
     from compiled_llm.runtime.engine import LLMEngine
 
+    if args.dry_run:  # fake tensors: the config is not resolved against this machine's devices
+        return _audit(config_from_args(args, device="cpu"), args.device)
     config = config_from_args(args)
-    if args.dry_run:
-        return _audit(config)
     if not args.out:
         print("error: compile-cache needs --out DIR (or --dry-run)", file=sys.stderr)
         return 2

@@ -9,18 +9,40 @@ from pathlib import Path
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; other names are checked and kept. Done once, when
+    the config is made, so every later decision (backend, rank devices, memory plan) reads the real device:
+    a GPU machine must never build a model on the CPU just because nobody passed --device."""
+    import torch  # here, not at the top: config.py stays importable without loading torch (CLI --help)
+
+    name = str(device).strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"  # the runner logs the device it builds on
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA GPU; use --device auto or cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} was asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+    return name
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # checkpoint folder; None means the built-in demo model
     tokenizer: str | None = None
-    device: str = "cpu"
+    device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N; resolved on creation
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # CPU budget; default 1 GiB
-    gpu_memory_utilization: float = 0.85  # GPU budget: fraction of free memory
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU's total memory this engine may use (as vLLM)
     num_kv_blocks: int | None = None  # overrides the budget (tests)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -56,6 +78,11 @@ class EngineConfig:
     omnikv_recent: int = 64
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        self.device = resolve_device(self.device)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], not {self.gpu_memory_utilization}")
+
     def resolved_model(self) -> str:
         return str(self.model) if self.model else str(DEMO_MODEL_DIR)
 
@@ -65,14 +92,16 @@ _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 _HELP = {
     "model": "checkpoint folder in Hugging Face layout (default: the built-in demo model)",
     "tokenizer": "tokenizer folder (default: the model folder)",
-    "device": "cpu or cuda",
+    "device": "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
     "dtype": "weights and activations dtype: auto (the checkpoint's), float32, bfloat16, float16",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "per-step token budget; prompts longer than this are prefilled in chunks",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory_bytes": "KV-cache budget in bytes (CPU; default 1 GiB)",
-    "gpu_memory_utilization": "fraction of free GPU memory given to the KV cache",
+    "gpu_memory_utilization": "fraction of the GPU's total memory this engine may use: weights, the activations "
+                              "of a max-num-batched-tokens step (measured at start-up), CUDA graphs and the "
+                              "sampler come out of it, the KV cache gets the rest (as vLLM)",
     "num_kv_blocks": "exact number of KV-cache blocks (overrides the budget)",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes across requests",
     "enable_chunked_prefill": "split long prompts across steps",
@@ -132,6 +161,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             help=f"{_HELP[f.name]} (default: {default})")
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
+def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**values)
+    return EngineConfig(**{**values, **overrides})

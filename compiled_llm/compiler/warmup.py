@@ -90,9 +90,11 @@ def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: in
     t0 = time.perf_counter()
     MONITOR.begin_warmup(mode)
     try:
-        with tqdm(total=len(items), desc="JIT warm-up", unit="item", disable=not progress) as bar:
-            for name, fn in items:
+        with tqdm(total=len(items), desc="JIT warm-up", unit="item", disable=None if progress else True) as bar:
+            for i, (name, fn) in enumerate(items, 1):  # a bar on a terminal; else a log line per item
                 bar.set_postfix_str(name[:60])
+                log.log(logging.DEBUG if not bar.disable else logging.INFO, "JIT warm-up %d/%d: %s (%.1fs)",
+                        i, len(items), name, time.perf_counter() - t0)
                 fn()
                 bar.update()
         if device.type == "cuda":

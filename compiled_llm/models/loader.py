@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
+
+log = logging.getLogger("compiled_llm")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
@@ -42,15 +46,18 @@ def load_weights(model: nn.Module, folder: Path, rename, progress: bool = True) 
     (name, index) pair: into `param[index]`, e.g. one expert's slice of a packed parameter).
     A parameter with a `weight_loader` (tensor/expert-parallel layers) is handed the whole checkpoint
     tensor, checked against its `full_shape`, and copies its own slice (returning the elements written).
-    Missing, unexpected or misshapen tensors raise ValueError naming them."""
+    Missing, unexpected or misshapen tensors raise ValueError naming them. Progress: a bar on a terminal,
+    else one log line per file (a 25B checkpoint takes minutes; a log must say it is moving)."""
     params = dict(model.named_parameters())
     extra_buffers = getattr(model, "loaded_buffers", ())  # persistent buffers a model loads (media towers)
     params.update({k: v for k, v in model.named_buffers() if k.endswith("layer_scalar") or k in extra_buffers})
     loaded: dict[str, int] = {}  # parameter -> elements written
     unexpected = []
     files = checkpoint_files(folder)
-    bar = tqdm(total=len(files), desc="loading weights", unit="file", disable=not progress)
-    for path in files:
+    t0, num_tensors, num_bytes = time.perf_counter(), 0, 0
+    log.info("loading weights: %d file(s) from %s", len(files), folder)
+    bar = tqdm(total=len(files), desc="loading weights", unit="file", disable=None if progress else True)
+    for i, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 ours = rename(name)
@@ -63,6 +70,7 @@ def load_weights(model: nn.Module, folder: Path, rename, progress: bool = True) 
                     unexpected.append(name)
                     continue
                 tensor = f.get_tensor(name)
+                num_tensors, num_bytes = num_tensors + 1, num_bytes + tensor.numel() * tensor.element_size()
                 param = params[ours]
                 loader = getattr(param, "weight_loader", None)  # split parameters take their own slice
                 if loader is not None:
@@ -81,12 +89,16 @@ def load_weights(model: nn.Module, folder: Path, rename, progress: bool = True) 
                     target.copy_(tensor.to(target.dtype))
                 loaded[ours] = loaded.get(ours, 0) + tensor.numel()
         bar.update(1)
+        log.log(logging.DEBUG if not bar.disable else logging.INFO, "loading weights: file %d/%d %s done, "
+                "%d tensors (%.2f GiB) so far, %.1fs", i, len(files), path.name, num_tensors, num_bytes / (1 << 30),
+                time.perf_counter() - t0)
     bar.close()
     if unexpected:
         raise ValueError(f"unexpected weight(s) in checkpoint: {', '.join(sorted(unexpected)[:10])}")
     missing = sorted(p for p in params if loaded.get(p, 0) < params[p].numel())
     if missing:
         raise ValueError(f"weight(s) missing from checkpoint: {', '.join(missing[:10])}")
+    log.info("loaded %d tensors (%.2f GiB) in %.1fs", num_tensors, num_bytes / (1 << 30), time.perf_counter() - t0)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
