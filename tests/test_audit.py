@@ -7,6 +7,7 @@ runs this file under torch 2.11 too (the GPU machine's version)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from compiled_llm.runtime.audit import audit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from configs import config_dict  # noqa: E402
+
+# The GPU machine runs torch 2.11; `make test` runs this file under it too. Under another torch the other
+# released configs are left to that run (they cost a minute and a half of tracing), unless asked for.
+ALL_CONFIGS = torch.__version__.startswith("2.11") or bool(os.environ.get("COMPILED_LLM_AUDIT_ALL"))
 
 GEMMA_MOE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 2, "router_topk": 1, "geglu_moe": 1}
 GEMMA_DENSE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 1, "router_topk": 0, "geglu_moe": 0}
@@ -42,6 +47,7 @@ def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
     assert r.largest["8"].shape == (8, 8192)
 
 
+@pytest.mark.skipif(not ALL_CONFIGS, reason="run by make test under torch 2.11 (or set COMPILED_LLM_AUDIT_ALL=1)")
 @pytest.mark.parametrize("name, declared, shape", [
     ("gemma-4-31b", GEMMA_DENSE, (8192, 21504)),  # the MLP's gate/up (intermediate 21504)
     ("gemma-4-e4b", GEMMA_DENSE, (8192, 10752)),  # the per-layer-embedding projection (42 layers x 256)
@@ -69,7 +75,7 @@ def test_a_missing_moe_fusion_shows_as_the_dense_expert_sum():
 
 
 def test_replaying_look_alike_pieces_reports_what_inspecting_each_does(tiny_ckpt):
-    cfg = json.loads((tiny_ckpt("all")[0] / "config.json").read_text())
+    cfg = json.loads((tiny_ckpt("moe")[0] / "config.json").read_text())  # layers 0-1 and 1-2 end alike
     fast = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[2])
     slow = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[2], dedupe=False)
     assert fast.replayed > 0 and slow.replayed == 0 and fast.inspected < slow.inspected
@@ -82,10 +88,12 @@ def test_compile_cache_dry_run_prints_the_audit_and_fails_on_a_missing_fusion(tm
                moe_intermediate_size=64, intermediate_size=256, vocab_size=512, num_attention_heads=2,
                num_key_value_heads=1, num_global_key_value_heads=1, head_dim=64, global_head_dim=64)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    args = ["compile-cache", "--dry-run", "--model", str(tmp_path), "--device", "cuda", "--max-num-batched-tokens", "256"]
+    args = ["compile-cache", "--dry-run", "--model", str(tmp_path), "--device", "cuda", "--max-num-batched-tokens", "256",
+            "--max-num-seqs", "2"]  # static batch sizes 1 and 2
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "every layer got the fusions its model declares" in out and "256-token prefill" in out
+    assert "static batch sizes 1, 2" in out
     assert main(args + ["--compile-passes", "add_rms_norm"]) == 1
     out = capsys.readouterr().out
     assert "layer 1: geglu_moe matched 0 of 1 in the dynamic compile" in out

@@ -88,7 +88,7 @@ def test_bad_devices_are_one_line_errors(monkeypatch, capsys):
 def test_compile_cache_dry_run_audits_the_gpu_graph_by_default_without_a_gpu(tiny_ckpt, monkeypatch, capsys):
     """The dry run traces fake tensors: --device names the graph to audit (auto: the GPU's), and neither auto
     nor cuda needs a GPU here."""
-    import compiled_llm.compiler.audit as audit_module
+    import compiled_llm.runtime.audit as audit_module
 
     folder, _ = tiny_ckpt("dense")
     seen = []

@@ -38,6 +38,10 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the rows the runner asks for (the last token of each sequence that completed)."""
 
+    def expected_fusions(self) -> dict[int, dict[str, int]]:
+        """Per layer of this rank/stage, the matches each fusion pass replaces when the model is compiled
+        ({layer: {pass: count}}); the compiler checks them after warm-up (compiler/verify.py)."""
+
     def hf_to_ours(self, name: str) -> str | tuple | None:
         """Checkpoint tensor name -> parameter name (or (name, index) of a packed slice), None to skip."""
 

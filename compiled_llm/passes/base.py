@@ -149,7 +149,6 @@ class FusionPass:
         self.device = torch.device(device)
         # stages run in order: patterns that contain others (q, k and v) go before them (q alone)
         self.stages = [pm.PatternMatcherPass(pass_name=f"compiled_llm.{self.name}") for _ in range(2)]
-        self.replaced = 0
         self._layers: list[int | None] = []  # layer of each match accepted in the current apply
         # example inputs on the model's device: some canonicalisations Inductor applies first are device-specific
         with torch._guards.tracing(None), FakeTensorMode(), torch.device(self.device):
@@ -195,7 +194,6 @@ class FusionPass:
             counters["inductor"][f"compiled_llm.{self.name}"] += n
             for layer, k in Counter(self._layers).items():
                 counters["inductor"][f"compiled_llm.{self.name}@{'-' if layer is None else f'+{layer - base}'}"] += k
-            self.replaced += n
             pm.stable_topological_sort(graph)  # a multi-output replacement can land before its inputs
             graph.eliminate_dead_code()
         return n

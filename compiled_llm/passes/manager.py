@@ -44,6 +44,18 @@ def all_passes() -> dict[str, type[FusionPass]]:
                                 GegluMoEPass)}
 
 
+_BUILT: dict[tuple, FusionPass] = {}
+
+
+def _fusion_pass(cls: type[FusionPass], dtypes: tuple, device: str, tp_group: str | None) -> FusionPass:
+    """One instance per (pass, dtypes, device, TP group) in a process: tracing the patterns takes a second or
+    two per engine, and a pass holds no state between graphs."""
+    key = (cls, dtypes, device, tp_group if cls.name == "allreduce_rms_norm" else None)
+    if key not in _BUILT:
+        _BUILT[key] = cls(dtypes, device, tp_group) if cls.name == "allreduce_rms_norm" else cls(dtypes, device)
+    return _BUILT[key]
+
+
 class PassManager(CustomGraphPass):
     def __init__(self, enabled: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", tp_group: str | None = None):
@@ -57,10 +69,7 @@ class PassManager(CustomGraphPass):
         dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
         device = torch.device(device).type
         self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group)
-        self.passes: list[FusionPass] = []
-        for name in names:
-            cls = known[name]
-            self.passes.append(cls(dtypes, device, tp_group) if name == "allreduce_rms_norm" else cls(dtypes, device))
+        self.passes = [_fusion_pass(known[name], dtypes, device, tp_group) for name in names]
         self._uuid = None
         self.calls = 0  # graphs the passes ran on (an FX-cache hit runs none)
         self.last_input = ""  # the last graph as the passes received it, for a report of a missed fusion
