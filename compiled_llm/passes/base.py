@@ -130,14 +130,17 @@ def rotate_half(match: pm.Match) -> bool:
     for size, args in _last_dim_cuts(match, aten.slice.Tensor):
         start = args[2] if len(args) > 2 else 0
         end = args[3] if len(args) > 3 else size
-        if size is None or size % 2 or start not in (0, size // 2) or not (end == size // 2 or end >= size):
+        if not all(type(v) is int for v in (size, start, end)):  # unknown or symbolic: not provably rotate-half
+            return False
+        if size % 2 or start not in (0, size // 2) or not (end == size // 2 or end >= size):
             return False
     return True
 
 
 def halves(match: pm.Match) -> bool:
     """GEGLU's [gate, up]: every split of a last dim cuts it into two equal halves."""
-    return all(size is not None and args[1] * 2 == size for size, args in _last_dim_cuts(match, aten.split.Tensor))
+    return all(type(size) is int and type(args[1]) is int and args[1] * 2 == size
+               for size, args in _last_dim_cuts(match, aten.split.Tensor))
 
 
 class FusionPass:

@@ -1,0 +1,162 @@
+"""How big the KV cache is and how it is split between KV groups: on the CPU a byte budget; on the GPU
+measured as vLLM does (runtime/memory.py has the arithmetic): one eager profile step of the largest batch
+before the cache exists, then the rest of the engine's share of the GPU. A mixin of the model runner, whose
+model, layer specs and cache builders it uses."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
+from compiled_llm.runtime.block_manager import group_sinks, group_window
+from compiled_llm.runtime.memory import GPU_MARGIN_BYTES, gib, kv_cache_budget, one_sequence_bytes, sequence_blocks
+
+log = logging.getLogger("compiled_llm")
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class KVCachePlanner:
+    """Needs from the runner: config, device, dtype, specs, kv_groups, block_size, state_specs,
+    num_state_slots, model, memory_profile, _kv_tensors, _state_tensors, _add_extras."""
+
+    def group_block_bytes(self) -> dict[int | None, int]:
+        """Bytes one block takes across all layers of each KV group."""
+        out: dict[int | None, int] = {}
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.specs.values():
+            if s.writes_cache:
+                per = (1 if s.k_eq_v else 2) * self.block_size * s.num_kv_heads * s.head_dim * elt
+                out[s.kv_group] = out.get(s.kv_group, 0) + per
+        return out
+
+    def plan_blocks(self, max_model_len: int) -> dict[int | None, int]:
+        """Split the memory budget between KV groups. Sliding groups get what every running sequence's
+        window plus one step's tokens needs (twice, to keep prefix hits), the full group the rest; under a
+        tight budget the sliding groups keep one sequence's blocks, so whenever the budget holds one
+        max_model_len sequence every group does."""
+        bytes_per = self.group_block_bytes()
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return {g: cfg.num_kv_blocks for g in bytes_per}
+        gpu = self.device.type == "cuda"
+        if gpu:
+            budget = self.gpu_kv_budget(max_model_len, bytes_per)
+        else:
+            budget = cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        if self.state_bytes() >= budget:
+            raise ValueError(f"the recurrent state of {self.num_state_slots} sequences takes {self.state_bytes()} "
+                             f"bytes, more than the cache budget ({budget}); lower max_num_seqs or give the cache "
+                             "more memory")
+        budget -= self.state_bytes()
+        bs = self.block_size
+        sliding = {g: b for g, b in bytes_per.items() if g is not None}
+        full_bytes = bytes_per.get(None, 0)
+        counts: dict[int | None, int] = {}
+        even = budget // sum(bytes_per.values())
+        floor = {g: sequence_blocks(g, max_model_len, bs) for g in bytes_per}  # one max_model_len sequence
+        for g, b in sliding.items():
+            per_seq = -(-(group_window(g) + bs) // bs) + 1 + -(-group_sinks(g) // bs)
+            need = cfg.max_num_seqs * per_seq + -(-cfg.max_num_batched_tokens // bs)
+            counts[g] = max(floor[g], min(even, 2 * need)) if full_bytes else need
+        if full_bytes:
+            if sum(counts[g] * sliding[g] for g in sliding) > budget - floor[None] * full_bytes:  # tight
+                counts.update({g: floor[g] for g in sliding})
+            rest = budget - sum(counts[g] * sliding[g] for g in sliding)
+            counts[None] = max(0, rest // full_bytes)  # 0: too little memory, which the engine's check reports
+        else:  # windowed groups only (e.g. StreamingLLM on every full layer): the budget in proportion to need
+            need_bytes = sum(counts[g] * sliding[g] for g in sliding)
+            counts = {g: counts[g] * budget // need_bytes for g in sliding}
+        if gpu:
+            self._report_memory_plan(counts)
+        return counts
+
+    # ---- GPU memory profile ------------------------------------------------------------------
+    def gpu_kv_budget(self, max_model_len: int, block_bytes: dict[int | None, int]) -> int:
+        """The KV cache's bytes on the GPU (runtime/memory.py): measured, then planned; kept in
+        memory_profile. Raises ValueError when one max_model_len sequence would not fit."""
+        m = self.measure_memory(max_model_len)
+        need = one_sequence_bytes(block_bytes, max_model_len, self.block_size) + self.state_bytes()
+        budget = kv_cache_budget(m["total_bytes"], self.config.gpu_memory_utilization, m["in_use_bytes"],
+                                 m["activation_peak_bytes"], need, max_model_len)
+        self.memory_profile = dict(m, margin_bytes=GPU_MARGIN_BYTES, kv_cache_bytes=budget)
+        return budget
+
+    def measure_memory(self, max_model_len: int) -> dict[str, int]:
+        """Total memory; what torch holds after loading (the weights); the activation peak of one full step
+        above that (profile_run under reset peak statistics); and what is in use on the device once that
+        run's memory went back (weights, CUDA context, kernels and workspaces it loaded, other processes)."""
+        dev = self.device
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.profile_run(max_model_len)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - weights
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        return {"total_bytes": total, "in_use_bytes": total - free, "weights_bytes": weights,
+                "activation_peak_bytes": max(peak, 0)}
+
+    @torch.inference_mode()
+    def profile_run(self, max_model_len: int) -> None:
+        """One eager forward of the largest step: max_num_batched_tokens new tokens at the end of the longest
+        prompt (max_model_len - 1 tokens; several such sequences when one cannot hold the step), then the
+        logits of up to max_num_seqs rows. Attention sees the whole context, so context-sized buffers count
+        too. It runs over a throwaway KV cache of one block per layer (every slot and block-table entry
+        points into it) and throwaway state slots: the cache and state the engine serves from are neither
+        read nor written, and nothing of the run is kept. Eager, because compiling and graph capture come
+        after the KV cache exists."""
+        t0 = time.perf_counter()
+        context = max(1, max_model_len - 1)
+        new = min(self.config.max_num_batched_tokens, context)
+        num_seqs = -(-self.config.max_num_batched_tokens // new)
+        kv, states = self._kv_tensors({g: 1 for g in self.kv_groups}), self._state_tensors(num_seqs)
+        ctx = self._profile_context(kv, states, num_seqs, new, context)
+        total = num_seqs * new
+        ids = torch.zeros(total, dtype=torch.long, device=self.device)
+        positions = torch.arange(context - new, context, device=self.device).repeat(num_seqs)
+        from compiled_llm.distributed.parallel_state import get_parallel_state
+
+        kwargs = {}
+        if not get_parallel_state().is_first_stage:  # a later pipeline stage starts from the previous one's output
+            shapes = self.model.intermediate_shapes(total, self.dtype)
+            kwargs["intermediate"] = {k: torch.zeros(shape, dtype=dt, device=self.device) for k, (shape, dt) in shapes.items()}
+        with set_forward_context(ctx):
+            hidden = self.model(ids, positions, **kwargs)
+        if not isinstance(hidden, dict):  # the last stage: logits of as many rows as a step can finish
+            self.model.compute_logits(hidden[:min(self.config.max_num_seqs, total)]).float()
+        log.info("profile run: one %d-token step (%d x %d new tokens of a %d-token context), eager, in %.1fs",
+                 total, num_seqs, new, context, time.perf_counter() - t0)
+
+    def _profile_context(self, kv_caches: dict, state_caches: dict, num_seqs: int, new_tokens: int,
+                         context_len: int) -> ForwardContext:
+        """num_seqs sequences of context_len tokens whose last new_tokens are this step's, every slot and
+        block-table entry in block 0 (what is read there is garbage of the right shape)."""
+        bs, dev = self.block_size, self.device
+        width = -(-context_len // bs)
+        slots = torch.arange(context_len - new_tokens, context_len, device=dev).repeat(num_seqs) % bs
+        groups = {g: GroupMetadata(torch.zeros(num_seqs, width, dtype=torch.int32, device=dev), slots)
+                  for g in self.kv_groups}
+        meta = AttentionMetadata(query_start_loc=[i * new_tokens for i in range(num_seqs + 1)],
+                                 seq_lens=[context_len] * num_seqs, block_size=bs, groups=groups)
+        return self._add_extras(ForwardContext(meta, kv_caches, self.specs), state_caches, num_seqs,
+                                has_state=context_len > new_tokens)
+
+    def _report_memory_plan(self, counts: dict[int | None, int]) -> None:
+        """Logs the GPU memory split and keeps the blocks per group with the measured numbers."""
+        m = self.memory_profile
+        m["kv_blocks"] = dict(counts)
+        blocks = {("full" if g is None else f"window {g}"): n for g, n in counts.items()}
+        log.info("GPU memory: %g x %s total; in use after loading %s (weights %s), activation peak %s of a "
+                 "%d-token step, margin %s; KV cache %s: blocks per group %s", self.config.gpu_memory_utilization,
+                 gib(m["total_bytes"]), gib(m["in_use_bytes"]), gib(m["weights_bytes"]),
+                 gib(m["activation_peak_bytes"]), self.config.max_num_batched_tokens, gib(m["margin_bytes"]),
+                 gib(m["kv_cache_bytes"]), blocks)
+
+    def state_bytes(self) -> int:
+        """Bytes of all recurrent-state slots (taken from the KV budget)."""
+        return self.num_state_slots * sum(s.slot_bytes(self.dtype) for s in self.state_specs.values())
