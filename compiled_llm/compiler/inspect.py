@@ -15,7 +15,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._pytree import tree_leaves
 
-from compiled_llm.passes.base import first_layer, layer_of, node_layers
+from compiled_llm.passes.base import first_layer, node_layers
 
 
 @dataclass(frozen=True)
@@ -56,15 +56,8 @@ def largest_tensor(graph: torch.fx.Graph, tokens: int) -> Tensor | None:
             shape = tuple(_size(d, tokens) for d in val.shape)
             nbytes = val.element_size() * int(torch.Size(shape).numel())
             if best is None or nbytes > best.bytes:
-                best = Tensor(nbytes, shape, val.dtype, str(target), layer_of(_NodeMatch(node)))
+                best = Tensor(nbytes, shape, val.dtype, str(target), min(node_layers(node), default=None))
     return best
-
-
-class _NodeMatch:
-    """The one-node stand-in for a pattern match that layer_of reads."""
-
-    def __init__(self, node):
-        self.nodes = [node]
 
 
 class _Inspected:

@@ -219,9 +219,7 @@ class CompiledModel:
         return out
 
     def summary(self) -> dict:
-        matches: Counter = Counter()
-        for piece in self.backend.pieces:
-            matches.update(piece.matches.get("dynamic", Counter()))
+        matches = self.matches_by_shape().get("dynamic", Counter())
         graphs = sum(len(p.graphs) for p in self.backend.pieces) + len(self.full)
         return {
             "passes": {name: {"fusion": fusion, "matches": matches.get(name, 0)}

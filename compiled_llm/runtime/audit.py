@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from compiled_llm.compiler.backend import CompilerConfig, is_split_node
+from compiled_llm.compiler.backend import CompilerConfig
 from compiled_llm.compiler.inspect import Tensor, inspect_compile
 from compiled_llm.compiler.model import CompiledModel
 from compiled_llm.compiler.verify import compare, judged, per_layer
@@ -133,22 +133,18 @@ def audit(hf_config: dict, *, device: str = "cuda", dtype: torch.dtype = torch.b
     matches = compiled.matches_by_shape()
     largest: dict[str, Tensor | None] = {}
     for piece in compiled.backend.pieces:
-        suffix = "" if piece.graph == 0 else f"/g{piece.graph}"
         for shape, fn in [("dynamic", piece.dynamic), *((str(s), f) for s, f in piece.static.items())]:
-            t = getattr(fn, "largest", None)
-            if t is not None and (largest.get(shape + suffix) is None or t.bytes > largest[shape + suffix].bytes):
-                largest[shape + suffix] = t
+            t, label = getattr(fn, "largest", None), piece.label(shape)
+            if t is not None and (largest.get(label) is None or t.bytes > largest[label].bytes):
+                largest[label] = t
     num_experts = getattr(cfg, "num_experts", 0) or 0
     checked = judged(set(compiled.pass_manager.fusions()), num_experts)
     expected = model.expected_fusions()
-    split = compiled.backend.split_gm
-    split_ops = sum(1 for n in split.graph.nodes if n.op == "call_module"
-                    and any(is_split_node(m) for m in split._modules[n.target].graph.nodes))
     report = AuditReport(
         architecture=(hf_config.get("architectures") or ["?"])[0], device=device.type, dtype=dtype, tokens=tokens,
         layers={i: layer_kind(specs[i]) if i in specs else "recurrent" for i in range(cfg.num_hidden_layers)},
         expected=expected, matches=matches, enabled=checked, pieces=len(compiled.backend.pieces),
-        graphs=compiled.backend.graph_count, attention_ops=split_ops, largest=largest, num_experts=num_experts,
+        graphs=compiled.backend.graph_count, attention_ops=len(compiled.backend.attention_pieces), largest=largest, num_experts=num_experts,
         inspected=stats.get("inspected", 0), replayed=stats.get("replayed", 0))
     report.mismatches = compare(expected, matches, checked)
     return report
