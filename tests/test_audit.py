@@ -102,3 +102,18 @@ def test_compile_cache_dry_run_prints_the_audit_and_fails_on_a_missing_fusion(tm
     assert main(args + ["--compile-passes", "add_rms_norm"]) == 1
     out = capsys.readouterr().out
     assert "layer 1: geglu_moe matched 0 of 1 in the dynamic compile" in out
+
+
+def test_inductor_shape_padding_cannot_hide_a_fusion(tiny_ckpt, monkeypatch):
+    """On CUDA, Inductor's pad_mm rewrite pads a static graph's matmuls (a mm of 2 tokens becomes
+    pad -> mm of 4 -> slice) when a timing run says it pays: the GEGLU MoE and router patterns then miss
+    in some static compiles and not others (seen on the H200, session 4). Our compiles turn shape padding
+    off; forcing it here (as a timing run would choose) must leave every fusion in place."""
+    import torch._inductor.config as ind_config
+    from torch._inductor.fx_passes import pad_mm
+
+    monkeypatch.setattr(ind_config, "force_shape_pad", True)
+    monkeypatch.setattr(pad_mm, "has_triton", lambda: True)  # the CPU machine has no Triton device
+    cfg = json.loads((tiny_ckpt("moe")[0] / "config.json").read_text())
+    r = audit(cfg, device="cuda", dtype=torch.float32, tokens=64, batch_sizes=[1, 2], dedupe=False)
+    assert r.mismatches == []

@@ -157,8 +157,9 @@ def test_compile_sizes_none_pads_buckets_onto_the_dynamic_compile(tiny_ckpt):
     before = MONITOR.compiles["inductor"]
     llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="none",
               jit_monitor="error", **kw)
-    pieces = llm.engine.executor.runner.compiler.compiled.backend.pieces
-    assert MONITOR.compiles["inductor"] - before == len(pieces)  # the dynamic compiles only
+    backend = llm.engine.executor.runner.compiler.compiled.backend
+    pieces = backend.pieces
+    assert MONITOR.compiles["inductor"] - before == len(pieces) - backend.shared_hits  # the dynamic compiles only
     assert all(p.static[s] is p.dynamic for p in pieces for s in (2, 4))
     ps = prompts(llm.engine.executor.runner.model_config.vocab_size)
     eager = LLM(str(folder), enforce_eager=True, **kw)
@@ -167,6 +168,32 @@ def test_compile_sizes_none_pads_buckets_onto_the_dynamic_compile(tiny_ckpt):
     assert got == want
     with pytest.raises(ValueError, match="not batch sizes"):
         LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="3", **kw)
+
+
+def test_look_alike_pieces_compile_once_and_keep_their_own_layers(tiny_ckpt):
+    """The pieces between dense's 4 attention ops: [embed, layer 0], three alike [end of layer i, start of
+    layer i + 1] and [end of layer 3, norm]. Our ops' layer indices are relative to a piece's first layer, so
+    the three are one graph: one Inductor compile per shape serves them all, each still writes its own
+    layer's KV cache (tokens equal eager's) and the fusion report still counts every layer."""
+    folder, _ = tiny_ckpt("dense")
+    kw = dict(block_size=4, max_model_len=128, num_kv_blocks=96, dtype="float32")
+    before = MONITOR.compiles["inductor"]
+    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", jit_monitor="error", **kw)
+    compiler = llm.engine.executor.runner.compiler
+    pieces = compiler.compiled.backend.pieces
+    assert [p.base for p in pieces] == [0, 0, 1, 2, 3]
+    middle = pieces[1:4]
+    assert all(p.dynamic is middle[0].dynamic and p.static[4] is middle[0].static[4] for p in middle)
+    assert pieces[0].dynamic is not middle[0].dynamic
+    assert MONITOR.compiles["inductor"] - before == 3 * 3  # 3 distinct pieces x (dynamic, 2, 4)
+    assert compiler.summary()["shared_compiles"] == 2 * 3
+    per_layer = compiler.compiled.matches_by_shape()["4"]
+    assert {layer: per_layer[f"qk_norm_rope_kv_write@{layer}"] for layer in range(4)} == {0: 1, 1: 1, 2: 1, 3: 1}
+    ps = prompts(llm.engine.executor.runner.model_config.vocab_size)
+    eager = LLM(str(folder), enforce_eager=True, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    assert got == want
 
 
 def test_warm_up_builds_attention_kernels_only_for_layers_that_launch_them(tiny_ckpt):

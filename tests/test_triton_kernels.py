@@ -354,7 +354,8 @@ def _check_router(T, E, H, k, seed):
 def check_router():
     _check_router(5, 16, 96, 4, 0)
     _check_router(37, 20, 64, 3, 1)
-    _check_router(3, 128, 160, 8, 2)
+    _check_router(3, 128, 160, 8, 2)  # decode size: logits split over 16-expert blocks and hidden slices
+    _check_router(70, 128, 320, 8, 3)  # past 64 tokens: 64-expert blocks, fewer slices
 
 
 if __name__ == "__main__":

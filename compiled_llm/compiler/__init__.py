@@ -140,7 +140,9 @@ class ModelCompiler:
         lines = ["passes (matches replaced in the dynamic-shape compile):"]
         for name, p in s["passes"].items():
             lines.append(f"  {name:<24} {p['fusion']:<34} {p['matches']}")
-        lines.append(f"graph pieces: {s['pieces']} compiled, {s['attention_ops']} attention ops between them")
+        lines.append(f"graph pieces: {s['pieces']} compiled, {s['attention_ops']} attention ops between them"
+                     + (f"; {s['shared_compiles']} compiles reused from look-alike pieces" if s.get("shared_compiles")
+                        else ""))
         lines.append(f"static batch sizes: {s['static_sizes'] or 'none'}; captured CUDA graphs: {s['captured_graphs']}"
                      + (f" (whole-graph decode at {s['whole_graph_decode_sizes']})" if s["whole_graph_decode_sizes"]
                         else ""))

@@ -109,6 +109,10 @@ class Backend:
         self.split_gm: torch.fx.GraphModule | None = None
         self.graph_count = 0
         self.compile_fn = None  # None: Inductor's compile_fx; the graph audit sets its own
+        # (piece signature, shape) -> (compiled fn, relative match counts): look-alike pieces compile once
+        # (piecewise.PieceRunner); None turns the sharing off (the audit inspects every piece itself)
+        self.shared_compiles: dict | None = {}
+        self.shared_hits = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         MONITOR.compile_event("dynamo", f"graph {self.graph_count}")

@@ -75,11 +75,12 @@ class _Stop(Exception):
     pass
 
 
-def piece_signature(gm: torch.fx.GraphModule, args: list) -> tuple[tuple, int]:
-    """(key, first layer) of a Dynamo graph piece: two pieces with the same key compute the same thing for
-    layers shifted by the difference of their first layers (the model's layers of one kind trace alike).
-    Layer numbers enter the key relative to the first: each node's layers, the layer index a custom op
-    takes, and an integer index into a tensor (Gemma's per-layer input `ple[:, i]`)."""
+def piece_signature(gm: torch.fx.GraphModule, args: list, strict: bool = False) -> tuple[tuple, int]:
+    """(key, first layer) of a Dynamo graph piece. Our ops' layer indices are already relative to the first
+    layer (piecewise.relative_layer_args). strict: the key is the graph itself with its inputs' shapes,
+    strides and dtypes, so two pieces with one key run the same compiled code (the compiler shares it).
+    Otherwise (the audit, which only replays match counts) an integer index into a tensor enters relative to
+    the first layer too (Gemma's per-layer input `ple[:, i]`), so those pieces count as look-alikes."""
     layers = {n: set() if n.op == "placeholder" else node_layers(n) for n in gm.graph.nodes}
     base = first_layer(gm.graph)
     pos: dict = {}
@@ -97,16 +98,22 @@ def piece_signature(gm: torch.fx.GraphModule, args: list) -> tuple[tuple, int]:
             return ("layer", a - base)
         return repr(a)
 
-    rows = [("p", tuple(map(str, a.shape)), str(a.dtype)) if isinstance(a, torch.Tensor) else ("p", repr(a))
-            for a in args]  # the shapes this compile is for (static or symbolic)
+    def placeholder(a):
+        if not isinstance(a, torch.Tensor):
+            return ("p", repr(a))
+        if strict:
+            return ("p", tuple(map(str, a.shape)), tuple(map(str, a.stride())), str(a.dtype), str(a.device))
+        return ("p", tuple(map(str, a.shape)), str(a.dtype))
+
+    rows = [placeholder(a) for a in args]  # the shapes this compile is for (static or symbolic)
     for i, node in enumerate(gm.graph.nodes):
         pos[node] = i
         if node.op == "placeholder":
             continue
         if node.target is operator.getitem and isinstance(node.args[1], tuple):
-            args = (norm(node.args[0]), norm(node.args[1], layer_int=True))
+            args = (norm(node.args[0]), norm(node.args[1], layer_int=not strict))
         else:
-            args = norm(node.args, layer_int="compiled_llm" in str(node.target))
+            args = norm(node.args)
         rows.append((node.op, str(node.target), args, norm(node.kwargs), tuple(sorted(x - base for x in layers[node]))))
     return tuple(rows), base
 

@@ -226,6 +226,8 @@ class CompiledModel:
                        for name, fusion in self.pass_manager.fusions().items()},
             "pieces": sum(1 for p in self.backend.pieces if p.graph == 0),  # of the first Dynamo graph
             "dynamo_graphs": self.backend.graph_count,
+            # Inductor compiles a look-alike piece reused instead of compiling its own (every shape counted)
+            "shared_compiles": self.backend.shared_hits,
             "attention_ops": len(self.backend.attention_pieces),
             "static_sizes": self.sizes,
             "captured_graphs": graphs,

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 from torch._dynamo.utils import counters
 
+from compiled_llm.ops.context import set_layer_base
 from compiled_llm.ops.jit import MONITOR
 from compiled_llm.passes.base import first_layer
 
@@ -52,11 +53,42 @@ def absolute_layers(delta: Counter, base: int) -> Counter:
     return out
 
 
+def relative_layer_args(gm: torch.fx.GraphModule, base: int) -> int:
+    """Rewrites the `layer_idx` argument of our ops inside a piece to be relative to the piece's first layer
+    (the op adds the base back at run time: ops/context.py absolute_layer). Then the pieces of look-alike
+    layers are the same graph: they compile once (PieceRunner) and hit Inductor's FX-graph cache on disk.
+    Returns how many arguments it rewrote."""
+    n = 0
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not str(target).startswith("compiled_llm."):
+            continue
+        schema = (target.default if isinstance(target, torch._ops.OpOverloadPacket) else target)._schema
+        names = [a.name for a in schema.arguments]
+        if "layer_idx" not in names:
+            continue
+        i = names.index("layer_idx")
+        if i < len(node.args):
+            node.args = (*node.args[:i], node.args[i] - base, *node.args[i + 1:])
+        else:
+            node.kwargs = {**node.kwargs, "layer_idx": node.kwargs["layer_idx"] - base}
+        n += 1
+    if n:
+        gm.recompile()
+    return n
+
+
 class PieceRunner:
+    """One compute piece. Its graph's layer indices are relative to its first layer (`base`), and a piece
+    whose graph and inputs equal an earlier piece's (piece_signature, strict) reuses that piece's compiles
+    for every shape instead of compiling again: Gemma 4 26B-A4B's 31 pieces are a handful of distinct graphs."""
+
     def __init__(self, name: str, gm: torch.fx.GraphModule, backend, graph: int = 0):
         self.name = name
         self.graph = graph  # which Dynamo graph of the model (1, 2, ...: recompiles after a guard failed)
         self.gm = gm
+        self.base = first_layer(gm.graph)
+        relative_layer_args(gm, self.base)
         self.backend = backend
         self.dynamic: Callable | None = None
         self.static: dict[int, Callable] = {}
@@ -66,6 +98,25 @@ class PieceRunner:
         self.compile_seconds = 0.0
 
     def _compile(self, args: list, shape: str) -> Callable:
+        shared = self.backend.shared_compiles
+        key = None
+        if shared is not None:
+            from compiled_llm.compiler.inspect import piece_signature
+
+            key = (piece_signature(self.gm, args, strict=True)[0], self.label(shape))
+            hit = shared.get(key)
+            if hit is not None:  # a look-alike piece compiled this already: its code, our layers' counts
+                fn, delta = hit
+                self.inputs[self.label(shape)] = None
+                self.matches[self.label(shape)] = absolute_layers(delta, self.base)
+                self.backend.shared_hits += 1
+                return fn
+        fn, delta = self._inductor(args, shape)
+        if key is not None:
+            shared[key] = (fn, delta)
+        return fn
+
+    def _inductor(self, args: list, shape: str) -> tuple[Callable, Counter]:
         from torch._inductor.compile_fx import compile_fx
 
         MONITOR.compile_event("inductor", f"{self.name} ({shape} tokens)")
@@ -80,8 +131,9 @@ class PieceRunner:
         self.compile_seconds += time.perf_counter() - t0
         # our passes count into counters["inductor"], per layer relative to the graph's first one; Inductor's
         # FX cache replays those counts on a hit, also for an identical piece of another layer
-        self.matches[self.label(shape)] = absolute_layers(counters["inductor"] - before, first_layer(self.gm.graph))
-        return fn
+        delta = Counter({k: v for k, v in (counters["inductor"] - before).items() if k.startswith("compiled_llm.")})
+        self.matches[self.label(shape)] = absolute_layers(delta, self.base)
+        return fn, delta
 
     def label(self, shape: str) -> str:
         return shape if self.graph == 0 else f"{shape}/g{self.graph}"
@@ -112,6 +164,13 @@ class PieceRunner:
         self.dynamic = self._compile(fake_args, "dynamic")
 
     def __call__(self, *args):
+        prev = set_layer_base(self.base)
+        try:
+            return self._run(args)
+        finally:
+            set_layer_base(prev)
+
+    def _run(self, args: tuple):
         state = self.backend.state
         size = state.bucket
         if size is None:

@@ -227,8 +227,11 @@ class Gemma4Model(nn.Module):
             ple = self.per_layer_inputs(input_ids, x) if self.ple else None
         else:  # a later pipeline stage: what the previous stage handed over
             x, ple = intermediate["hidden_states"], intermediate.get("per_layer_inputs")
+        # each layer's slice taken up front: a layer then reads a tensor of its own, not a constant index into
+        # the whole table, so look-alike layers trace to one graph (the compiler compiles it once)
+        per_layer = ple.unbind(1) if ple is not None else [None] * self.cfg.num_hidden_layers
         for i in range(self.start_layer, self.end_layer):
-            x = self.layers[i](x, positions, ple[:, i] if ple is not None else None)
+            x = self.layers[i](x, positions, per_layer[i])
         if not self.is_last:
             return {"hidden_states": x} if ple is None else {"hidden_states": x, "per_layer_inputs": ple}
         return self.norm(x)

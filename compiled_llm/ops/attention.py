@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiled_llm.ops.context import current_forward_context, get_forward_context, layer_cache
+from compiled_llm.ops.context import absolute_layer, current_forward_context, get_forward_context, layer_cache
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 from compiled_llm.ops.rope import apply_rope
 
@@ -170,7 +170,9 @@ KV_CACHE_WRITE = register(OpSpec("kv_cache_write", "scatter this step's k/v into
 @torch.library.custom_op("compiled_llm::kv_cache_write", mutates_args=())
 def kv_cache_write_op(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """Writes k/v into the layer's cache (found through the forward context). Returns an empty marker
-    that the attention op takes, so the write is ordered before the read and never dropped."""
+    that the attention op takes, so the write is ordered before the read and never dropped. Inside a
+    compiled piece layer_idx is relative to the piece's first layer (ops/context.py absolute_layer)."""
+    layer_idx = absolute_layer(layer_idx)
     KV_CACHE_WRITE.impl(layer_idx)(k, v, layer_idx)
     return v.new_empty(0)
 

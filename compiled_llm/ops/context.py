@@ -70,6 +70,24 @@ def current_forward_context() -> ForwardContext | None:
     return _CONTEXT
 
 
+# Compiled pieces carry the layer indices of the ops inside them relative to the piece's first layer, so that
+# the pieces of look-alike layers are one graph and compile once (compiler/piecewise.py); the piece runner sets
+# the base around each call. Outside a piece it is 0 and indices are absolute.
+_LAYER_BASE = 0
+
+
+def set_layer_base(base: int) -> int:
+    """Sets the base layer of the piece about to run; returns the previous one (to restore)."""
+    global _LAYER_BASE
+    prev, _LAYER_BASE = _LAYER_BASE, base
+    return prev
+
+
+def absolute_layer(layer_idx: int) -> int:
+    """An op's layer index as the model numbers it (ops that can sit inside a compiled piece call this)."""
+    return layer_idx + _LAYER_BASE
+
+
 def layer_cache(layer_idx: int) -> tuple[ForwardContext, AttentionSpec, torch.Tensor, GroupMetadata]:
     """The forward context, the layer's spec, the cache it reads and its group's block tables."""
     ctx = get_forward_context()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from compiled_llm.ops.attention import ref_kv_cache_write
+from compiled_llm.ops.context import absolute_layer
 from compiled_llm.ops.norm import ref_rms_norm
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 from compiled_llm.ops.rope import apply_rope
@@ -43,7 +44,9 @@ QK_NORM_ROPE_KV_WRITE = register(OpSpec(
 def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, positions: torch.Tensor,
                           inv_freq: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None, eps: float,
                           norm_v: bool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (q after norm and rope, an empty marker for the attention op: the cache is written)."""
+    """Returns (q after norm and rope, an empty marker for the attention op: the cache is written).
+    layer_idx: relative to the compiled piece's first layer (ops/context.py absolute_layer)."""
+    layer_idx = absolute_layer(layer_idx)
     q_out = QK_NORM_ROPE_KV_WRITE.impl(layer_idx)(q, k, v, positions, inv_freq, q_weight, k_weight, eps, norm_v,
                                                   layer_idx)
     return q_out, q.new_empty(0)

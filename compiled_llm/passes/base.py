@@ -55,9 +55,18 @@ class _Shape:
     """Marks a shape-derived argument of a traced pattern; fx_to_pattern turns it into a wildcard."""
 
 
+# Inductor settings every compile that runs our passes uses, and the pattern tracing too. shape_padding off:
+# on CUDA, Inductor's pad_mm joint-graph rewrite times padded against unpadded matmuls (while compiling, and
+# while tracing a pattern) and may pad one (mm over 2 tokens -> pad to 4, mm, slice); then a pattern and a
+# graph disagree in some compiles and not others, and a router or GEGLU MoE fusion is lost at random (seen
+# on the H200). Off, the graphs are the same on every run and start-up spends no time on those timings.
+INDUCTOR_SETTINGS = {"shape_padding": False}
+
+
 def trace_fn(fn, args, **kwargs):
     """fwd_only, then what Inductor did to the real graph before our passes see it: the joint-graph
     canonicalisations (pointless permute pairs, views, converts) and views written as reshapes."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.fx_passes import joint_graph
     from torch._inductor.fx_passes.post_grad import view_to_reshape
 
@@ -66,7 +75,8 @@ def trace_fn(fn, args, **kwargs):
     for patterns in [getattr(joint_graph, "early_patterns", None), *joint_graph.pass_patterns]:
         if patterns is None:
             continue
-        patterns.apply(gm.graph)
+        with inductor_config.patch(INDUCTOR_SETTINGS):
+            patterns.apply(gm.graph)
     pm.stable_topological_sort(gm.graph)
     gm.graph.eliminate_dead_code()
     view_to_reshape(gm)

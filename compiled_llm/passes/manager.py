@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from compiled_llm.passes.base import FusionPass
+from compiled_llm.passes.base import INDUCTOR_SETTINGS, FusionPass
 
 log = logging.getLogger("compiled_llm")
 
@@ -88,7 +88,7 @@ class PassManager(CustomGraphPass):
         return self._uuid
 
     def inductor_config(self) -> dict:
-        return {"post_grad_custom_pre_pass": self}
+        return {"post_grad_custom_pre_pass": self, **INDUCTOR_SETTINGS}
 
     def fusions(self) -> dict[str, str]:
         return {p.name: p.fusion for p in self.passes}

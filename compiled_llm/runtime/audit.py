@@ -124,6 +124,7 @@ def audit(hf_config: dict, *, device: str = "cuda", dtype: torch.dtype = torch.b
         compiled = CompiledModel(model, ccfg, device, attention, whole_graph=not has_recurrent_state(model))
         stats: dict = {}
         compiled.backend.compile_fn = inspect_compile(tokens, stats, dedupe)
+        compiled.backend.shared_compiles = None  # the audit inspects (or replays, with dedupe) every piece itself
         with fake:
             ids = torch.zeros(tokens, dtype=torch.long, device=device)
             pos = torch.arange(tokens, device=device)

@@ -90,7 +90,8 @@ class ModelRunner(KVCachePlanner):
         # GPU only, filled by plan_blocks: what the KV-cache budget was taken from (the smoke script prints it)
         self.memory_profile: dict = {}
         # op providers, resolved once for this device and model; then the compiler (docs/compiler.md)
-        facts = model_facts(self.model_config, block_size=config.block_size)
+        facts = model_facts(self.model_config, block_size=config.block_size,
+                            max_num_batched_tokens=config.max_num_batched_tokens)
         self.op_providers = select_providers(self.device, self.dtype, self.specs, facts, config.op_providers)
         log.info("op providers: %s", describe(self.op_providers))
         self.compiler = None

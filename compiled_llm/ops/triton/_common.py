@@ -7,6 +7,14 @@ import triton
 import triton.language as tl
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for a kernel's operands. Triton's default for float32 is tf32 (10-bit
+    mantissa), which would make a float32 engine disagree with its own eager run wherever a fused kernel
+    replaces the model's matmuls (a router picking another expert); tf32x3 gives float32-grade products on
+    tensor cores. Half-precision operands ignore it."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _tanh(x):
     # tanh(x) = 2 * sigmoid(2x) - 1; saturates cleanly for large |x| (exp -> inf gives -1, -> 0 gives 1)

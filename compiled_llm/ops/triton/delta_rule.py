@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from compiled_llm.ops.state import get_state_metadata
+from compiled_llm.ops.triton._common import dot_precision
 
 RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recurrent kernel
 CHUNK = 64
@@ -199,7 +200,7 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, loc: list[int
     max_len = max(b - a for a, b in zip(loc[:-1], loc[1:]))
     bk = max(16, triton.next_power_of_2(dk))
     bv = max(16, min(32, triton.next_power_of_2(dv)))
-    prec = "tf32x3" if v.dtype == torch.float32 else "tf32"  # tf32x3: float32-grade products on tensor cores
+    prec = dot_precision(v.dtype)
     grid = (num_seqs, hv, triton.cdiv(dv, bv))
     scale, eps = dk ** -0.5, 1e-6
     if max_len <= RECURRENT_MAX_LEN:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled_llm.ops.triton._common import _gelu_tanh
+from compiled_llm.ops.triton._common import _gelu_tanh, dot_precision
 
 # ----------------------------------------------------------------------------------------------------
 # alignment
@@ -28,34 +28,69 @@ def moe_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(n, block_m) * block_m
 
 
+@triton.jit(do_not_specialize=["n", "size"])
+def _align_kernel(
+    Ids, Cursor, SortedIds, ExpertIds, NumPadded,
+    n, E, size,
+    BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
+):
+    # One program: bucket counts, padded segment ends (cumsum), then each pair's slot by an atomic cursor per
+    # bucket. A pair's row in its expert's segment does not change its result (the grouped GEMMs treat rows
+    # independently), so the atomics' order is harmless. Bucket E holds another rank's experts' pairs.
+    c = tl.arange(0, CHUNK)
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], tl.int32)
+    for i0 in range(0, n, CHUNK):
+        m = c < n - i0
+        e = tl.load(Ids + i0 + c, mask=m, other=0)
+        e = tl.where((e >= 0) & (e < E), e, E)
+        e = tl.where(m, e, BINS - 1)  # masked lanes count into the last bin, which no pair uses
+        counts += tl.histogram(e.to(tl.int32), BINS)
+    counts = tl.where(bins <= E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(Cursor + bins, ends - padded)
+    tl.store(NumPadded + bins - (BINS - 1), ends, mask=bins == BINS - 1)  # the total
+    # padding rows hold n; blocks past the end and the other ranks' blocks have expert -1
+    for j0 in range(0, size, CHUNK):
+        tl.store(SortedIds + j0 + c, tl.full([CHUNK], 0, tl.int32) + n, mask=c < size - j0)
+    cb = tl.arange(0, CB)
+    for b0 in range(0, size // BLOCK_M, CB):
+        start = (b0 + cb) * BLOCK_M
+        eid = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
+        tl.store(ExpertIds + b0 + cb, tl.where(eid < E, eid, -1), mask=b0 + cb < size // BLOCK_M)
+    tl.debug_barrier()
+    for i0 in range(0, n, CHUNK):
+        m = c < n - i0
+        e = tl.load(Ids + i0 + c, mask=m, other=0)
+        e = tl.where((e >= 0) & (e < E), e, E)
+        slot = tl.atomic_add(Cursor + e, 1, mask=m)
+        tl.store(SortedIds + slot, (i0 + c).to(tl.int32), mask=m)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort (token, slot) pairs by expert and pad each expert's segment to a multiple of block_m. Pairs whose
     expert lies outside [0, num_experts) (another rank's, under expert parallelism) go to a last segment
-    whose blocks have expert -1: the kernels write zeros for them.
+    whose blocks have expert -1: the kernels write zeros for them. One kernel launch (a decode step's MoE
+    layer used to spend a dozen small torch kernels here).
 
-    Returns (sorted_ids [P] int32: flat pair index t * k + j, padding rows hold T * k;
+    Returns (sorted_ids [P] int32: flat pair index t * k + j, padding rows hold T * k; within an expert's
+             segment the pairs' order is unspecified;
              expert_ids [P / block_m] int32: expert of each block, -1 for skipped pairs and past the end;
              num_padded [1] int32: the used length). P = moe_max_padded(T * k, E + 1, block_m) is known on the host.
     """
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    flat = topk_ids.reshape(-1)
     n = flat.numel()
     dev = flat.device
-    buckets = num_experts + 1
-    counts = torch.zeros(buckets, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    seg_start = ends - padded
-    order = torch.sort(flat, stable=True).indices
-    sorted_e = flat[order]
-    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    size = moe_max_padded(n, buckets, block_m)
-    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
-    sorted_ids[seg_start[sorted_e] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, size, block_m, device=dev)
-    expert_ids = torch.searchsorted(ends, block_start, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+    size = moe_max_padded(n, num_experts + 1, block_m)
+    bins = triton.next_power_of_2(num_experts + 2)
+    cursor = torch.empty(bins, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](flat, cursor, sorted_ids, expert_ids, num_padded, n, num_experts, size,
+                        BLOCK_M=block_m, BINS=bins, CHUNK=1024, CB=max(16, min(64, 8192 // bins)), num_warps=4)
+    return sorted_ids, expert_ids, num_padded
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -102,7 +137,7 @@ def _gate_up_kernel(
     num_pairs, N, K,
     stride_xt, stride_we, stride_wn, stride_an,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SILU: tl.constexpr,
+    SILU: tl.constexpr, PREC: tl.constexpr,
 ):
     # act[row] = act_fn(x @ gate[e].T) * (x @ up[e].T) for a block of rows sorted by expert
     pid_m = tl.program_id(0)
@@ -128,8 +163,8 @@ def _gate_up_kernel(
         kmask = kk < K - k0
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         bmask = kmask[:, None] & cmask[None, :]
-        acc_g += tl.dot(a, tl.load(g_ptr, mask=bmask, other=0.0))
-        acc_u += tl.dot(a, tl.load(u_ptr, mask=bmask, other=0.0))
+        acc_g += tl.dot(a, tl.load(g_ptr, mask=bmask, other=0.0), input_precision=PREC)
+        acc_u += tl.dot(a, tl.load(u_ptr, mask=bmask, other=0.0), input_precision=PREC)
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
@@ -146,7 +181,7 @@ def _down_kernel(
     Act, W, SortedIds, ExpertIds, NumPadded, TopkWeights, Y,
     num_pairs, N, K,
     stride_an, stride_we, stride_wn, stride_yt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     # y[pair] = w_pair * act[row] @ down[e].T, scattered to the pair's row of [T * k, H]
     pid_m = tl.program_id(0)
@@ -171,7 +206,7 @@ def _down_kernel(
         kmask = kk < K - k0
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=PREC)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     w = tl.load(TopkWeights + pair, mask=rmask, other=0.0).to(tl.float32)
@@ -205,7 +240,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         num_pairs, inter, hidden,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
-        SILU=activation == "silu", num_warps=pol.a_warps, num_stages=pol.a_stages,
+        SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps, num_stages=pol.a_stages,
     )
     weights = topk_weights.to(torch.float32).contiguous()
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -213,7 +248,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
         num_pairs, hidden, inter,
         act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
-        BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k,
+        BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype),
         num_warps=pol.b_warps, num_stages=pol.b_stages,
     )
     if top_k == 1:
@@ -233,36 +268,54 @@ def fused_swiglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, poli
 # router
 
 
-@triton.jit(do_not_specialize=["T"])
-def _router_kernel(
-    X, Scale, W, ExpertScale, OutW, OutIds,
-    T, H, E, eps, root,
+@triton.jit(do_not_specialize=["T", "slice_h"])
+def _router_logits_kernel(
+    X, Scale, W, Partial,
+    T, H, E, eps, root, slice_h,
     stride_xt, stride_we,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
+    # program (t block, e block, h slice): partial[s, t, e] = sum over the slice of (x * rstd * scale * H^-0.5)[t] * W[e]
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    s = tl.program_id(2)
     tmask = t < T
-    hh = tl.arange(0, BLOCK_H)
-    e = tl.arange(0, BLOCK_E)
     emask = e < E
+    hh = tl.arange(0, BLOCK_H)
     x_row = X + t.to(tl.int64)[:, None] * stride_xt
-    # pass 1: RMS of each row
-    ss = tl.zeros([BLOCK_T], tl.float32)
+    ss = tl.zeros([BLOCK_T], tl.float32)  # the RMS needs the whole row; a decode batch's rows are few and cached
     for h0 in range(0, H, BLOCK_H):
         hmask = hh < H - h0
         xv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         ss += tl.sum(xv * xv, 1)
     rstd = tl.rsqrt(ss / H + eps)
-    # pass 2: logits = (x * rstd * scale * H^-0.5) @ W.T
     acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    lo = s * slice_h
+    for h0 in range(lo, lo + slice_h, BLOCK_H):
         hmask = hh < H - h0
         xv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         sc = tl.load(Scale + h0 + hh, mask=hmask, other=0.0).to(tl.float32) * root
-        hv = (xv * rstd[:, None] * sc[None, :]).to(X.dtype.element_ty)
+        hv = (xv * rstd[:, None] * sc[None, :]).to(X.dtype.element_ty)  # the normed input in the model's dtype
         wv = tl.load(W + e[None, :] * stride_we + h0 + hh[:, None], mask=hmask[:, None] & emask[None, :], other=0.0)
-        acc += tl.dot(hv, wv.to(X.dtype.element_ty))
+        acc += tl.dot(hv, wv.to(X.dtype.element_ty), input_precision=PREC)
+    out = Partial + (s * T + t.to(tl.int64))[:, None] * E + e[None, :]
+    tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "splits"])
+def _router_topk_kernel(
+    Partial, ExpertScale, OutW, OutIds,
+    T, E, splits,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    e = tl.arange(0, BLOCK_E)
+    emask = e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for s in range(0, splits):  # the slices' partial logits, summed in a fixed order
+        acc += tl.load(Partial + (s * T + t.to(tl.int64))[:, None] * E + e[None, :],
+                       mask=tmask[:, None] & emask[None, :], other=0.0)
     # softmax over experts (fp32)
     logits = tl.where(emask[None, :], acc, float("-inf"))
     mx = tl.max(logits, 1)
@@ -287,6 +340,22 @@ def _router_kernel(
     tl.store(OutIds + o_off, sel_i, mask=omask)
 
 
+ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
+
+
+def router_launch(num_tokens: int, hidden: int, num_experts: int) -> tuple[int, int, int, int]:
+    """(block_t, block_e, splits, slice_h). A decode batch (a few rows) has too little work for one program
+    per row block: the logits are split over expert blocks and hidden slices, so the [E, H] weight is read by
+    many programs at once; the slices' partial sums are added in the top-k kernel."""
+    block_h = 64
+    block_t = 16 if num_tokens <= 1024 else 32
+    block_e = 16 if num_tokens <= 64 else min(64, max(16, triton.next_power_of_2(num_experts)))
+    rows = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e)
+    splits = max(1, min(triton.cdiv(hidden, 2 * block_h), ROUTER_PROGRAMS // rows))
+    slice_h = triton.cdiv(triton.cdiv(hidden, splits), block_h) * block_h
+    return block_t, block_e, triton.cdiv(hidden, slice_h), slice_h
+
+
 def fused_router_topk(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.Tensor,
                       per_expert_scale: torch.Tensor, top_k: int, eps: float):
     """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
@@ -298,12 +367,42 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.T
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
     if num_tokens == 0:
         return weights, ids
+    block_t, block_e, splits, slice_h = router_launch(num_tokens, hidden, num_experts)
+    partial = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e), splits)
+    _router_logits_kernel[grid](
+        x, scale.contiguous(), proj_weight, partial,
+        num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5), slice_h,
+        x.stride(0), proj_weight.stride(0),
+        BLOCK_T=block_t, BLOCK_H=64, BLOCK_E=block_e, PREC=dot_precision(x.dtype), num_warps=4, num_stages=2,
+    )
+    _router_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+        partial, per_expert_scale.contiguous(), weights, ids, num_tokens, num_experts, splits,
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+    )
+    return weights, ids
     block_t = 16 if num_tokens <= 1024 else 32
     _router_kernel[(triton.cdiv(num_tokens, block_t),)](
         x, scale.contiguous(), proj_weight, per_expert_scale.contiguous(), weights, ids,
         num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5),
         x.stride(0), proj_weight.stride(0),
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=64, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4, num_stages=2,
+        BLOCK_K=triton.next_power_of_2(top_k), PREC=dot_precision(x.dtype), num_warps=4, num_stages=2,
     )
     return weights, ids
+
+
+def launch_variants(num_experts: int, top_k: int, hidden: int, inter: int, max_tokens: int) -> list[int]:
+    """One token count per distinct kernel build the router and grouped GEMMs need for batches of 1 to
+    max_tokens tokens (their launch constexprs change with the batch): what JIT warm-up runs, so that no
+    batch size compiles a kernel while serving."""
+    seen, out = set(), []
+    for tokens in range(1, max(1, max_tokens) + 1):
+        bt, be, _, _ = router_launch(tokens, hidden, num_experts)
+        pol = moe_launch_policy(tokens, top_k, num_experts, hidden, inter)
+        key = (bt, be, pol)
+        if key not in seen:
+            seen.add(key)
+            out.append(tokens)
+    return out

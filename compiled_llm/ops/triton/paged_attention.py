@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled_llm.ops.triton._common import _reduce_angle, _tanh
+from compiled_llm.ops.triton._common import _reduce_angle, _tanh, dot_precision
 
 # Per-step integers (split counts, batch sizes, block-table width) are marked do_not_specialize so that a
 # new value never triggers a fresh build mid-serving (Triton would otherwise specialise on ==1 / %16).
@@ -126,7 +126,7 @@ def _decode_kernel(
     scale, softcap, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -179,7 +179,7 @@ def _decode_kernel(
             k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
             k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
             k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
-        qk = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
         s = _scores(qk, scale, softcap, SOFTCAP)
         s = tl.where(pmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -187,8 +187,8 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = p.to(v1.dtype)
-        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1)
-        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2)
+        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1, input_precision=PREC)
+        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2, input_precision=PREC)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -293,6 +293,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half,
         BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
+        PREC=dot_precision(q.dtype),
         num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:
@@ -321,7 +322,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
-    BIDIR: tl.constexpr,
+    BIDIR: tl.constexpr, PREC: tl.constexpr,
 ):
     # K_DENSE: keys come pre-rebuilt from a dense [num_seqs, positions, kv_heads, head_dim] buffer (K)
     # BIDIR: each new token also sees the keys of its span [SpanLo, SpanHi) (media tokens, both ways)
@@ -401,7 +402,7 @@ def _prefill_kernel(
             k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
             k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
             k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
-        qk = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
         s = _scores(qk, scale, softcap, SOFTCAP)
         allowed = pmask[None, :] & (pos[None, :] <= qpos[:, None])
         if BIDIR:
@@ -415,8 +416,8 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = p.to(v1.dtype)
-        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1)
-        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2)
+        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1, input_precision=PREC)
+        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2, input_precision=PREC)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -535,6 +536,6 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         GROUP=group, GP=gp, BLOCK_Q=block_q, BLOCK_M=block_m, HALF=half, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, K_DENSE=dense,
-        BIDIR=spans is not None, num_warps=pol.num_warps, num_stages=pol.num_stages,
+        BIDIR=spans is not None, PREC=dot_precision(q.dtype), num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     return out

@@ -18,7 +18,7 @@ from compiled_llm.ops.attention import BIDIR_SPANS_KEY, AttentionSpec
 from compiled_llm.ops.context import (AttentionMetadata, ForwardContext, GroupMetadata, get_forward_context, layer_cache,
                                       set_forward_context)
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
-from compiled_llm.ops.triton.moe import fused_geglu_moe, fused_router_topk, fused_swiglu_moe
+from compiled_llm.ops.triton.moe import fused_geglu_moe, fused_router_topk, fused_swiglu_moe, launch_variants
 from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
 
 SPLITS = [1 << i for i in range(8)]  # decode split-K counts the launch policy can pick
@@ -159,29 +159,35 @@ def _moe_keys(op: str):
         if not facts.get("num_experts") or facts.get("moe_op") != op:  # the model's routed-expert op only
             return []
         return [(facts["dtype"], facts["hidden_size"], facts["num_experts"], facts["moe_intermediate_size"],
-                 facts["top_k_experts"])]
+                 facts["top_k_experts"], facts.get("max_num_batched_tokens", 64))]
     return keys
 
 
+def _moe_weights(experts: int, inter: int, hidden: int, dtype, device):
+    # zero weights with a zero expert stride: the kernels build as for real ones (strides divisible by 16)
+    # without the memory of every expert
+    gate_up = torch.zeros(1, 2 * inter, hidden, dtype=dtype, device=device).expand(experts, -1, -1)
+    return gate_up, torch.zeros(1, hidden, inter, dtype=dtype, device=device).expand(experts, -1, -1)
+
+
 def _moe_compile(key, device) -> None:
-    dtype, hidden, experts, inter, top_k = key
-    for tokens in (1, 64):  # the launch policy differs for small and large batches
+    dtype, hidden, experts, inter, top_k, max_tokens = key
+    gate_up, down = _moe_weights(experts, inter, hidden, dtype, device)
+    for tokens in launch_variants(experts, top_k, hidden, inter, max_tokens):  # each batch-size class's build
         x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
         w, ids = router_topk(x, torch.zeros(experts, hidden, dtype=dtype, device=device),
                              torch.ones(hidden, dtype=dtype, device=device),
                              torch.ones(experts, dtype=dtype, device=device), top_k, 1e-6, hidden ** -0.5)
-        geglu_moe(x, w, ids, torch.zeros(experts, 2 * inter, hidden, dtype=dtype, device=device),
-                  torch.zeros(experts, hidden, inter, dtype=dtype, device=device))
+        geglu_moe(x, w, ids, gate_up, down)
 
 
 def _swiglu_compile(key, device) -> None:
-    dtype, hidden, experts, inter, top_k = key
-    for tokens in (1, 64):
+    dtype, hidden, experts, inter, top_k, max_tokens = key
+    gate_up, down = _moe_weights(experts, inter, hidden, dtype, device)
+    for tokens in launch_variants(experts, top_k, hidden, inter, max_tokens):
         ids = torch.arange(tokens * top_k, device=device).remainder(experts).view(tokens, top_k)
         swiglu_moe(torch.zeros(tokens, hidden, dtype=dtype, device=device),
-                   torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype, device=device), ids,
-                   torch.zeros(experts, 2 * inter, hidden, dtype=dtype, device=device),
-                   torch.zeros(experts, hidden, inter, dtype=dtype, device=device))
+                   torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype, device=device), ids, gate_up, down)
 
 
 register_kernel(JitKernel("paged_attention", "attention", "triton", _attention_keys, _attention_compile))
