@@ -381,6 +381,14 @@ BAD = [
     ("/v1/responses", {"model": "demo", "input": [{"role": "robot", "content": "x"}]}, 400, "input"),
     ("/v1/responses", {"model": "nope", "input": "hi"}, 404, "model"),
     ("/v1/responses", "[1, 2, 3]", 400, None),
+    # invalid Unicode reaches no tokenizer; max_tokens past the context is refused, not clamped
+    ("/v1/chat/completions", '{"model": "demo", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
+    ("/tokenize", '{"prompt": "x\\udfff"}', 400, "prompt"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/responses", {"model": "demo", "input": "hi", "max_output_tokens": 300}, 400, "max_output_tokens"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": 5},
+     400, "tools"),
 ]
 
 

@@ -9,6 +9,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from compiled_llm.server.async_engine import AsyncEngine
+from compiled_llm.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from compiled_llm.server.chat import create_chat_completion
 from compiled_llm.server.completions import create_completion
 from compiled_llm.server.errors import APIError, error_response, install_error_handlers
@@ -32,7 +33,7 @@ from compiled_llm.server.protocol import (
 from compiled_llm.server.responses import create_response
 from compiled_llm.server.state import ServerState
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
 
 def _streamable(model) -> dict:
@@ -58,7 +59,8 @@ class APIKeyMiddleware:
 
 
 def create_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
-               chat_template: str | None = None, media_policy=None) -> FastAPI:
+               chat_template: str | None = None, media_policy=None,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does."""
     names = list(served_model_names or [engine.model_name])
     aengine = AsyncEngine(engine, Metrics(names[0]))
@@ -79,6 +81,7 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
     install_error_handlers(app, lambda request, _status: state.count_error(request.url.path))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth reads
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():

@@ -8,7 +8,7 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import chat_engine_prompt, sampling_params
+from compiled_llm.server.inputs import chat_engine_prompt, check_context, sampling_params
 from compiled_llm.server.logprobs import chat_entries
 from compiled_llm.server.protocol import (
     AssistantMessage,
@@ -18,17 +18,22 @@ from compiled_llm.server.protocol import (
     ChoiceLogprobs,
 )
 from compiled_llm.server.state import ServerState, new_id
+from compiled_llm.server.structured_output import reject_structured_output
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     model = state.model_name(req.model)
+    reject_structured_output(req.response_format and req.response_format.type, "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens=max_tokens, vocab_size=state.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt)  # media: a dict
+    if isinstance(prompt, list):  # a media prompt's length is known only once admission expanded it
+        check_context(len(prompt), max_tokens, state.max_model_len,
+                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     rid = new_id("chatcmpl-")
     gen = Generation(state.aengine, rid, [prompt], params)
     await gen.start()

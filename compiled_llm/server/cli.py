@@ -46,6 +46,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: image=8,audio=4,video=2)")
     g.add_argument("--max-media-bytes", type=int, default=20 << 20, metavar="BYTES",
                    help="largest media file accepted, in bytes (default: 20 MiB)")
+    g.add_argument("--max-request-body-bytes", type=int, default=32 << 20, metavar="BYTES",
+                   help="largest request body accepted, in bytes; larger ones get a 413 (default: 32 MiB)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default: info)")
     if "--model" not in parser._option_string_actions:  # the caller may have added engine flags already
@@ -78,7 +80,8 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("loading %s", config.resolved_model())
     engine = LLMEngine(config)
     app = create_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
-                     chat_template=chat_template, media_policy=media_policy_from_args(args))
+                     chat_template=chat_template, media_policy=media_policy_from_args(args),
+                     max_request_body_bytes=args.max_request_body_bytes)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,

@@ -30,6 +30,19 @@ def sampling_params(req, *, max_tokens: int | None, logprobs: int | None, vocab_
         raise APIError(400, str(exc), param=first if first in kw else None) from exc
 
 
+def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str,
+                  prompt_name: str = "messages") -> None:
+    """A prompt that leaves no room, or max_tokens beyond what the context leaves after the prompt, is a 400
+    (vLLM's message) rather than a request silently clamped to the context."""
+    if num_prompt >= max_model_len:
+        raise APIError(400, f"the prompt has {num_prompt} tokens; max_model_len is {max_model_len}, which must "
+                            "leave room for at least one generated token", param="prompt")
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{num_prompt + max_tokens} tokens ({num_prompt} in the {prompt_name}, {max_tokens} in the "
+                            f"completion). Please reduce the length of the {prompt_name} or completion.", param=param)
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     for t in ids:
         if not 0 <= t < vocab_size:
