@@ -32,6 +32,7 @@ from compiled_llm.server.protocol import (
 )
 from compiled_llm.server.responses import create_response
 from compiled_llm.server.state import ServerState
+from compiled_llm.server.tools import make_tool_parser, template_tools
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
@@ -60,11 +61,15 @@ class APIKeyMiddleware:
 
 def create_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, media_policy=None,
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does."""
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               tool_call_parser: str | None = None) -> FastAPI:
+    """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does.
+    tool_call_parser: the tool-call format (server/tool_parsers/); default: the checkpoint's model type's."""
     names = list(served_model_names or [engine.model_name])
     aengine = AsyncEngine(engine, Metrics(names[0]))
-    state = ServerState(aengine, names, chat_template=chat_template, api_key=api_key)
+    template = chat_template or getattr(aengine.tokenizer, "chat_template", None)
+    state = ServerState(aengine, names, chat_template=chat_template, api_key=api_key,
+                        tool_parser=make_tool_parser(tool_call_parser, engine.config.resolved_model(), template))
     if media_policy is not None:  # multimodal.media.MediaPolicy (--allowed-media-domains, ...)
         state.media_policy = media_policy
 
@@ -124,7 +129,9 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = await chat_token_ids(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+            tools = template_tools(req.tools) if req.tools else None
+            ids = await chat_token_ids(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens),
+                                       tools)
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=add))

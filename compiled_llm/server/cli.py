@@ -33,6 +33,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: $COMPILED_LLM_API_KEY, else no key)")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (or inline template) replacing the checkpoint's")
+    g.add_argument("--tool-call-parser", default=None, choices=["gemma4", "qwen"],
+                   help="tool-call format of the model's output (default: the one of the checkpoint's model type: "
+                        "gemma4 for Gemma 4, qwen for Qwen3.5)")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted "
                         "(default: 30)")
@@ -81,7 +84,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     app = create_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      chat_template=chat_template, media_policy=media_policy_from_args(args),
-                     max_request_body_bytes=args.max_request_body_bytes)
+                     max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,

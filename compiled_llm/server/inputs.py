@@ -8,6 +8,7 @@ from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.multimodal import expanded_token_ids, is_media_part, media_prompt, placeholder_for
 from compiled_llm.server.protocol import ChatMessage, InputMessage
+from compiled_llm.server.tools import message_tool_fields
 
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty")
@@ -72,28 +73,35 @@ def has_media(messages: list[ChatMessage | InputMessage]) -> bool:
 
 def chat_messages(messages: list[ChatMessage | InputMessage], instructions: str | None = None,
                   media: list | None = None, placeholders: dict[str, str] | None = None) -> list[dict]:
-    """API messages -> template messages (text parts joined; developer is system). Media parts become the
-    processor's placeholder text and are appended to `media` (server/multimodal.py)."""
+    """API messages -> template messages (text parts joined; developer is system; tool calls and tool answers as
+    server/tools.py gives them). Media parts become the processor's placeholder text and are appended to `media`
+    (server/multimodal.py)."""
     out = [{"role": "system", "content": instructions}] if instructions else []
+    calls: dict[str, str] = {}  # tool_call id -> function name, for the tool messages that answer them
     for m in messages:
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": _content(m.content, media, placeholders)})
+        out.append({"role": role, "content": _content(m.content, media, placeholders),
+                    **message_tool_fields(m, calls)})
     return out
 
 
-def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None) -> str:
-    """The chat template rendered with the server's input processor (400 for template errors)."""
+def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                tools: list[dict] | None = None, prefix: str = "") -> str:
+    """The chat template rendered with the server's input processor (400 for template errors), then `prefix`
+    (a forced tool-call opening, server/tools.py)."""
+    kw = {"tools": tools} if tools else {}
     try:
-        return inputs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template)
+        text = inputs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template, **kw)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    return text + prefix
 
 
 def chat_prompt(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, tools: list[dict] | None = None, prefix: str = "") -> list[int]:
     """Render the chat template and tokenize it (the template already has the special tokens)."""
-    text = render_chat(inputs, messages, add_generation_prompt, chat_template)
+    text = render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix)
     return list(inputs.tokenize(text, add_special_tokens=add_special_tokens))
 
 
@@ -108,26 +116,27 @@ def completion_prompts(prompt) -> list[str | list[int]]:
 
 
 async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
-                             instructions: str | None = None) -> list[int] | dict:
+                             instructions: str | None = None, tools: list[dict] | None = None,
+                             prefix: str = "") -> list[int] | dict:
     """Token ids of a text-only chat; for a chat with media parts, a multimodal prompt dict: the rendered
     template (placeholders in it) and the media, fetched and decoded off the event loop (400 for bad or too
-    many media)."""
+    many media). `tools` go to the template, `prefix` after it (server/tools.py)."""
     if not has_media(api_messages):
         return chat_prompt(state.inputs, chat_messages(api_messages, instructions), add_generation_prompt,
-                           state.chat_template)
+                           state.chat_template, tools=tools, prefix=prefix)
     media: list = []
     messages = chat_messages(api_messages, instructions, media, state.inputs.media_placeholders())
-    text = render_chat(state.inputs, messages, add_generation_prompt, state.chat_template)
+    text = render_chat(state.inputs, messages, add_generation_prompt, state.chat_template, tools, prefix)
     return await asyncio.to_thread(media_prompt, text, media, state.media_policy)
 
 
 async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
-                         add_special_tokens: bool) -> list[int]:
+                         add_special_tokens: bool, tools: list[dict] | None = None) -> list[int]:
     """/tokenize of chat messages: the template's tokens; with media parts, the ids after the processor expanded
     the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
     if not has_media(api_messages):
         return chat_prompt(state.inputs, chat_messages(api_messages), add_generation_prompt, state.chat_template,
-                           add_special_tokens=add_special_tokens)
-    prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt)
+                           add_special_tokens=add_special_tokens, tools=tools)
+    prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt, tools=tools)
     prompt["add_special_tokens"] = add_special_tokens
     return await asyncio.to_thread(expanded_token_ids, state, prompt)

@@ -108,10 +108,47 @@ class InputAudioPart(RequestModel):
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart | InputAudioPart, Field(discriminator="type")]
 
 
+class FunctionCallIn(RequestModel):
+    name: Str
+    arguments: Str  # JSON text, as the API returned it
+
+
+class ToolCallIn(RequestModel):
+    """An assistant message's earlier tool call, fed back through the chat template."""
+
+    id: Str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[ContentPart] | None = None
     name: Str | None = None  # accepted, ignored
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: Str | None = None  # tool: the call this message answers
+
+
+# ---------------------------------------------------------------- tools
+class FunctionDef(RequestModel):
+    name: Annotated[Str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Str | None = None
+    parameters: dict[Str, Any] | None = None  # JSON schema; rendered by the chat template
+    strict: Bool | None = None  # accepted, ignored (no grammar backend: nothing is enforced)
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(RequestModel):
+    name: Str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ResponseFormat(RequestModel):
@@ -125,6 +162,9 @@ class ResponseFormat(RequestModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None  # false: only the first call is returned
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: Bool = False
@@ -146,9 +186,21 @@ class ChoiceLogprobs(APIModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(APIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(APIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(APIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(APIModel):
@@ -357,6 +409,7 @@ class TokenizeRequest(RequestModel):
     model: Str | None = None
     prompt: Str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered by the chat template, as for a chat completion
     add_special_tokens: Bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
