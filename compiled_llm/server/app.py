@@ -134,15 +134,18 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
                                        tools)
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=add))
-        strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+            ids = await state.preprocess.run(lambda inputs: list(inputs.tokenize(req.prompt, add_special_tokens=add)))
+        strs = None
+        if req.return_token_strs:
+            strs = await state.preprocess.run(lambda inputs: list(inputs.tokenizer.convert_ids_to_tokens(ids)))
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(req: DetokenizeRequest):
         state.model_name(req.model)
         check_token_ids(req.tokens, state.vocab_size, "tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+        text = await state.preprocess.run(lambda inputs: inputs.tokenizer.decode(req.tokens))
+        return DetokenizeResponse(prompt=text)
 
     _document_400_not_422(app)
     return app

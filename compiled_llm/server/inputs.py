@@ -115,19 +115,31 @@ def completion_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _media_chat_text(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix):
+    """A media chat's rendered template (the processor's placeholders in it) and its media parts."""
+    media: list = []
+    messages = chat_messages(api_messages, instructions, media, inputs.media_placeholders())
+    return render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix), media
+
+
+def _chat_ids(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix,
+              add_special_tokens=False) -> list[int]:
+    return chat_prompt(inputs, chat_messages(api_messages, instructions), add_generation_prompt, chat_template,
+                       add_special_tokens=add_special_tokens, tools=tools, prefix=prefix)
+
+
 async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
                              instructions: str | None = None, tools: list[dict] | None = None,
                              prefix: str = "") -> list[int] | dict:
     """Token ids of a text-only chat; for a chat with media parts, a multimodal prompt dict: the rendered
-    template (placeholders in it) and the media, fetched and decoded off the event loop (400 for bad or too
-    many media). `tools` go to the template, `prefix` after it (server/tools.py)."""
+    template (placeholders in it) and the media, fetched and decoded in a thread (400 for bad or too many
+    media). `tools` go to the template, `prefix` after it (server/tools.py). Templates and tokenization run in
+    the preprocessing threads (server/preprocess.py), never on the event loop."""
+    args = (api_messages, instructions, add_generation_prompt, state.chat_template, tools, prefix)
     if not has_media(api_messages):
-        return chat_prompt(state.inputs, chat_messages(api_messages, instructions), add_generation_prompt,
-                           state.chat_template, tools=tools, prefix=prefix)
-    media: list = []
-    messages = chat_messages(api_messages, instructions, media, state.inputs.media_placeholders())
-    text = render_chat(state.inputs, messages, add_generation_prompt, state.chat_template, tools, prefix)
-    return await asyncio.to_thread(media_prompt, text, media, state.media_policy)
+        return await state.preprocess.run(_chat_ids, *args)
+    text, media = await state.preprocess.run(_media_chat_text, *args)
+    return await asyncio.to_thread(media_prompt, text, media, state.media_policy)  # may fetch URLs: own thread
 
 
 async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
@@ -135,8 +147,20 @@ async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_
     """/tokenize of chat messages: the template's tokens; with media parts, the ids after the processor expanded
     the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
     if not has_media(api_messages):
-        return chat_prompt(state.inputs, chat_messages(api_messages), add_generation_prompt, state.chat_template,
-                           add_special_tokens=add_special_tokens, tools=tools)
+        return await state.preprocess.run(_chat_ids, api_messages, None, add_generation_prompt, state.chat_template,
+                                          tools, "", add_special_tokens)
     prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt, tools=tools)
     prompt["add_special_tokens"] = add_special_tokens
-    return await asyncio.to_thread(expanded_token_ids, state, prompt)
+    return await state.preprocess.run(expanded_token_ids, prompt)
+
+
+def _tokenize_all(inputs, prompts: list) -> list:
+    return [inputs.tokenize(p) if isinstance(p, str) and p else p for p in prompts]
+
+
+async def tokenize_prompts(state, prompts: list[str | list[int]]) -> list[str | list[int]]:
+    """Completion prompts: text -> token ids in a preprocessing thread (an empty text stays, for the engine's
+    400); token ids as given."""
+    if not any(isinstance(p, str) and p for p in prompts):
+        return prompts
+    return await state.preprocess.run(_tokenize_all, prompts)

@@ -35,8 +35,14 @@ class ServerState:
 
     @property
     def inputs(self):
-        """The server's own input processor (chat template, tokenizer, media processor): never the engine's."""
+        """The event loop's own input processor (token texts): never the engine's. Prompts are preprocessed by
+        `preprocess`'s threads."""
         return self.aengine.inputs
+
+    @property
+    def preprocess(self):
+        """Worker threads for templates and tokenization (server/preprocess.py)."""
+        return self.aengine.preprocess
 
     @property
     def tokenizer(self):
