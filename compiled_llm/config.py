@@ -161,8 +161,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=_HELP[f.name])
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-        parser.add_argument(*_ALIASES.get(f.name, []), flag, type=kind, default=default,
-                            help=f"{_HELP[f.name]} (default: {default})")
+        text = _HELP[f.name]  # its default once: a help that states it in words gets no "(default: None)" too
+        if default is not None and "default" not in text.lower():
+            text += f" (default: {default})"
+        parser.add_argument(*_ALIASES.get(f.name, []), flag, type=kind, default=default, help=text)
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
