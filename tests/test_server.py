@@ -407,6 +407,19 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_400_keeps_the_connection(server):
+    """Invalid Unicode used to be a 500 that closed the keep-alive connection; a 400 leaves it open."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as c:
+        ports = []
+        for body in ('{"model": "demo", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                     '{"model": "demo", "prompt": "ok", "max_tokens": 1}'):
+            r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", content=body)
+            ports.append(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+            assert r.headers.get("connection") != "close"
+        assert r.status_code == 200 and ports[0] == ports[1]
+
+
 def test_bad_input_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], temperature=-3)

@@ -65,7 +65,7 @@ def tool_setup(state, req) -> ToolSetup | None:
     """None when the request has no tools to render (none given, or tool_choice "none"); 400 for tools this
     server cannot serve for this model, or a tool_choice that names no given tool."""
     choice = req.tool_choice
-    if choice is not None and not req.tools:
+    if choice not in (None, "none") and not req.tools:  # "none" without tools asks for nothing: harmless
         raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
     if not req.tools or choice == "none":
         return None
