@@ -8,6 +8,7 @@ import logging
 import sys
 
 from compiled_llm.config import add_engine_args, config_from_args
+from compiled_llm.help_format import DefaultsOnceFormatter
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts given on the command line",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=DefaultsOnceFormatter)
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     add_engine_args(gen)
     _add_sampling_args(gen)
@@ -109,12 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from compiled_llm.server.cli import add_serve_args, run_server
 
-    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=DefaultsOnceFormatter)
     add_serve_args(serve)
     serve.set_defaults(func=run_server)
 
     cc = sub.add_parser("compile-cache", help="precompile everything into a folder that `serve --compile-cache` "
-                        "and LLM(compile_cache=...) start from", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        "and LLM(compile_cache=...) start from", formatter_class=DefaultsOnceFormatter)
     cc.add_argument("--out", metavar="DIR", help="the cache folder (created or rebuilt); required unless --dry-run")
     cc.add_argument("--dry-run", action="store_true",
                     help="build nothing: print the graph audit (per layer, the fusions that matched against those the "

@@ -38,6 +38,7 @@ class EngineConfig:
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N; resolved on creation
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None
+    allow_long_max_model_len: bool = False  # max_model_len past the checkpoint's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     block_size: int = 16
@@ -95,6 +96,9 @@ _HELP = {
     "device": "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
     "dtype": "weights and activations dtype: auto (the checkpoint's), float32, bfloat16, float16",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    "allow_long_max_model_len": "accept a --max-model-len longer than the checkpoint's max_position_embeddings "
+                                "(outputs past the trained context may be garbage; as vLLM's "
+                                "VLLM_ALLOW_LONG_MAX_MODEL_LEN)",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "per-step token budget; prompts longer than this are prefilled in chunks",
     "block_size": "tokens per KV-cache block",
@@ -157,8 +161,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=_HELP[f.name])
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-        parser.add_argument(*_ALIASES.get(f.name, []), flag, type=kind, default=default,
-                            help=f"{_HELP[f.name]} (default: {default})")
+        text = _HELP[f.name]  # its default once: a help that states it in words gets no "(default: None)" too
+        if default is not None and "default" not in text.lower():
+            text += f" (default: {default})"
+        parser.add_argument(*_ALIASES.get(f.name, []), flag, type=kind, default=default, help=text)
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

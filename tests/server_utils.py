@@ -128,7 +128,13 @@ class FakeInputProcessor:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None):
+    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None, tools=None):
+        if chat_template:  # a real Jinja template, rendered as transformers does
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            return env.from_string(chat_template).render(messages=messages, tools=tools, bos_token="",
+                                                         add_generation_prompt=add_generation_prompt)
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
@@ -144,9 +150,15 @@ class FakeEngine:
 
     Each step produces one token for every running sample and records the batch size; a prompt
     containing CRASH makes step() raise; a prompt containing SLOW makes each step take 50 ms.
+    `scripts`: texts the next requests answer with instead (one character per step, then EOS: "stop"), so that
+    tests can make "the model" write a given answer (a tool call). Every request's prompt text and params are
+    kept in `prompts` and `params`.
     """
 
     def __init__(self, max_model_len: int = 256, step_delay: float = 0.002):
+        self.scripts: list[str] = []
+        self.prompts: list[str] = []
+        self.params: list = []
         self.config = EngineConfig(max_model_len=max_model_len)
         self.model_name = "fake-model"
         self.tokenizer = FakeTokenizer()
@@ -169,11 +181,14 @@ class FakeEngine:
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        self.prompts.append(text)
+        self.params.append(params)
         limit = self.config.max_model_len - len(ids)
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         seqs = [{"index": i, "ids": [], "lps": [], "text": "", "finish": None, "stop": None} for i in range(params.n)]
         self.requests[request_id] = {"ids": ids, "params": params, "seqs": seqs, "max": max_tokens,
-                                     "crash": "CRASH" in text, "slow": "SLOW" in text}
+                                     "crash": "CRASH" in text, "slow": "SLOW" in text,
+                                     "script": self.scripts.pop(0) if self.scripts else None}
 
     def abort_request(self, request_id):
         self._touch()
@@ -197,7 +212,12 @@ class FakeEngine:
                 if s["finish"] is not None:
                     continue
                 k = len(s["ids"])
+                if r["script"] is not None and k == len(r["script"]):
+                    s["finish"] = "stop"  # EOS: not part of the text
+                    continue
                 tok = 3 + ord("a") + (sum(r["ids"]) + k + s["index"]) % 26
+                if r["script"] is not None:
+                    tok = self.tokenizer.encode(r["script"][k], add_special_tokens=False)[0]
                 s["ids"].append(tok)
                 if p.logprobs is not None:
                     entry = {tok: Logprob(-0.5, 1, chr(tok - 3))}

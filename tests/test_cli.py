@@ -35,6 +35,21 @@ def test_help_documents_every_engine_flag():
             assert "--" + f.name.replace("_", "-") in res.stdout, f.name
 
 
+def test_help_shows_each_default_once():
+    """Flags whose help states its default got a second "(default: ...)" from the formatter (issue 20)."""
+    import re
+
+    from compiled_llm.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.choices and "serve" in a.choices).choices
+    for name in ("generate", "serve", "compile-cache"):
+        text = " ".join(sub[name].format_help().split())  # one line: wrapped helps are joined
+        assert not re.search(r"\(default: [^)]*\)\s*\(default:", text), name
+        assert "--max-num-seqs MAX_NUM_SEQS most sequences in one step (default: 64) " in text, name
+    assert "--top-k TOP_K sample from the k most likely tokens; 0 is off (default: 0)" in " ".join(
+        sub["generate"].format_help().split())
+
+
 def test_bad_input_is_a_one_line_error(tiny_ckpt, tmp_path):
     folder, _ = tiny_ckpt("dense")
     res = run("generate", "--model", str(folder), "--temperature", "-1", "hi")

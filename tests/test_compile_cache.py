@@ -49,6 +49,7 @@ def built(model, tmp_path_factory):
 def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_path):
     cache, first = built
     assert first["status"] == "built"
+    assert first["log"].count("passes (matches replaced") == 1  # printed by --report, not logged as well
     assert first["counters"]["fxgraph_cache_miss"] > 0 and first["counters"]["cpp_builds"] > 0
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["files"] and manifest["report"]["pieces"] == 2

@@ -381,6 +381,14 @@ BAD = [
     ("/v1/responses", {"model": "demo", "input": [{"role": "robot", "content": "x"}]}, 400, "input"),
     ("/v1/responses", {"model": "nope", "input": "hi"}, 404, "model"),
     ("/v1/responses", "[1, 2, 3]", 400, None),
+    # invalid Unicode reaches no tokenizer; max_tokens past the context is refused, not clamped
+    ("/v1/chat/completions", '{"model": "demo", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
+    ("/tokenize", '{"prompt": "x\\udfff"}', 400, "prompt"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/responses", {"model": "demo", "input": "hi", "max_output_tokens": 300}, 400, "max_output_tokens"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": 5},
+     400, "tools"),
 ]
 
 
@@ -397,6 +405,19 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     # the server still answers normally
     ok = post(server, "/v1/completions", {"model": "demo", "prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_400_keeps_the_connection(server):
+    """Invalid Unicode used to be a 500 that closed the keep-alive connection; a 400 leaves it open."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as c:
+        ports = []
+        for body in ('{"model": "demo", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                     '{"model": "demo", "prompt": "ok", "max_tokens": 1}'):
+            r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", content=body)
+            ports.append(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+            assert r.headers.get("connection") != "close"
+        assert r.status_code == 200 and ports[0] == ports[1]
 
 
 def test_bad_input_through_the_openai_client(client):

@@ -154,7 +154,7 @@ def test_http_stream_engine_death_reports_error_in_stream():
     with TestClient(create_app(engine)) as client:
         # The engine dies while this stream runs (a CRASH request joins the batch).
         with client.stream("POST", "/v1/completions",
-                           json={"prompt": "ok", "max_tokens": 1000, "stream": True}) as r:
+                           json={"prompt": "ok", "max_tokens": 250, "stream": True}) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")

@@ -120,8 +120,10 @@ class ModelCompiler:
             run()
         self.verify()
         self.startup_seconds = time.perf_counter() - t0
-        log.info("compiled in %.1fs%s\n%s", self.startup_seconds,
-                 f" (compile cache: {self.cache.status})" if self.cache else "", self.report())
+        # The per-pass report at DEBUG: `compile-cache --report` prints it, and printing it here too showed it twice.
+        log.info("compiled in %.1fs%s", self.startup_seconds,
+                 f" (compile cache: {self.cache.status})" if self.cache else "")
+        log.debug("compile report:\n%s", self.report())
 
     def verify(self) -> list:
         """Each layer's fusions against the model's declaration, in every compile (compiler/verify.py)."""

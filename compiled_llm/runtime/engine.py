@@ -15,6 +15,7 @@ from pathlib import Path
 from compiled_llm.config import EngineConfig
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.runtime.block_manager import BlockManager, group_sinks, group_window
+from compiled_llm.runtime.context_len import check_max_model_len
 from compiled_llm.runtime.errors import EngineDeadError
 from compiled_llm.runtime.executor import Executor, make_executor
 from compiled_llm.runtime.input_processor import InputProcessor, load_tokenizer
@@ -32,6 +33,7 @@ class LLMEngine:
         self.config = config
         self._dead: EngineDeadError | None = None
         self.executor: Executor | None = None
+        check_max_model_len(config)  # before any weight is loaded
         self.executor = make_executor(config)
         model_path = config.resolved_model()
         self.model_name = Path(model_path).name

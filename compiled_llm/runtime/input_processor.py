@@ -60,13 +60,15 @@ class InputProcessor:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
         if not messages:
             raise ValueError("messages is empty")
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
                 raise ValueError(f"unknown message role {m.get('role') if isinstance(m, dict) else m!r}")
         kwargs = {"chat_template": chat_template} if chat_template else {}
+        if tools:  # OpenAI-style function specs; the template renders them (tool calling)
+            kwargs["tools"] = tools
         if not chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass one (--chat-template)")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,

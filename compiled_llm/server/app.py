@@ -9,6 +9,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from compiled_llm.server.async_engine import AsyncEngine
+from compiled_llm.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from compiled_llm.server.chat import create_chat_completion
 from compiled_llm.server.completions import create_completion
 from compiled_llm.server.errors import APIError, error_response, install_error_handlers
@@ -31,8 +32,9 @@ from compiled_llm.server.protocol import (
 )
 from compiled_llm.server.responses import create_response
 from compiled_llm.server.state import ServerState
+from compiled_llm.server.tools import make_tool_parser, template_tools
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
 
 def _streamable(model) -> dict:
@@ -58,11 +60,16 @@ class APIKeyMiddleware:
 
 
 def create_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
-               chat_template: str | None = None, media_policy=None) -> FastAPI:
-    """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does."""
+               chat_template: str | None = None, media_policy=None,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               tool_call_parser: str | None = None) -> FastAPI:
+    """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does.
+    tool_call_parser: the tool-call format (server/tool_parsers/); default: the checkpoint's model type's."""
     names = list(served_model_names or [engine.model_name])
     aengine = AsyncEngine(engine, Metrics(names[0]))
-    state = ServerState(aengine, names, chat_template=chat_template, api_key=api_key)
+    template = chat_template or getattr(aengine.tokenizer, "chat_template", None)
+    state = ServerState(aengine, names, chat_template=chat_template, api_key=api_key,
+                        tool_parser=make_tool_parser(tool_call_parser, engine.config.resolved_model(), template))
     if media_policy is not None:  # multimodal.media.MediaPolicy (--allowed-media-domains, ...)
         state.media_policy = media_policy
 
@@ -79,6 +86,7 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
     install_error_handlers(app, lambda request, _status: state.count_error(request.url.path))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth reads
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
@@ -121,18 +129,23 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = await chat_token_ids(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+            tools = template_tools(req.tools) if req.tools else None
+            ids = await chat_token_ids(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens),
+                                       tools)
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=add))
-        strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+            ids = await state.preprocess.run(lambda inputs: list(inputs.tokenize(req.prompt, add_special_tokens=add)))
+        strs = None
+        if req.return_token_strs:
+            strs = await state.preprocess.run(lambda inputs: list(inputs.tokenizer.convert_ids_to_tokens(ids)))
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(req: DetokenizeRequest):
         state.model_name(req.model)
         check_token_ids(req.tokens, state.vocab_size, "tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+        text = await state.preprocess.run(lambda inputs: inputs.tokenizer.decode(req.tokens))
+        return DetokenizeResponse(prompt=text)
 
     _document_400_not_422(app)
     return app

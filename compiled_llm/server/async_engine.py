@@ -5,9 +5,10 @@ locked inbox that the thread drains between steps; every step's outputs go back 
 one loop.call_soon_threadsafe call, each into the asyncio.Queue of the HTTP request that owns it.
 All running requests share each step (continuous batching).
 
-The event loop renders chat templates, tokenizes and expands media placeholders with an input processor
-of its own (`engine.new_input_processor()`); of the engine itself it reads only `is_healthy()` (flags)
-and the config, which does not change after start-up.
+Chat templates, tokenization and media placeholder expansion run in worker threads (server/preprocess.py),
+each with an input processor of its own (`engine.new_input_processor()`); the event loop keeps one more for
+token texts. Of the engine itself the loop reads only `is_healthy()` (flags) and the config, which does
+not change after start-up.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from compiled_llm.outputs import Logprob, RequestOutput
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.metrics import Metrics
+from compiled_llm.server.preprocess import PREPROCESS_THREADS, Preprocessor
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class AsyncEngine:
         # The server tokenizes in the event loop while the engine thread detokenizes: the server's own
         # input processor has its own tokenizer, so the (Rust) tokenizer is never used from two threads.
         self.inputs = engine.new_input_processor()
+        # Templates, tokenization and media expansion of incoming prompts: worker threads, processors of their own.
+        self.preprocess = Preprocessor([engine.new_input_processor() for _ in range(PREPROCESS_THREADS)])
         self._cond = threading.Condition()
         self._inbox: list = []
         self._error: EngineDeadError | None = None
@@ -98,6 +102,7 @@ class AsyncEngine:
         self._thread.start()
 
     async def stop(self, timeout: float = 30.0) -> None:
+        self.preprocess.shutdown()
         self._post("stop", check=False)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)

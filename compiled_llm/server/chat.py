@@ -8,7 +8,7 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import chat_engine_prompt, sampling_params
+from compiled_llm.server.inputs import chat_engine_prompt, check_context, sampling_params
 from compiled_llm.server.logprobs import chat_entries
 from compiled_llm.server.protocol import (
     AssistantMessage,
@@ -16,19 +16,31 @@ from compiled_llm.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
+    FunctionCall,
+    ToolCall,
 )
 from compiled_llm.server.state import ServerState, new_id
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
+from compiled_llm.server.structured_output import reject_structured_output
+from compiled_llm.server.tool_parsers import CallEvent, ContentEvent
+from compiled_llm.server.tools import ToolSetup, finish_reason, parse_output, tool_setup
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     model = state.model_name(req.model)
+    reject_structured_output(req.response_format and req.response_format.type, "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    tools = tool_setup(state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens=max_tokens, vocab_size=state.vocab_size,
-                             logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt)  # media: a dict
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             **(tools.sampling_overrides(req.stop) if tools else {}))
+    prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a dict
+                                      tools=tools.tools if tools else None, prefix=tools.prefix if tools else "")
+    if isinstance(prompt, list):  # a media prompt's length is known only once admission expanded it
+        check_context(len(prompt), max_tokens, state.max_model_len,
+                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     rid = new_id("chatcmpl-")
     gen = Generation(state.aengine, rid, [prompt], params)
     await gen.start()
@@ -37,7 +49,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return stream(gen, _chunks(state, gen, rid, created, model, top_n, include_usage),
+        return stream(gen, _chunks(state, gen, rid, created, model, top_n, include_usage, tools),
                       on_error=state.error_observer(request.url.path))
 
     try:
@@ -49,16 +61,34 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         lps = None
         if top_n is not None:
             lps = ChoiceLogprobs(content=chat_entries(c.token_ids, c.logprobs, top_n, state.token_text))
-        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=lps,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        message, reason = AssistantMessage(content=c.text), c.finish_reason
+        if tools is not None:
+            out = parse_output(tools, c.text)
+            calls = [ToolCall(id=e.id, function=FunctionCall(name=e.name, arguments=e.arguments)) for e in out.calls]
+            message = AssistantMessage(content=out.content, tool_calls=calls or None)
+            reason = finish_reason(c.finish_reason, len(calls))
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=lps, finish_reason=reason,
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
 
 
+def _tool_deltas(events: list, parallel: bool) -> list[dict]:
+    out = []
+    for e in events:
+        if isinstance(e, ContentEvent):
+            out.append({"content": e.text})
+        elif isinstance(e, CallEvent) and (parallel or e.index == 0):
+            out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                        "function": {"name": e.name, "arguments": e.arguments}}]})
+    return out
+
+
 async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, model: str, top_n: int | None,
-                  include_usage: bool):
+                  include_usage: bool, tools: ToolSetup | None):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     if include_usage:
         base["usage"] = None
+    streams = {c.index: tools.stream() for c in gen.choices} if tools is not None else {}
 
     def chunk(choice: dict) -> str:
         return sse({**base, "choices": [choice]})
@@ -68,16 +98,26 @@ async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, m
                      "finish_reason": None})
     async for deltas in gen.deltas():
         for d in deltas:
-            if not d.text and not d.finished and top_n is None:
+            i = d.choice.index
+            if tools is None:
+                pieces = [{"content": d.text}] if d.text else []
+            else:  # content and whole tool calls, as the extractor finds them
+                events = streams[i].feed(d.text) if d.text else []
+                if d.finished:
+                    events += streams[i].finish()
+                pieces = _tool_deltas(events, tools.parallel)
+            if not pieces and not d.finished and top_n is None:
                 continue
-            choice = {"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
-                      "logprobs": None, "finish_reason": None}
-            if top_n is not None:
-                choice["logprobs"] = {"content": chat_entries(d.token_ids, d.logprobs, top_n, state.token_text)}
-            if d.finished:
-                choice["finish_reason"] = d.choice.finish_reason
-                choice["stop_reason"] = d.choice.stop_reason
-            yield chunk(choice)
+            pieces = pieces or [{}]
+            for k, delta in enumerate(pieces):
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                if k == 0 and top_n is not None:
+                    choice["logprobs"] = {"content": chat_entries(d.token_ids, d.logprobs, top_n, state.token_text)}
+                if d.finished and k == len(pieces) - 1:
+                    calls = len(streams[i].calls) if tools is not None else 0
+                    choice["finish_reason"] = finish_reason(d.choice.finish_reason, calls)
+                    choice["stop_reason"] = d.choice.stop_reason
+                yield chunk(choice)
     if include_usage:
         yield sse({**base, "choices": [], "usage": gen.usage().model_dump()})
     yield sse("[DONE]")

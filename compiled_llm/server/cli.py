@@ -33,6 +33,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: $COMPILED_LLM_API_KEY, else no key)")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (or inline template) replacing the checkpoint's")
+    g.add_argument("--tool-call-parser", default=None, choices=["gemma4", "qwen"],
+                   help="tool-call format of the model's output (default: the one of the checkpoint's model type: "
+                        "gemma4 for Gemma 4, qwen for Qwen3.5)")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted "
                         "(default: 30)")
@@ -46,6 +49,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: image=8,audio=4,video=2)")
     g.add_argument("--max-media-bytes", type=int, default=20 << 20, metavar="BYTES",
                    help="largest media file accepted, in bytes (default: 20 MiB)")
+    g.add_argument("--max-request-body-bytes", type=int, default=32 << 20, metavar="BYTES",
+                   help="largest request body accepted, in bytes; larger ones get a 413 (default: 32 MiB)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default: info)")
     if "--model" not in parser._option_string_actions:  # the caller may have added engine flags already
@@ -78,7 +83,8 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("loading %s", config.resolved_model())
     engine = LLMEngine(config)
     app = create_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
-                     chat_template=chat_template, media_policy=media_policy_from_args(args))
+                     chat_template=chat_template, media_policy=media_policy_from_args(args),
+                     max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,

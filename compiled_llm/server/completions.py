@@ -8,7 +8,7 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import completion_prompts, sampling_params
+from compiled_llm.server.inputs import check_context, completion_prompts, sampling_params, tokenize_prompts
 from compiled_llm.server.logprobs import completion_entries
 from compiled_llm.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from compiled_llm.server.state import ServerState, new_id
@@ -23,8 +23,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
     prompts = completion_prompts(req.prompt)
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, vocab_size=state.vocab_size)
+    # Text prompts are tokenized here, not on the engine thread, and checked against the context.
+    ids = await tokenize_prompts(state, prompts)
+    for p in ids:
+        if p:
+            check_context(len(p), req.max_tokens, state.max_model_len, "max_tokens", "prompt")
     rid = new_id("cmpl-")
-    gen = Generation(state.aengine, rid, prompts, params)
+    gen = Generation(state.aengine, rid, ids, params)
     await gen.start()
     created = int(time.time())
     echoes = [_prompt_text(state, p) if req.echo else "" for p in prompts]

@@ -52,13 +52,17 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     parts, param = [], None
     for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # pydantic puts union members in the path ("list[tagged-union[...]]"): not part of the client's JSON
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and "[" not in str(x)]
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return f"Invalid JSON in request body: {detail}".rstrip(": "), None
         where = ".".join(loc)
         if param is None and loc:
             param = loc[0]
+        if err.get("type") == "extra_forbidden":  # never silently dropped (protocol.RequestModel)
+            parts.append(f"unknown field `{where}`: this server does not support it")
+            continue
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     message = "; ".join(parts) or "Invalid request"
     if len(errors) > 5:

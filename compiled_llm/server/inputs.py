@@ -8,6 +8,7 @@ from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.multimodal import expanded_token_ids, is_media_part, media_prompt, placeholder_for
 from compiled_llm.server.protocol import ChatMessage, InputMessage
+from compiled_llm.server.tools import message_tool_fields
 
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty")
@@ -28,6 +29,19 @@ def sampling_params(req, *, max_tokens: int | None, logprobs: int | None, vocab_
     except (ValueError, TypeError) as exc:
         first = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=first if first in kw else None) from exc
+
+
+def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str,
+                  prompt_name: str = "messages") -> None:
+    """A prompt that leaves no room, or max_tokens beyond what the context leaves after the prompt, is a 400
+    (vLLM's message) rather than a request silently clamped to the context."""
+    if num_prompt >= max_model_len:
+        raise APIError(400, f"the prompt has {num_prompt} tokens; max_model_len is {max_model_len}, which must "
+                            "leave room for at least one generated token", param="prompt")
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{num_prompt + max_tokens} tokens ({num_prompt} in the {prompt_name}, {max_tokens} in the "
+                            f"completion). Please reduce the length of the {prompt_name} or completion.", param=param)
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -59,28 +73,35 @@ def has_media(messages: list[ChatMessage | InputMessage]) -> bool:
 
 def chat_messages(messages: list[ChatMessage | InputMessage], instructions: str | None = None,
                   media: list | None = None, placeholders: dict[str, str] | None = None) -> list[dict]:
-    """API messages -> template messages (text parts joined; developer is system). Media parts become the
-    processor's placeholder text and are appended to `media` (server/multimodal.py)."""
+    """API messages -> template messages (text parts joined; developer is system; tool calls and tool answers as
+    server/tools.py gives them). Media parts become the processor's placeholder text and are appended to `media`
+    (server/multimodal.py)."""
     out = [{"role": "system", "content": instructions}] if instructions else []
+    calls: dict[str, str] = {}  # tool_call id -> function name, for the tool messages that answer them
     for m in messages:
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": _content(m.content, media, placeholders)})
+        out.append({"role": role, "content": _content(m.content, media, placeholders),
+                    **message_tool_fields(m, calls)})
     return out
 
 
-def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None) -> str:
-    """The chat template rendered with the server's input processor (400 for template errors)."""
+def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                tools: list[dict] | None = None, prefix: str = "") -> str:
+    """The chat template rendered with the server's input processor (400 for template errors), then `prefix`
+    (a forced tool-call opening, server/tools.py)."""
+    kw = {"tools": tools} if tools else {}
     try:
-        return inputs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template)
+        text = inputs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template, **kw)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    return text + prefix
 
 
 def chat_prompt(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, tools: list[dict] | None = None, prefix: str = "") -> list[int]:
     """Render the chat template and tokenize it (the template already has the special tokens)."""
-    text = render_chat(inputs, messages, add_generation_prompt, chat_template)
+    text = render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix)
     return list(inputs.tokenize(text, add_special_tokens=add_special_tokens))
 
 
@@ -94,27 +115,52 @@ def completion_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
-                             instructions: str | None = None) -> list[int] | dict:
-    """Token ids of a text-only chat; for a chat with media parts, a multimodal prompt dict: the rendered
-    template (placeholders in it) and the media, fetched and decoded off the event loop (400 for bad or too
-    many media)."""
-    if not has_media(api_messages):
-        return chat_prompt(state.inputs, chat_messages(api_messages, instructions), add_generation_prompt,
-                           state.chat_template)
+def _media_chat_text(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix):
+    """A media chat's rendered template (the processor's placeholders in it) and its media parts."""
     media: list = []
-    messages = chat_messages(api_messages, instructions, media, state.inputs.media_placeholders())
-    text = render_chat(state.inputs, messages, add_generation_prompt, state.chat_template)
-    return await asyncio.to_thread(media_prompt, text, media, state.media_policy)
+    messages = chat_messages(api_messages, instructions, media, inputs.media_placeholders())
+    return render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix), media
+
+
+def _chat_ids(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix,
+              add_special_tokens=False) -> list[int]:
+    return chat_prompt(inputs, chat_messages(api_messages, instructions), add_generation_prompt, chat_template,
+                       add_special_tokens=add_special_tokens, tools=tools, prefix=prefix)
+
+
+async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
+                             instructions: str | None = None, tools: list[dict] | None = None,
+                             prefix: str = "") -> list[int] | dict:
+    """Token ids of a text-only chat; for a chat with media parts, a multimodal prompt dict: the rendered
+    template (placeholders in it) and the media, fetched and decoded in a thread (400 for bad or too many
+    media). `tools` go to the template, `prefix` after it (server/tools.py). Templates and tokenization run in
+    the preprocessing threads (server/preprocess.py), never on the event loop."""
+    args = (api_messages, instructions, add_generation_prompt, state.chat_template, tools, prefix)
+    if not has_media(api_messages):
+        return await state.preprocess.run(_chat_ids, *args)
+    text, media = await state.preprocess.run(_media_chat_text, *args)
+    return await asyncio.to_thread(media_prompt, text, media, state.media_policy)  # may fetch URLs: own thread
 
 
 async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
-                         add_special_tokens: bool) -> list[int]:
+                         add_special_tokens: bool, tools: list[dict] | None = None) -> list[int]:
     """/tokenize of chat messages: the template's tokens; with media parts, the ids after the processor expanded
     the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
     if not has_media(api_messages):
-        return chat_prompt(state.inputs, chat_messages(api_messages), add_generation_prompt, state.chat_template,
-                           add_special_tokens=add_special_tokens)
-    prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt)
+        return await state.preprocess.run(_chat_ids, api_messages, None, add_generation_prompt, state.chat_template,
+                                          tools, "", add_special_tokens)
+    prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt, tools=tools)
     prompt["add_special_tokens"] = add_special_tokens
-    return await asyncio.to_thread(expanded_token_ids, state, prompt)
+    return await state.preprocess.run(expanded_token_ids, prompt)
+
+
+def _tokenize_all(inputs, prompts: list) -> list:
+    return [inputs.tokenize(p) if isinstance(p, str) and p else p for p in prompts]
+
+
+async def tokenize_prompts(state, prompts: list[str | list[int]]) -> list[str | list[int]]:
+    """Completion prompts: text -> token ids in a preprocessing thread (an empty text stays, for the engine's
+    400); token ids as given."""
+    if not any(isinstance(p, str) and p for p in prompts):
+        return prompts
+    return await state.preprocess.run(_tokenize_all, prompts)

@@ -52,12 +52,12 @@ def media_prompt(text: str, parts: list, policy: MediaPolicy) -> dict:
     return {"prompt": text, "multi_modal_data": data, "add_special_tokens": False}
 
 
-def expanded_token_ids(state, prompt: dict) -> list[int]:
+def expanded_token_ids(inputs, prompt: dict) -> list[int]:
     """The token ids the model sees for a media prompt: placeholders expanded by the checkpoint's processor
-    (/tokenize). Runs the server's own input processor, off the engine thread (its media processor is
-    locked: one thread at a time); 400 for what admission refuses."""
+    (/tokenize). Runs a preprocessing thread's input processor (server/preprocess.py), never the engine's;
+    400 for what admission refuses."""
     try:
-        _, ids, _ = state.inputs.process_media_prompt(prompt)
+        _, ids, _ = inputs.process_media_prompt(prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     return ids

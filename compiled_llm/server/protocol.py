@@ -4,20 +4,32 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+
+from compiled_llm.server.unicode import valid_unicode
 
 # Strict scalars: "1" is not an int and 1 is not a string, as in the OpenAI API.
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # ints are accepted
 Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
+# Every request string must encode as UTF-8: JSON can carry lone surrogates ("\ud800") that the tokenizer
+# cannot take; they are a 400 naming the field, not a 500 from deep inside tokenization.
+Str = Annotated[str, Strict(), AfterValidator(valid_unicode)]
 TokenIds = Annotated[list[Int], Field(min_length=1)]
 Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class APIModel(BaseModel):
-    # Unknown fields are ignored (clients send fields we do not use); NaN/Infinity are rejected.
+    """Responses (and errors): NaN/Infinity are never produced."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestModel(APIModel):
+    """Requests: a field this server does not implement is a 400 that names it, never silently dropped (the few
+    accepted and ignored ones are declared fields, marked "accepted, ignored" and listed in docs/server.md)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- errors
@@ -33,11 +45,11 @@ class ErrorResponse(APIModel):
 
 
 # ---------------------------------------------------------------- shared request fields
-class StreamOptions(APIModel):
+class StreamOptions(RequestModel):
     include_usage: Bool = False
 
 
-class SamplingFields(APIModel):
+class SamplingFields(RequestModel):
     """Sampling fields shared by chat and completions (vLLM extensions included)."""
 
     model: Str | None = None
@@ -59,36 +71,36 @@ class SamplingFields(APIModel):
     spaces_between_special_tokens: Bool = True
     stream: Bool = False
     stream_options: StreamOptions | None = None
-    user: Str | None = None
+    user: Str | None = None  # accepted, ignored
 
 
 # ---------------------------------------------------------------- chat completions
-class TextPart(APIModel):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: Str
 
 
-class MediaURL(APIModel):
+class MediaURL(RequestModel):
     url: Str
-    detail: Str | None = None
+    detail: Str | None = None  # accepted, ignored
 
 
-class ImageURLPart(APIModel):  # media parts: docs/multimodal.md
+class ImageURLPart(RequestModel):  # media parts: docs/multimodal.md
     type: Literal["image_url"]
     image_url: MediaURL | Str
 
 
-class VideoURLPart(APIModel):
+class VideoURLPart(RequestModel):
     type: Literal["video_url"]
     video_url: MediaURL | Str
 
 
-class InputAudio(APIModel):
+class InputAudio(RequestModel):
     data: Str  # base64 WAV
     format: Str | None = None
 
 
-class InputAudioPart(APIModel):
+class InputAudioPart(RequestModel):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
@@ -96,14 +108,63 @@ class InputAudioPart(APIModel):
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart | InputAudioPart, Field(discriminator="type")]
 
 
-class ChatMessage(APIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+class FunctionCallIn(RequestModel):
+    name: Str
+    arguments: Str  # JSON text, as the API returned it
+
+
+class ToolCallIn(RequestModel):
+    """An assistant message's earlier tool call, fed back through the chat template."""
+
+    id: Str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[ContentPart] | None = None
-    name: Str | None = None
+    name: Str | None = None  # accepted, ignored
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: Str | None = None  # tool: the call this message answers
+
+
+# ---------------------------------------------------------------- tools
+class FunctionDef(RequestModel):
+    name: Annotated[Str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Str | None = None
+    parameters: dict[Str, Any] | None = None  # JSON schema; rendered by the chat template
+    strict: Bool | None = None  # accepted, ignored (no grammar backend: nothing is enforced)
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(RequestModel):
+    name: Str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ResponseFormat(RequestModel):
+    """Only "text" is served; json_object / json_schema (structured output) are a 400 until a grammar backend is
+    available (server/structured_output.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[Str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None  # false: only the first call is returned
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: Bool = False
@@ -125,9 +186,21 @@ class ChoiceLogprobs(APIModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(APIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(APIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(APIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(APIModel):
@@ -197,18 +270,18 @@ class CompletionResponse(APIModel):
 
 
 # ---------------------------------------------------------------- responses API
-class InputText(APIModel):
+class InputText(RequestModel):
     type: Literal["input_text", "output_text", "text"]
     text: Str
 
 
-class InputImage(APIModel):
+class InputImage(RequestModel):
     type: Literal["input_image"]
     image_url: Str
-    detail: Str | None = None
+    detail: Str | None = None  # accepted, ignored
 
 
-class InputVideo(APIModel):
+class InputVideo(RequestModel):
     type: Literal["input_video"]
     video_url: Str
 
@@ -216,13 +289,25 @@ class InputVideo(APIModel):
 InputPart = Annotated[InputText | InputImage | InputVideo | InputAudioPart, Field(discriminator="type")]
 
 
-class InputMessage(APIModel):
+class InputMessage(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: Str | list[InputPart]
 
 
-class ResponsesRequest(APIModel):
+class ResponseTextFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Str | None = None
+    schema_: dict[Str, Any] | None = Field(None, alias="schema")
+    description: Str | None = None
+    strict: Bool | None = None
+
+
+class ResponseTextConfig(RequestModel):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(RequestModel):
     model: Str | None = None
     input: Str | Annotated[list[InputMessage], Field(min_length=1)]
     instructions: Str | None = None
@@ -238,10 +323,11 @@ class ResponsesRequest(APIModel):
     top_logprobs: Int | None = None
     include: list[Str] | None = None
     stream: Bool = False
-    store: Bool | None = None
+    store: Bool | None = None  # accepted, ignored: nothing is stored
     previous_response_id: Str | None = None
-    metadata: dict[Str, Str] | None = None
-    user: Str | None = None
+    metadata: dict[Str, Str] | None = None  # accepted, echoed in the response
+    user: Str | None = None  # accepted, ignored
+    text: ResponseTextConfig | None = None  # only {"format": {"type": "text"}}
 
 
 class OutputText(APIModel):
@@ -317,12 +403,13 @@ class ModelList(APIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(APIModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: either a prompt or chat messages."""
 
     model: Str | None = None
     prompt: Str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered by the chat template, as for a chat completion
     add_special_tokens: Bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
@@ -335,7 +422,7 @@ class TokenizeResponse(APIModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(APIModel):
+class DetokenizeRequest(RequestModel):
     model: Str | None = None
     tokens: list[Int]
 

@@ -8,7 +8,7 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import chat_engine_prompt, sampling_params
+from compiled_llm.server.inputs import chat_engine_prompt, check_context, sampling_params
 from compiled_llm.server.logprobs import responses_entries
 from compiled_llm.server.protocol import (
     IncompleteDetails,
@@ -22,6 +22,7 @@ from compiled_llm.server.protocol import (
     ResponseUsage,
 )
 from compiled_llm.server.state import ServerState, new_id
+from compiled_llm.server.structured_output import reject_structured_output
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -29,6 +30,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
     model = state.model_name(req.model)
+    reject_structured_output(req.text and req.text.format and req.text.format.type, "text")
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id is not supported: responses are not stored",
                        param="previous_response_id")
@@ -37,6 +39,8 @@ async def create_response(state: ServerState, req: ResponsesRequest, request: Re
     params = sampling_params(req, max_tokens=req.max_output_tokens, vocab_size=state.vocab_size,
                              logprobs=(req.top_logprobs or 0) if want_lps else None)
     prompt = await chat_engine_prompt(state, items, True, req.instructions)  # media: a dict
+    if isinstance(prompt, list):
+        check_context(len(prompt), req.max_output_tokens, state.max_model_len, "max_output_tokens", "input")
     builder = _Builder(state, req, model, want_lps)
     gen = Generation(state.aengine, builder.id, [prompt], params)
     await gen.start()

@@ -10,6 +10,7 @@ from compiled_llm.multimodal.media import MediaPolicy
 from compiled_llm.server.async_engine import AsyncEngine
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.logprobs import TokenText
+from compiled_llm.server.tool_parsers import ToolParser
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
@@ -21,6 +22,7 @@ class ServerState:
     chat_template: str | None = None
     api_key: str | None = None
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)  # media URLs, files, limits (multimodal)
+    tool_parser: ToolParser | None = None  # the checkpoint's tool-call format (server/tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -33,8 +35,14 @@ class ServerState:
 
     @property
     def inputs(self):
-        """The server's own input processor (chat template, tokenizer, media processor): never the engine's."""
+        """The event loop's own input processor (token texts): never the engine's. Prompts are preprocessed by
+        `preprocess`'s threads."""
         return self.aengine.inputs
+
+    @property
+    def preprocess(self):
+        """Worker threads for templates and tokenization (server/preprocess.py)."""
+        return self.aengine.preprocess
 
     @property
     def tokenizer(self):

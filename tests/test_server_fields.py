@@ -1,0 +1,78 @@
+"""Request fields (issue 20, item 3): what the server does not implement is a 400 naming it, never dropped;
+structured output is refused until a grammar backend exists. In process, fake engine, official client."""
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from compiled_llm.server.app import create_app
+from server_utils import FakeEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(create_app(FakeEngine())) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(client):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+
+
+UNKNOWN = [
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": HI, "frobnicate": True}, "frobnicate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages.0.colour"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+     "messages.0.content.0.text.x"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True, "extra": 1}},
+     "stream_options.extra"),
+    ("/v1/responses", {"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+    ("/tokenize", {"prompt": "hi", "truncate": 3}, "truncate"),
+    ("/detokenize", {"tokens": [70], "skip": True}, "skip"),
+]
+
+
+@pytest.mark.parametrize("path,body,where", UNKNOWN, ids=[f"{p}-{i}" for i, (p, *_) in enumerate(UNKNOWN)])
+def test_unknown_fields_are_a_400_naming_them(client, path, body, where):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == where.split(".")[0]
+    assert f"unknown field `{where}`" in err["message"]
+
+
+def test_unknown_field_through_the_official_client(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, extra_body={"guided_json": {}})
+    assert "unknown field `guided_json`" in err.value.message and err.value.body["param"] == "guided_json"
+
+
+def test_accepted_and_ignored_fields(oai):
+    chat = oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi", "name": "bo"}],
+                                       max_tokens=2, user="someone", response_format={"type": "text"})
+    assert chat.usage.completion_tokens == 2
+    comp = oai.completions.create(model="fake-model", prompt="hi", max_tokens=2, user="someone")
+    assert comp.usage.completion_tokens == 2
+    resp = oai.responses.create(model="fake-model", input="hi", max_output_tokens=2, user="u", store=False,
+                                metadata={"k": "v"}, text={"format": {"type": "text"}})
+    assert resp.metadata == {"k": "v"} and resp.usage.output_tokens == 2
+
+
+def test_structured_output_is_refused_not_ignored(oai):
+    for fmt in ({"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, response_format=fmt)
+        assert err.value.body["param"] == "response_format"
+        assert f"`{fmt['type']}` is not supported: structured output" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model="fake-model", input="hi", max_output_tokens=2,
+                             text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}})
+    assert err.value.body["param"] == "text" and "structured output" in err.value.message
