@@ -221,6 +221,19 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def host_report(host) -> None:
+    """The host functions of the profiled decode steps by cumulative time (profile_host.txt in --out)."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    pstats.Stats(host, stream=buf).sort_stats("cumulative").print_stats(45)
+    text = buf.getvalue()
+    if OUT:
+        (OUT / "profile_host.txt").write_text(text)
+    print(text[:5000], flush=True)
+
+
 def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
     """Where one generate call's time goes: the wall time of each engine step (prefill chunks, then decode),
     the GPU-busy share of decode steps and the kernels that take it (torch.profiler over 16 decode steps;
@@ -231,8 +244,18 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
         engine.add_request(f"prof-{i}", pr["prompt_token_ids"], params)
     steps, kinds = [], []
     prof_at, prof_n, prof = 8, 16, None
+    host_at, host_n, host = 40, 32, None  # a Python profile of the host side of 32 decode steps
     decode_seen = 0
     while engine.has_unfinished_requests():
+        if decode_seen == host_at and host is None:
+            import cProfile
+
+            host = cProfile.Profile()
+            host.enable()
+        elif decode_seen == host_at + host_n and host is not None:
+            host.disable()
+            host_report(host)
+            host_at = None  # done
         if decode_seen == prof_at and prof is None:
             sync()
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -252,6 +275,8 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
             prof_wall = time.perf_counter() - prof_t
             prof.__exit__(None, None, None)
             prof._done = True
+    if host is not None and host_at is not None:  # the run ended inside the profiled window
+        host.disable()
     if prof is not None and not getattr(prof, "_done", False):
         prof.__exit__(None, None, None)
         prof = None
