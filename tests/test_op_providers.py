@@ -181,6 +181,35 @@ def group_attention():
                 _check(f"attention layer {layer} seqs {seqs}", got, want, 2e-4)
 
 
+def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
+    """A decode batch takes ref_attention's batched path (one padded gather and product for every sequence);
+    it must equal the per-sequence loop for plain GQA, a sliding window shorter than some contexts with
+    soft-capping, and K=V keys rebuilt from the cached values."""
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops.context import set_forward_context
+
+    d = 16
+    specs = {0: A.AttentionSpec(0, 4, 2, d, None, 0), 1: A.AttentionSpec(1, 4, 2, d, 4, 1, softcap=5.0),
+             2: A.AttentionSpec(2, 4, 1, d, None, 2, k_eq_v=True)}
+    specs[2].k_norm_weight, specs[2].inv_freq = torch.rand(d) + 0.5, torch.rand(d // 2)
+    ctx = _context(specs, seqs=((1, 7), (1, 3), (1, 12), (1, 1)), dtype=torch.float32)
+    q = torch.randn(4 + 2, 4 * d, generator=torch.Generator().manual_seed(1))  # 2 padding rows
+    calls = []
+    batched = A._ref_decode_attention
+    with set_forward_context(ctx):
+        for layer, spec in specs.items():
+            A._ref_decode_attention = lambda *a: calls.append(layer) or batched(*a)
+            try:
+                got = A.ref_attention(q, layer)
+            finally:
+                A._ref_decode_attention = batched
+            cache, group = ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
+            want = A._ref_attention_each(q, spec, specs[spec.cache_layer], cache, group, ctx.attn_metadata)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert got[4:].abs().max() == 0
+    assert calls == [0, 1, 2]  # the batched path was taken
+
+
 def group_moe():
     from compiled_llm.ops.moe import ref_geglu_moe, ref_router_topk
     from compiled_llm.ops.triton.providers import geglu_moe, router_topk

@@ -109,6 +109,14 @@ def ref_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     # media tokens (one image, one video frame) that see each other both ways: sliding layers only, as in
     # transformers' Gemma 4 (runtime/model_runner.py execute_media sets them; docs/multimodal.md)
     bidir = ctx.extra.get(BIDIR_SPANS_KEY)
+    if not any(bidir or ()) and list(meta.query_start_loc) == list(range(len(meta.seq_lens) + 1)):
+        return _ref_decode_attention(q, spec, source, cache, group, meta)
+    return _ref_attention_each(q, spec, source, cache, group, meta, bidir)
+
+
+def _ref_attention_each(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor, group,
+                        meta, bidir=None) -> torch.Tensor:
+    """ref_attention one sequence at a time (any mix of prefill, chunks and decode)."""
     num_tokens = q.shape[0]
     q = q.view(num_tokens, spec.num_heads, spec.head_dim)
     out = torch.zeros_like(q)
@@ -135,6 +143,41 @@ def ref_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[start:end] = torch.einsum("hnm,mhd->nhd", probs, values)
     return out.view(num_tokens, spec.num_heads * spec.head_dim)
+
+
+def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor,
+                          group, meta) -> torch.Tensor:
+    """ref_attention for a decode batch (one query per sequence), batched: every sequence's context gathered
+    into one padded [seqs, longest, kv_heads, head_dim] view and attended in one product, instead of a Python
+    loop over the sequences (which made the reference, the CPU's provider, most of a CPU decode step)."""
+    num_seqs, dev = len(meta.seq_lens), q.device
+    seq_lens = torch.tensor(meta.seq_lens, device=dev)
+    first = (seq_lens - spec.sliding_window).clamp(min=0) if spec.sliding_window is not None else seq_lens * 0
+    lens = seq_lens - first
+    j = torch.arange(int(lens.max()), device=dev)
+    valid = j[None, :] < lens[:, None]  # [seqs, longest]
+    k_pos = first[:, None] + torch.minimum(j[None, :], lens[:, None] - 1)  # padding repeats a real position
+    bs = meta.block_size
+    slots = group.block_tables[:num_seqs].long().gather(1, k_pos // bs) * bs + k_pos % bs
+    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
+    values = flat[-1].index_select(0, slots.reshape(-1))
+    if source.k_eq_v:
+        keys = apply_rope((values.float() * source.k_norm_weight.float()).to(values.dtype), k_pos.reshape(-1),
+                          source.inv_freq)
+    else:
+        keys = flat[0].index_select(0, slots.reshape(-1))
+    shape = (num_seqs, -1, spec.num_kv_heads, spec.head_dim)
+    keys, values = keys.view(shape), values.view(shape)
+    group_size = spec.num_heads // spec.num_kv_heads
+    qs = q[:num_seqs].view(num_seqs, spec.num_kv_heads, group_size, spec.head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", qs, keys) * spec.scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.zeros(q.shape[0], spec.num_heads * spec.head_dim, dtype=q.dtype, device=dev)
+    out[:num_seqs] = torch.einsum("bkgl,blkd->bkgd", probs, values).reshape(num_seqs, -1)
+    return out
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
