@@ -218,3 +218,24 @@ def test_warm_up_builds_attention_kernels_only_for_layers_that_launch_them(tiny_
     assert {specs[i].head_dim for i, p in table["attention"].items() if p == "reference"} == {16}
     assert {specs[i].head_dim for i, p in table["attention"].items() if p == "triton"} == {32}
     assert keys and {key[2] for key in keys} == {32}  # ("attention", dtype, head_dim, ...)
+
+
+def test_whole_graph_decode_needs_every_chosen_split_op_provider_capturable(tiny_ckpt):
+    """Providers declare whether a CUDA graph can replay them (ops/registry.py Provider.capturable); the
+    compiler no longer keeps its own list of names. `all` puts its head_dim-16 layers on the reference
+    attention (host loops): no whole-graph decode; with head_dim 32 everywhere every layer is on Triton."""
+    import json
+
+    from compiled_llm.models.gemma4 import Gemma4ForCausalLM
+    from compiled_llm.ops.registry import OPS, model_facts, preserved_choices, select_providers
+    from compiled_llm.runtime.audit import GPU
+
+    hf = json.loads((tiny_ckpt("all")[0] / "config.json").read_text())
+    for head_dim, capturable in ((16, False), (32, True)):
+        cfg = Gemma4ForCausalLM.config_from_hf(dict(hf, head_dim=head_dim))
+        with torch.device("meta"):
+            specs = Gemma4ForCausalLM(cfg).attention_specs()
+        with preserved_choices():
+            table = select_providers("cuda", torch.bfloat16, specs, model_facts(cfg, block_size=16), caps=GPU)
+            assert ("reference" in table["attention"].values()) != capturable
+            assert OPS["attention"].capturable() == capturable

@@ -85,8 +85,7 @@ class ModelCompiler:
             cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode,
             passes=parse_passes(config.compile_passes), dtype=dtype, tp_group=_tp_group_name(),
             jit_monitor=config.jit_monitor)
-        attention = {k: name for k, (name, _) in OPS["attention"].chosen.items()}
-        self.compiled = CompiledModel(model, ccfg, self.device, attention, whole_graph=not stateful)
+        self.compiled = CompiledModel(model, ccfg, self.device, OPS["attention"].capturable(), whole_graph=not stateful)
         self.cache: CompileCache | None = None
         self.startup_seconds = 0.0
         count_cpp_builds()

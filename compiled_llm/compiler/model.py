@@ -24,7 +24,6 @@ from compiled_llm.passes.manager import PassManager
 
 log = logging.getLogger("compiled_llm")
 
-CAPTURABLE = {"triton"}  # attention / KV-write providers whose launches a CUDA graph can replay
 _NO_01_SPECIALISATION = {"backed_size_oblivious": True} if hasattr(fx_config, "backed_size_oblivious") else {}
 
 
@@ -112,19 +111,17 @@ class FullGraph:
 
 class CompiledModel:
     def __init__(self, model: torch.nn.Module, config: CompilerConfig, device: torch.device,
-                 attention_providers: dict[int, str] | None = None, max_blocks_per_seq: int = 1,
-                 whole_graph: bool = True):
+                 capturable: bool = False, max_blocks_per_seq: int = 1, whole_graph: bool = True):
         self.model = model
         self.config = config
         self.device = torch.device(device)
         self.sizes = sorted(set(config.batch_sizes))
-        providers = set((attention_providers or {}).values())
         self.state = RunState(cudagraphs=config.cudagraphs and self.device.type == "cuda")
-        # whole-graph decode needs every split op capturable: attention kernels that read device metadata,
-        # and no recurrent-state ops (they build their slot lists on the host each step)
+        # whole-graph decode needs the attention providers chosen capturable (capturable: what they declare,
+        # ops/registry.py Provider.capturable) and no recurrent-state ops (whole_graph False: they
+        # build their slot lists on the host each step)
         self.full_graph_ok = (whole_graph and self.state.cudagraphs and config.full_graph_decode != "off"
-                              and bool(providers)
-                              and providers <= CAPTURABLE)
+                              and capturable)
         allow_many_engines()
         self.pass_manager = PassManager(config.passes, config.dtype, self.device, config.tp_group)
         self.backend = Backend(config, self.pass_manager, self.state)

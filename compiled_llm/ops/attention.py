@@ -200,7 +200,7 @@ def _triton_attention(caps: Capabilities, shape: dict) -> str | None:
 
 
 ATTENTION = register(OpSpec("attention", "paged attention over the cache: prefill, decode, sliding window, soft-cap", [
-    Provider("triton", "compiled_llm.ops.triton.providers:attention", _triton_attention),
+    Provider("triton", "compiled_llm.ops.triton.providers:attention", _triton_attention, capturable=True),
     Provider("reference", "compiled_llm.ops.attention:ref_attention"),
 ], per_layer=True, splits_graph=True))
 

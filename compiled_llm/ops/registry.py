@@ -65,6 +65,10 @@ class Provider:
     name: str  # "reference" | "triton" | "flashinfer"
     target: str  # "module:function", imported only when selected
     requires: Requirement = _always
+    # a split op's provider whose launches a CUDA graph can replay: it reads the per-step metadata from
+    # device tensors (sequence lengths, offsets, block tables) and syncs nothing to the host. Whole-graph
+    # decode captures the split ops too, so it needs every chosen provider of them to say so.
+    capturable: bool = False
 
     def load(self) -> Callable:
         module, attr = self.target.split(":")
@@ -80,6 +84,11 @@ class OpSpec:
     splits_graph: bool = False  # reads per-step metadata from the forward context: the compiler splits at it
     chosen: dict[Any, tuple[str, Callable]] = field(default_factory=dict)
     _reference: Callable | None = None
+
+    def capturable(self) -> bool:
+        """Every provider chosen for this op (on any layer) can be replayed inside a CUDA graph."""
+        names = {name for name, _ in self.chosen.values()}
+        return bool(names) and all(p.capturable for p in self.providers if p.name in names)
 
     def resolve(self, caps: Capabilities, shape: dict, force: str | None = None) -> tuple[Provider, list[str]]:
         """First provider whose requirements hold (or the forced one); also the reasons others were skipped."""

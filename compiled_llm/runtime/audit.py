@@ -118,10 +118,9 @@ def audit(hf_config: dict, *, device: str = "cuda", dtype: torch.dtype = torch.b
         facts = model_facts(cfg, block_size=block_size)
         select_providers(device, dtype, specs, facts, caps=GPU if device.type == "cuda" else None)
         sizes = sorted(batch_sizes or [])
-        attention = {k: name for k, (name, _) in OPS["attention"].chosen.items()}
         ccfg = CompilerConfig(batch_sizes=sizes, cudagraphs=False, full_graph_decode="off", passes=passes,
                               dtype=dtype)
-        compiled = CompiledModel(model, ccfg, device, attention, whole_graph=not has_recurrent_state(model))
+        compiled = CompiledModel(model, ccfg, device, OPS["attention"].capturable(), whole_graph=not has_recurrent_state(model))
         stats: dict = {}
         compiled.backend.compile_fn = inspect_compile(tokens, stats, dedupe)
         compiled.backend.shared_compiles = None  # the audit inspects (or replays, with dedupe) every piece itself

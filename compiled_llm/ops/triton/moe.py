@@ -382,15 +382,6 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.T
         BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
     )
     return weights, ids
-    block_t = 16 if num_tokens <= 1024 else 32
-    _router_kernel[(triton.cdiv(num_tokens, block_t),)](
-        x, scale.contiguous(), proj_weight, per_expert_scale.contiguous(), weights, ids,
-        num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5),
-        x.stride(0), proj_weight.stride(0),
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=64, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_K=triton.next_power_of_2(top_k), PREC=dot_precision(x.dtype), num_warps=4, num_stages=2,
-    )
-    return weights, ids
 
 
 def launch_variants(num_experts: int, top_k: int, hidden: int, inter: int, max_tokens: int) -> list[int]:
