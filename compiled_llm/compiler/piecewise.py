@@ -141,8 +141,9 @@ class PieceRunner:
     def _keep_fusions(self, fn: Callable, shape: str) -> Callable:
         """A static compile that missed a fusion this piece's dynamic compile got is not used: the batch size
         replays the dynamic compile instead (as with --compile-sizes none), with a warning, and the graph our
-        passes saw is written out. Seen on the H200 at batch sizes 1 and 2 for the GEGLU MoE pass, not on every
-        run; the cause is not found yet (benchmarks/NOTES.md, 2026-11-30)."""
+        passes saw is written out. Seen on the H200 at batch sizes 1 and 2 (router, GEGLU MoE): Inductor's pad_mm
+        had padded those static matmuls, now off (passes/base.py INDUCTOR_SETTINGS); the guard stays for the
+        next rewrite of that kind (benchmarks/NOTES.md, 2026-11-30 sessions 3 and 4)."""
         label, dynamic = self.label(shape), self.label("dynamic")
         got, want = self.matches[label], self.matches.get(dynamic, Counter())
         missed = sorted(p for p, n in want.items() if "@" not in p and got[p] < n)
