@@ -39,7 +39,9 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
             times.append(now)
     end = time.perf_counter()
     tokens = max(1, len(times))
-    return {"ttft": (first or end) - start, "tpot": (end - (first or end)) / max(1, tokens - 1), "latency": end - start}
+    gaps = [b - a for a, b in zip(times, times[1:])]  # inter-token gaps: a stall shows here, not in the mean
+    return {"ttft": (first or end) - start, "tpot": (end - (first or end)) / max(1, tokens - 1), "latency": end - start,
+            "gaps": gaps}
 
 
 async def run(args) -> dict:
@@ -60,6 +62,7 @@ async def run(args) -> dict:
     elapsed = time.perf_counter() - t
     ttft = [r["ttft"] * 1000 for r in results]
     tpot = [r["tpot"] * 1000 for r in results]
+    gaps = [g * 1000 for r in results for g in r["gaps"]]
     return {
         "requests": args.requests, "concurrency": args.concurrency, "input_len": args.input_len,
         "output_len": args.output_len, "seconds": round(elapsed, 3),
@@ -67,6 +70,7 @@ async def run(args) -> dict:
         "output_tok_per_s": round(args.requests * args.output_len / elapsed, 1),
         "ttft_ms_p50": round(statistics.median(ttft), 2), "ttft_ms_p99": round(percentile(ttft, 99), 2),
         "tpot_ms_p50": round(statistics.median(tpot), 3), "tpot_ms_p99": round(percentile(tpot, 99), 3),
+        "itl_ms_p99": round(percentile(gaps, 99), 2), "itl_ms_max": round(max(gaps, default=float("nan")), 2),
     }
 
 

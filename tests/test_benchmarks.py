@@ -131,6 +131,7 @@ def test_serving_script_against_the_demo_server():
         server.terminate()
     assert res["requests"] == 8
     assert res["ttft_ms_p99"] >= res["ttft_ms_p50"] > 0 and res["tpot_ms_p99"] >= res["tpot_ms_p50"] >= 0
+    assert res["itl_ms_max"] >= res["itl_ms_p99"] > 0
     # both figures are rounded to 3 decimals, so a short run carries ~0.2% error per figure
     assert res["requests_per_s"] * res["seconds"] == pytest.approx(8, rel=0.01)
     assert res["output_tok_per_s"] == pytest.approx(res["requests_per_s"] * 6, rel=0.01)
