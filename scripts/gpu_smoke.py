@@ -43,7 +43,7 @@ from compiled_llm import LLM, SamplingParams  # noqa: E402
 # tell rounding from a bug, since a random tiny model is full of near-ties
 BF16_ERR_RATIO, BF16_ERR_SLACK = 2.0, 0.02
 TINY = "dense32,moe32,all32,mixed_heads,ple,shared_kv,k_eq_v,qwen_dense,qwen_moe"
-BOTH_DECODE_MODES = {"moe32", "all32"}  # also compiled with whole-graph decode off
+BOTH_DECODE_MODES = {"all32"}  # also compiled with whole-graph decode off (moe32 agreed in both modes, sessions 3-4)
 RESULTS: dict = {"tiny": [], "big": {}}
 OUT: Path | None = None
 
