@@ -17,6 +17,7 @@ import torch
 import torch.fx
 from torch._dynamo.utils import counters
 
+from compiled_llm.compiler.inspect import piece_signature
 from compiled_llm.ops.context import set_layer_base
 from compiled_llm.ops.jit import MONITOR
 from compiled_llm.passes.base import first_layer
@@ -101,8 +102,6 @@ class PieceRunner:
         shared = self.backend.shared_compiles
         key = None
         if shared is not None:
-            from compiled_llm.compiler.inspect import piece_signature
-
             key = (piece_signature(self.gm, args, strict=True)[0], self.label(shape))
             hit = shared.get(key)
             if hit is not None:  # a look-alike piece compiled this already: its code, our layers' counts

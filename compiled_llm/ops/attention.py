@@ -75,8 +75,32 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.T
     v = flat[-1].index_select(0, slots)
     if not source.k_eq_v:
         return flat[0].index_select(0, slots), v
+    return keys_from_values(v, positions, source), v
+
+
+def keys_from_values(v: torch.Tensor, positions: torch.Tensor, source: AttentionSpec) -> torch.Tensor:
+    """K=V layers cache the value only: the keys are its k-norm-scaled, rotated copy at the tokens' positions."""
     k = (v.float() * source.k_norm_weight.float()).to(v.dtype)
-    return apply_rope(k, positions, source.inv_freq), v
+    return apply_rope(k, positions, source.inv_freq)
+
+
+def gather_kv_batched(cache: torch.Tensor, block_tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+                      spec: AttentionSpec, source: AttentionSpec, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at positions pos [B, M] through block_tables [B, max_blocks]; rows where valid is
+    False read slot 0 (masked later). Returns [B, M, kv_heads, head_dim] each."""
+    b, m = pos.shape
+    p = torch.where(valid, pos, torch.zeros_like(pos))
+    blk = torch.gather(block_tables.long(), 1, (p // block_size).clamp(max=block_tables.shape[1] - 1))
+    ok = valid & (blk >= 0)
+    slots = torch.where(ok, blk * block_size + p % block_size, torch.zeros_like(p)).reshape(-1)
+    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
+    v = flat[-1].index_select(0, slots)
+    if source.k_eq_v:
+        k = keys_from_values(v, p.reshape(-1), source)
+    else:
+        k = flat[0].index_select(0, slots)
+    shape = (b, m, spec.num_kv_heads, spec.head_dim)
+    return k.view(shape), v.view(shape)
 
 
 def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
@@ -156,18 +180,8 @@ def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: Attentio
     lens = seq_lens - first
     j = torch.arange(int(lens.max()), device=dev)
     valid = j[None, :] < lens[:, None]  # [seqs, longest]
-    k_pos = first[:, None] + torch.minimum(j[None, :], lens[:, None] - 1)  # padding repeats a real position
-    bs = meta.block_size
-    slots = group.block_tables[:num_seqs].long().gather(1, k_pos // bs) * bs + k_pos % bs
-    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
-    values = flat[-1].index_select(0, slots.reshape(-1))
-    if source.k_eq_v:
-        keys = apply_rope((values.float() * source.k_norm_weight.float()).to(values.dtype), k_pos.reshape(-1),
-                          source.inv_freq)
-    else:
-        keys = flat[0].index_select(0, slots.reshape(-1))
-    shape = (num_seqs, -1, spec.num_kv_heads, spec.head_dim)
-    keys, values = keys.view(shape), values.view(shape)
+    k_pos = first[:, None] + j[None, :]  # padding past a sequence's end is masked (gather_kv_batched reads slot 0)
+    keys, values = gather_kv_batched(cache, group.block_tables[:num_seqs], k_pos, valid, spec, source, meta.block_size)
     group_size = spec.num_heads // spec.num_kv_heads
     qs = q[:num_seqs].view(num_seqs, spec.num_kv_heads, group_size, spec.head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", qs, keys) * spec.scale

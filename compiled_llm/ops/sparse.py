@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compiled_llm.ops.attention import gather_kv_batched
 from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.rope import apply_rope
 
@@ -72,26 +73,6 @@ def index_buffer(rows: int, budget: int, device: torch.device | str) -> torch.Te
 
 
 # ---- shared pieces ------------------------------------------------------------------------------
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, spec, source,
-            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values at positions pos [B, M] through block_tables [B, max_blocks]; rows where valid is
-    False read slot 0 (masked later). Returns [B, M, kv_heads, head_dim] each."""
-    b, m = pos.shape
-    p = torch.where(valid, pos, torch.zeros_like(pos))
-    blk = torch.gather(block_tables.long(), 1, (p // block_size).clamp(max=block_tables.shape[1] - 1))
-    ok = valid & (blk >= 0)
-    slots = torch.where(ok, blk * block_size + p % block_size, torch.zeros_like(p)).reshape(-1)
-    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
-    v = flat[-1].index_select(0, slots)
-    if source.k_eq_v:
-        k = (v.float() * source.k_norm_weight.float()).to(v.dtype)
-        k = apply_rope(k, p.reshape(-1), source.inv_freq)
-    else:
-        k = flat[0].index_select(0, slots)
-    shape = (b, m, spec.num_kv_heads, spec.head_dim)
-    return k.view(shape), v.view(shape)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, spec,
@@ -201,7 +182,7 @@ def _per_sequence(q, ctx, spec, cache, group, sm) -> torch.Tensor:
             k_pos = torch.arange(0, seq_len, device=dev)
             allowed = k_pos[None, :] <= q_pos[:, None]
         valid = torch.ones(1, k_pos.shape[0], dtype=torch.bool, device=dev)
-        keys, values = _gather(cache, group.block_tables[i:i + 1], k_pos[None], valid, spec, source, meta.block_size)
+        keys, values = gather_kv_batched(cache, group.block_tables[i:i + 1], k_pos[None], valid, spec, source, meta.block_size)
         o, probs = _attend(q[None, start:end], keys, values, allowed[None], spec, q_shift, shift_cols)
         out[start:end] = o[0]
         if spec.omnikv == "filter" and decode:
@@ -255,7 +236,7 @@ def _decode_vectorized(q, ctx, spec, cache, group, sm) -> torch.Tensor:
     else:
         pos = torch.arange(tables.shape[1] * meta.block_size, device=dev)[None].expand(n, -1)
         valid = pos < lens[:, None]
-    keys, values = _gather(cache, tables, pos, valid, spec, source, meta.block_size)
+    keys, values = gather_kv_batched(cache, tables, pos, valid, spec, source, meta.block_size)
     o, probs = _attend(qd, keys, values, valid[:, None, :], spec, q_shift, shift_cols, guard_empty=True)
     if spec.omnikv == "filter":
         chosen = omnikv_select(probs[:, :, 0, :].sum(1), pos, valid, lens, sm.budget, sm.sink, sm.recent,
