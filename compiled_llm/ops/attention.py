@@ -180,8 +180,11 @@ def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: Attentio
     lens = seq_lens - first
     j = torch.arange(int(lens.max()), device=dev)
     valid = j[None, :] < lens[:, None]  # [seqs, longest]
-    k_pos = first[:, None] + j[None, :]  # padding past a sequence's end is masked (gather_kv_batched reads slot 0)
-    keys, values = gather_kv_batched(cache, group.block_tables[:num_seqs], k_pos, valid, spec, source, meta.block_size)
+    # padding past a sequence's end reads its last real position, masked below: a weight of 0 times an unused
+    # slot's contents could still be NaN (0 * NaN)
+    k_pos = first[:, None] + torch.minimum(j[None, :], lens[:, None] - 1)
+    keys, values = gather_kv_batched(cache, group.block_tables[:num_seqs], k_pos, torch.ones_like(valid), spec, source,
+                                     meta.block_size)
     group_size = spec.num_heads // spec.num_kv_heads
     qs = q[:num_seqs].view(num_seqs, spec.num_kv_heads, group_size, spec.head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", qs, keys) * spec.scale
