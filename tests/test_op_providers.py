@@ -192,7 +192,13 @@ def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
     specs = {0: A.AttentionSpec(0, 4, 2, d, None, 0), 1: A.AttentionSpec(1, 4, 2, d, 4, 1, softcap=5.0),
              2: A.AttentionSpec(2, 4, 1, d, None, 2, k_eq_v=True)}
     specs[2].k_norm_weight, specs[2].inv_freq = torch.rand(d) + 0.5, torch.rand(d // 2)
-    ctx = _context(specs, seqs=((1, 7), (1, 3), (1, 12), (1, 1)), dtype=torch.float32)
+    seqs = ((1, 7), (1, 3), (1, 12), (1, 1))
+    ctx = _context(specs, seqs=seqs, dtype=torch.float32)
+    for layer, cache in ctx.kv_caches.items():  # slots a layer never reads hold NaN: a masked read must not leak it
+        flat, window = cache.view(cache.shape[0], -1, *cache.shape[3:]), specs[layer].sliding_window or 10 ** 6
+        for i, (_, total) in enumerate(seqs):
+            flat[:, i * 32 + total:(i + 1) * 32] = float("nan")
+            flat[:, i * 32:i * 32 + max(0, total - window)] = float("nan")  # slot 0 too, for the sliding layer
     q = torch.randn(4 + 2, 4 * d, generator=torch.Generator().manual_seed(1))  # 2 padding rows
     calls = []
     batched = A._ref_decode_attention
@@ -205,6 +211,7 @@ def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
                 A._ref_decode_attention = batched
             cache, group = ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
             want = A._ref_attention_each(q, spec, specs[spec.cache_layer], cache, group, ctx.attn_metadata)
+            assert not got.isnan().any()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             assert got[4:].abs().max() == 0
     assert calls == [0, 1, 2]  # the batched path was taken
