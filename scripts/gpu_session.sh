@@ -45,6 +45,14 @@ from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26
             --skip-tokenizer-init --max-model-len 8192 --max-num-seqs 8 --out /tmp/cc_$cs --report $flag
         done
       done ;;
+    startup)  # 26B-A4B with serve's defaults (batch 8): a cold compile-cache build, then a start from a copy of
+              # it in another folder (the relocated warm start of issue 15); each a fresh process, timed whole
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/g26'))"
+      args="--model /tmp/g26 --load-format dummy --skip-tokenizer-init --max-num-seqs 8 --report"
+      run startup_cold 300 python3 -m compiled_llm compile-cache $args --out /tmp/cc_built
+      mkdir -p /tmp/elsewhere && cp -r /tmp/cc_built /tmp/elsewhere/cc
+      run startup_warm 240 python3 -m compiled_llm compile-cache $args --out /tmp/elsewhere/cc ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -174,7 +174,7 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
     return ok
 
 
-def big(config: str, shape: str) -> bool:
+def big(config: str, shape: str, compile_sizes: str | None = None) -> bool:
     from configs import write_checkpoint_folder
 
     p, b, o = (int(x) for x in shape.split("x"))
@@ -182,7 +182,8 @@ def big(config: str, shape: str) -> bool:
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
-              enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b, fusion_check="error")
+              enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b, fusion_check="error",
+              compile_sizes=compile_sizes)
     start = time.perf_counter() - t
     comp = llm.engine.executor.runner.compiler
     s = comp.summary()
@@ -201,12 +202,13 @@ def big(config: str, shape: str) -> bool:
     tok_s = b * o / statistics.median(times)
     stats = llm.engine.get_stats()
     RESULTS["big"] = {
-        "config": config, "shape": shape, "tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times],
+        "config": config, "shape": shape, "compile_sizes": compile_sizes, "tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times],
         "startup_s": round(start, 1), "compile_s": round(comp.startup_seconds, 1),
         "matches": {k: v["matches"] for k, v in s["passes"].items()}, "pieces": s["pieces"],
         "shared_compiles": s.get("shared_compiles"),
         "captured_graphs": s["captured_graphs"], "whole_graph": s["whole_graph_decode_sizes"],
         "decode_timings_ms": s["decode_timings_ms"], "counters": s.get("counters"),
+        "warmup_seconds": s.get("warmup_seconds"),
         "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
         "kv_blocks": stats.get("num_total_blocks"), "memory_profile": getattr(llm.engine.executor.runner, "memory_profile", None)}
     RESULTS["big"]["profile"] = profile(llm, prompts, o)
@@ -244,7 +246,7 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
         engine.add_request(f"prof-{i}", pr["prompt_token_ids"], params)
     steps, kinds = [], []
     prof_at, prof_n, prof = 8, 16, None
-    host_at, host_n, host = 40, 32, None  # a Python profile of the host side of 32 decode steps
+    host_at, host_n, host, host_done = 40, 32, None, False  # a Python profile of the host side of 32 decode steps
     decode_seen = 0
     while engine.has_unfinished_requests():
         if decode_seen == host_at and host is None:
@@ -252,10 +254,10 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
 
             host = cProfile.Profile()
             host.enable()
-        elif decode_seen == host_at + host_n and host is not None:
+        elif decode_seen == host_at + host_n and host is not None and not host_done:
             host.disable()
             host_report(host)
-            host_at = None  # done
+            host_done = True
         if decode_seen == prof_at and prof is None:
             sync()
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -275,7 +277,7 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
             prof_wall = time.perf_counter() - prof_t
             prof.__exit__(None, None, None)
             prof._done = True
-    if host is not None and host_at is not None:  # the run ended inside the profiled window
+    if host is not None and not host_done:  # the run ended inside the profiled window
         host.disable()
     if prof is not None and not getattr(prof, "_done", False):
         prof.__exit__(None, None, None)
@@ -311,6 +313,7 @@ def main() -> int:
     ap.add_argument("--shape", default="1024x8x64")
     ap.add_argument("--budget", type=float, default=480, help="seconds for the tiny section before it skips the rest")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-sizes", default=None, help="big: `none` replays the dynamic compile at every batch size")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the tiny section's logic before a GPU call")
     args = ap.parse_args()
     global OUT
@@ -326,7 +329,7 @@ def main() -> int:
             if section == "tiny":
                 ok &= tiny(args.names.split(","), t0 + args.budget, args.device)
             else:
-                ok &= big(args.big, args.shape)
+                ok &= big(args.big, args.shape, args.compile_sizes)
         except Exception as e:
             traceback.print_exc()
             print(f"{section}: EXCEPTION {e!r}"[:3000], flush=True)

@@ -88,6 +88,7 @@ class ModelCompiler:
         self.compiled = CompiledModel(model, ccfg, self.device, OPS["attention"].capturable(), whole_graph=not stateful)
         self.cache: CompileCache | None = None
         self.startup_seconds = 0.0
+        self.warmup_seconds: dict[str, float] = {}  # warm-up item -> seconds (the start-up's phases)
         count_cpp_builds()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,7 @@ class ModelCompiler:
 
         def run():
             warm_up(self.compiled, self.specs, kv_caches, block_size, self.config.max_num_batched_tokens, self.facts,
-                    self.device, self.config.jit_monitor, progress, context_factory)
+                    self.device, self.config.jit_monitor, progress, context_factory, self.warmup_seconds)
 
         if self.config.compile_cache:
             self.cache = CompileCache(self.config.compile_cache, self.hf_config, self.cache_flags(), self.device)
@@ -119,10 +120,27 @@ class ModelCompiler:
             run()
         self.verify()
         self.startup_seconds = time.perf_counter() - t0
+        if self.cache is not None and self.cache.status == "hit":
+            self._warn_compiled_despite_cache()
         # The per-pass report at DEBUG: `compile-cache --report` prints it, and printing it here too showed it twice.
         log.info("compiled in %.1fs%s", self.startup_seconds,
                  f" (compile cache: {self.cache.status})" if self.cache else "")
         log.debug("compile report:\n%s", self.report())
+
+    def _warn_compiled_despite_cache(self) -> None:
+        """A start from a valid compile cache should compile nothing; say what it compiled if it did."""
+        from compiled_llm.ops.jit import MONITOR
+
+        c = compile_counters()
+        what = []
+        if c["fxgraph_cache_miss"] or c["fxgraph_cache_bypass"]:
+            what.append(f"{c['fxgraph_cache_miss'] + c['fxgraph_cache_bypass']} Inductor graphs "
+                        f"({c['fxgraph_cache_bypass']} not cacheable)")
+        if c["triton_builds"]:
+            names = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in MONITOR.triton_builds.most_common(8))
+            what.append(f"{c['triton_builds']} Triton kernels in {MONITOR.triton_build_seconds:.1f}s ({names})")
+        if what:
+            log.warning("the compile cache %s was a hit, yet this start compiled %s", self.cache.dir, "; ".join(what))
 
     def verify(self) -> list:
         """Each layer's fusions against the model's declaration, in every compile (compiler/verify.py)."""
@@ -133,6 +151,7 @@ class ModelCompiler:
     def summary(self) -> dict:
         out = self.compiled.summary()
         out["counters"] = compile_counters()
+        out["warmup_seconds"] = dict(self.warmup_seconds)
         return out
 
     def report(self) -> str:

@@ -220,9 +220,13 @@ def compile_counters() -> dict:
     return {
         "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
         "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_cache_bypass": counters["inductor"]["fxgraph_cache_bypass"],  # compiled, and not cacheable
         "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
         "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "autograd_cache_bypass": counters["aot_autograd"]["autograd_cache_bypass"],
         "triton_jit": MONITOR.compiles["triton"],  # our Triton kernels built or loaded from TRITON_CACHE_DIR
+        "triton_builds": sum(MONITOR.triton_builds.values()),  # Triton's cache missed (ours and Inductor's)
+        "triton_cache_hits": sum(MONITOR.triton_cache_hits.values()),
         "cpp_builds": CPP_BUILDS[0],
     }
 

@@ -79,6 +79,20 @@ def relative_layer_args(gm: torch.fx.GraphModule, base: int) -> int:
     return n
 
 
+def static_fakes(args: list) -> list:
+    """A static compile's example inputs as fake tensors of a fake mode with a shape env (their own shapes,
+    no symbols). Inductor's FX-graph and AOT caches bypass a compile whose inputs have no shape env ("No shape
+    env"): given the real tensors, every static batch size compiled again on each start, compile cache or not.
+    Dynamo's fake inputs (the dynamic compile) pass through."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if not any(isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) for a in args):
+        return args
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+
+
 class PieceRunner:
     """One compute piece. Its graph's layer indices are relative to its first layer (`base`), and a piece
     whose graph and inputs equal an earlier piece's (piece_signature, strict) reuses that piece's compiles
@@ -125,7 +139,7 @@ class PieceRunner:
         calls = passes.calls
         t0 = time.perf_counter()
         compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/inspect.py)
-        fn = compile_fn(gm, args, config_patches=passes.inductor_config())
+        fn = compile_fn(gm, static_fakes(args), config_patches=passes.inductor_config())
         self.inputs[self.label(shape)] = passes.last_input if passes.calls != calls else None
         self.compile_seconds += time.perf_counter() - t0
         # our passes count into counters["inductor"], per layer relative to the graph's first one; Inductor's

@@ -58,9 +58,10 @@ def kernel_keys(facts: dict) -> list[tuple]:
 
 @torch.inference_mode()
 def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: int, facts: dict, device,
-            mode: str = "off", progress: bool = True, context_factory=None) -> float:
+            mode: str = "off", progress: bool = True, context_factory=None, timings: dict | None = None) -> float:
     """model: a CompiledModel. context_factory(num_seqs, tokens_per_seq) -> ForwardContext, for models
-    whose ops need more than the KV cache (recurrent state); default: dummy_context. Returns seconds."""
+    whose ops need more than the KV cache (recurrent state); default: dummy_context. Returns seconds; each
+    item's seconds go into `timings` (name -> seconds) when given."""
     device = torch.device(device)
     make = context_factory or (lambda s, t: dummy_context(specs, kv_caches, block_size, s, t, device))
 
@@ -95,7 +96,10 @@ def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: in
                 bar.set_postfix_str(name[:60])
                 log.log(logging.DEBUG if not bar.disable else logging.INFO, "JIT warm-up %d/%d: %s (%.1fs)",
                         i, len(items), name, time.perf_counter() - t0)
+                t_item = time.perf_counter()
                 fn()
+                if timings is not None:
+                    timings[name] = round(time.perf_counter() - t_item, 2)
                 bar.update()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

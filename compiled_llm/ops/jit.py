@@ -57,6 +57,11 @@ class JitMonitor:
         self._warmed = False
         self._lock = threading.Lock()
         self._hooked = False
+        # Triton's compile listener (triton >= 3.4): what its on-disk cache answered, by kernel name. A
+        # warm start from the compile cache should build nothing; "built" lists what it built instead
+        self.triton_builds: Counter = Counter()
+        self.triton_cache_hits: Counter = Counter()
+        self.triton_build_seconds = 0.0
 
     def begin_warmup(self, mode: str) -> None:
         if mode not in ("off", "warn", "error"):
@@ -118,6 +123,21 @@ class JitMonitor:
             return previous(*args, **kwargs) if previous else False
 
         knobs.runtime.jit_post_compile_hook = hook
+        compilation = getattr(knobs, "compilation", None)
+        if compilation is not None and hasattr(compilation, "listener"):
+            before = compilation.listener
+
+            def listener(*, src, metadata, metadata_group, times, cache_hit):
+                name = getattr(src, "name", "kernel")
+                if cache_hit:
+                    self.triton_cache_hits[name] += 1
+                else:
+                    self.triton_builds[name] += 1
+                    self.triton_build_seconds += getattr(times, "total", 0) / 1e6  # microseconds
+                if before is not None:
+                    before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+            compilation.listener = listener
 
 
 MONITOR = JitMonitor()
