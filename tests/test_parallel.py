@@ -130,8 +130,8 @@ def test_unsupported_settings_are_refused():
     from compiled_llm.models.qwen3_5 import Qwen3_5ForCausalLM
     from compiled_llm.runtime.executor.launch import check_parallel_config
 
-    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM does not support tensor parallelism yet"):
-        check_parallel_config(EngineConfig(tensor_parallel_size=2), Qwen3_5ForCausalLM)
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM does not support pipeline parallelism yet"):
+        check_parallel_config(EngineConfig(pipeline_parallel_size=2), Qwen3_5ForCausalLM)
     with pytest.raises(ValueError, match="multiple of nnodes"):
         check_parallel_config(EngineConfig(tensor_parallel_size=3, nnodes=2))
     with pytest.raises(ValueError, match="node_rank must lie in"):

@@ -190,13 +190,15 @@ def test_per_expert_and_packed_checkpoints_load_alike(qwen_ckpt, tmp_path):
 
 
 def test_registry_declares_capabilities():
-    from compiled_llm.models.interfaces import has_recurrent_state, supports_multimodal, supports_pp, uses_mrope
+    from compiled_llm.models.interfaces import (has_recurrent_state, supports_ep, supports_multimodal, supports_pp,
+                                                supports_tp, uses_mrope)
 
     for arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
                  "Qwen3_5MoeForConditionalGeneration"):
         cls = resolve_model_class({"architectures": [arch]})
         assert uses_mrope(cls) is True and supports_multimodal(cls) == arch.endswith("ConditionalGeneration")
         assert supports_pp(cls) is False and has_recurrent_state(cls)
+        assert supports_tp(cls) and supports_ep(cls)  # tests/test_qwen3_5_parallel.py
 
 
 # ---- reference ops against transformers' functions ------------------------------------------

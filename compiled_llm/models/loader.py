@@ -45,7 +45,8 @@ def load_weights(model: nn.Module, folder: Path, rename, progress: bool = True) 
     """Copy every checkpoint tensor into the parameter `rename(name)` names (None: skip it; a
     (name, index) pair: into `param[index]`, e.g. one expert's slice of a packed parameter).
     A parameter with a `weight_loader` (tensor/expert-parallel layers) is handed the whole checkpoint
-    tensor, checked against its `full_shape`, and copies its own slice (returning the elements written).
+    tensor (or, with an index, the tensor of that index: one expert's, or its gate or up half), checked against
+    `full_shape` (indexed), and copies its own slice (returning the elements written).
     Missing, unexpected or misshapen tensors raise ValueError naming them. Progress: a bar on a terminal,
     else one log line per file (a 25B checkpoint takes minutes; a log must say it is moving)."""
     params = dict(model.named_parameters())
@@ -74,7 +75,8 @@ def load_weights(model: nn.Module, folder: Path, rename, progress: bool = True) 
                 param = params[ours]
                 loader = getattr(param, "weight_loader", None)  # split parameters take their own slice
                 if loader is not None:
-                    expected = param.full_shape if index is None else param.full_shape[1:]
+                    expected = param.full_shape if index is None else \
+                        torch.empty(param.full_shape, device="meta")[index].shape
                     if tuple(tensor.shape) != tuple(expected):
                         raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
                                          f"the model expects {tuple(expected)}")

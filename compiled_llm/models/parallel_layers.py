@@ -10,6 +10,9 @@ check). At tensor-parallel size 1 each layer is exactly the plain PyTorch layer 
 - head parallel (q/k/v projections): split by whole heads; with fewer heads than ranks (Gemma 4's global
   layers have 1 or 2 KV heads) each rank holds the one head its query heads read, so KV heads are
   replicated tp / num_heads times.
+- merged column parallel: an output that concatenates segments ([q; k; v] of a linear-attention layer);
+  each segment is split evenly, a rank holds its slice of each (`segment_parameter` does the same for the
+  conv weights and per-head vectors that must follow the same split).
 - row parallel: the input features are split; the partial products are summed with an all-reduce.
 - vocabulary parallel: each rank holds a contiguous block of ceil(vocab / tp) rows (zero padded);
   embedding lookups are summed over the group, logits gathered.
@@ -111,6 +114,48 @@ class HeadParallelLinear(ColumnParallelLinear):
         else:
             first = r * self.num_heads // tp
         return range(first * d, (first + n) * d)
+
+
+def rank_segments(sizes: list[int], what: str) -> list[tuple[int, int]]:
+    """(offset, length) of this rank's slice of each segment of a dimension that concatenates segments of
+    `sizes` (e.g. [q; k; v]), every segment split evenly across the ranks."""
+    ps = get_parallel_state()
+    out, offset = [], 0
+    for size in sizes:
+        n = divide(size, ps.tp_size, what)
+        out.append((offset + ps.tp_rank * n, n))
+        offset += size
+    return out
+
+
+def segment_parameter(full_shape: tuple[int, ...], sizes: list[int], what: str) -> nn.Parameter:
+    """A parameter whose first dimension concatenates segments of `sizes`, every segment split evenly: this
+    rank holds its slice of each, in the same order. One call per tensor that must agree on which rows a
+    rank holds: a merged projection's weight, and the per-channel conv weights or per-head vectors that
+    read its output."""
+    segments = rank_segments(sizes, what)
+    local = (sum(n for _, n in segments), *full_shape[1:])
+
+    def load(param: nn.Parameter, full: torch.Tensor) -> int:
+        return _copy(param, torch.cat([full[a:a + n] for a, n in segments]))
+
+    return _parameter(local, full_shape, load)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections in one matrix (the checkpoint's [q; k; v] of a linear-attention
+    layer): each segment of the output is split evenly, and a rank's output is its slices in order
+    ([q_r; k_r; v_r]), so the same split() with local sizes separates them."""
+
+    def __init__(self, in_features: int, sizes: list[int], bias: bool = False):
+        super().__init__()
+        self.in_features, self.sizes = in_features, list(sizes)
+        out = sum(sizes)
+        self.weight = segment_parameter((out, in_features), sizes, "output features")
+        self.bias = segment_parameter((out,), sizes, "output features") if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -218,23 +263,27 @@ class ExpertWeights(nn.Module):
             raise ValueError(f"COMPILED_LLM_MOE_DISPATCH must be auto, all_reduce or all_to_all, not {mode!r}")
         self.dispatch = mode
 
-    # loading: `full` is the checkpoint's tensor of all experts, or of one (`expert` given)
-    def _load_experts(self, param: nn.Parameter, full: torch.Tensor, expert: int | None, take) -> int:
-        if expert is None:
+    # loading: `full` is the checkpoint's tensor of all experts, or of one (index (e,)), or one expert's gate
+    # or up projection alone (index (e, rows [0, I) or [I, 2I)): checkpoints that keep experts unpacked)
+    def _load_experts(self, param: nn.Parameter, full: torch.Tensor, index: tuple | None, take) -> int:
+        if index is None:
             return _copy(param, take(full[self.first_expert:self.first_expert + self.num_local_experts]))
-        local = self.local_expert(expert)
+        local = self.local_expert(index[0])
         if local is None:
             return 0  # another rank's expert
         return _copy(param[local], take(full.unsqueeze(0))[0])
 
-    def _load_gate_up(self, param: nn.Parameter, full: torch.Tensor, expert: int | None = None) -> int:
+    def _load_gate_up(self, param: nn.Parameter, full: torch.Tensor, index: tuple | None = None) -> int:
         i, a, n = self.intermediate, self.first_row, self.local_intermediate
-        return self._load_experts(param, full, expert,
+        if index is not None and len(index) == 2:  # one expert's gate (rows [0, I)) or up (rows [I, 2I))
+            local, half = self.local_expert(index[0]), index[1].start // i
+            return 0 if local is None else _copy(param[local, half * n:(half + 1) * n], full[a:a + n])
+        return self._load_experts(param, full, index,
                                   lambda w: torch.cat([w[:, a:a + n], w[:, i + a:i + a + n]], dim=1))
 
-    def _load_down(self, param: nn.Parameter, full: torch.Tensor, expert: int | None = None) -> int:
+    def _load_down(self, param: nn.Parameter, full: torch.Tensor, index: tuple | None = None) -> int:
         a, n = self.first_row, self.local_intermediate
-        return self._load_experts(param, full, expert, lambda w: w[:, :, a:a + n])
+        return self._load_experts(param, full, index, lambda w: w[:, :, a:a + n])
 
     def local_expert(self, e: int) -> int | None:
         local = e - self.first_expert

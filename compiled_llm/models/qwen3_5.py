@@ -6,6 +6,13 @@ M-RoPE). Tokens arrive flattened with their positions ([tokens], or [3, tokens] 
 full attention goes through the paged attention op, recurrent state through the state ops, both
 fed by the forward context. Norms are zero-centred (scale 1 + weight) except the gated output norm
 of the linear layers. Parameter names follow the Hugging Face checkpoint.
+
+Tensor parallel (models/parallel_layers.py; at size 1 every layer is the plain one): full attention is split
+by heads (the gated q_proj by whole [query, gate] heads, KV heads replicated where there are fewer than
+ranks), a linear-attention layer by key-head groups (a rank holds K/tp key heads and the V/tp value heads
+they serve, the matching rows of in_proj_qkv, z, b, a, conv channels, dt_bias and A_log, so its conv and
+delta-rule state are per rank too), the MLPs column/row, the routed experts by intermediate size or (expert
+parallel) whole experts, the vocabulary across ranks; norms and the router are replicated.
 """
 
 from __future__ import annotations
@@ -16,7 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiled_llm.models.interfaces import HasRecurrentState, UsesMRoPE
+from compiled_llm.distributed.parallel_state import get_parallel_state
+from compiled_llm.models.interfaces import HasRecurrentState, SupportsEP, SupportsTP, UsesMRoPE
+from compiled_llm.models.parallel_layers import (ColumnParallelLinear, ExpertWeights, HeadParallelLinear,
+                                                 MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                                 VocabParallelEmbedding, divide, local_num_heads,
+                                                 segment_parameter)
 from compiled_llm.models.qwen3_5_config import FULL, LINEAR, Qwen3_5TextConfig
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.conv1d import causal_conv1d
@@ -55,27 +67,38 @@ class GatedRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    """SwiGLU MLP, split column/row. reduce=False leaves the rank's partial sum to the caller (the shared
+    expert: its partial joins the routed experts' in one all-reduce)."""
+
+    def __init__(self, hidden: int, intermediate: int, reduce: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate)
+        self.down_proj = RowParallelLinear(intermediate, hidden, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Experts(nn.Module):
-    """Routed experts, packed: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+class Experts(ExpertWeights):
+    """Routed experts, packed: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]. ExpertWeights
+    holds this rank's part (tensor parallel: a slice of every expert; expert parallel: whole experts) and
+    loads it from packed or per-expert checkpoint tensors; ids stay global."""
 
     def __init__(self, cfg: Qwen3_5TextConfig):
-        super().__init__()
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return swiglu_moe(x, weights, ids, self.gate_up_proj, self.down_proj)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus `shared` (this rank's partial sum of the shared expert), complete
+        on every rank: one all-reduce sums both, unless all-to-all dispatch already completed the routed part."""
+        if self.use_all_to_all(x.shape[0]) and not torch.compiler.is_compiling():
+            return self.dispatch_all_to_all(x, weights, ids, self.routed) + self.combine(shared)
+        return self.combine(self.routed(x, weights, ids) + shared)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the weighted expert outputs; the op skips ids of other ranks' experts."""
+        local = ids - self.first_expert if self.first_expert else ids
+        return swiglu_moe(x, weights, local, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -86,16 +109,16 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, reduce=False)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # replicated, like the router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
-        routed = self.experts(x, weights, ids)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # this rank's partial sum
+        return self.experts(x, weights, ids, shared)
 
 
 class Attention(nn.Module):
@@ -104,14 +127,15 @@ class Attention(nn.Module):
     def __init__(self, cfg: Qwen3_5TextConfig, idx: int):
         super().__init__()
         self.idx = idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads = local_num_heads(heads)  # this rank's heads (all of them at TP 1)
+        self.num_kv_heads = local_num_heads(kv_heads)
         self.head_dim = d = cfg.head_dim
         h, bias, eps = cfg.hidden_size, cfg.attention_bias, cfg.rms_norm_eps
-        self.q_proj = nn.Linear(h, self.num_heads * d * 2, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_proj = HeadParallelLinear(h, heads, 2 * d, bias=bias)  # a head's rows: [query; gate]
+        self.k_proj = HeadParallelLinear(h, kv_heads, d, bias=bias)
+        self.v_proj = HeadParallelLinear(h, kv_heads, d, bias=bias)
+        self.o_proj = RowParallelLinear(heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, eps)
         self.k_norm = RMSNorm(d, eps)
         self.spec = AttentionSpec(layer_idx=idx, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -127,32 +151,51 @@ class Attention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
 
+class DepthwiseConvWeight(nn.Module):
+    """The depthwise causal conv's weight [channels, 1, kernel] under the checkpoint's name (conv1d.weight),
+    holding this rank's channels: its slices of the [q; k; v] segments, in in_proj_qkv's output order. The
+    conv itself is the causal_conv1d op, which keeps the per-sequence window in the recurrent state."""
+
+    def __init__(self, sizes: list[int], kernel: int):
+        super().__init__()
+        self.weight = segment_parameter((sum(sizes), 1, kernel), sizes, "linear-attention conv channels")
+
+
 class GatedDeltaNet(nn.Module):
     """Linear attention: in_proj_qkv -> causal conv1d (SiLU) -> q, k, v; gated delta rule with
-    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); gated RMSNorm with z; out_proj."""
+    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); gated RMSNorm with z; out_proj.
+
+    Key head j serves the value heads [j * V/K, (j + 1) * V/K) (the delta rule repeats each k head over
+    consecutive v heads), so an even split of both head counts gives every rank whole groups: K/tp key
+    heads and the V/tp value heads they serve. in_proj_qkv holds [q (K heads); k (K heads); v (V heads)]
+    as three blocks (not interleaved per group as in Qwen3-Next's fused in_proj_qkvz), each split evenly."""
 
     def __init__(self, cfg: Qwen3_5TextConfig, idx: int):
         super().__init__()
         self.idx = idx
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        tp = get_parallel_state().tp_size
+        k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.num_k_heads = divide(k_heads, tp, "linear-attention key heads")  # this rank's
+        self.num_v_heads = divide(v_heads, tp, "linear-attention value heads")
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
         h = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
-                                padding=self.kernel - 1)
-        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        qkv = [k_heads * self.head_k_dim] * 2 + [v_heads * self.head_v_dim]  # the checkpoint's segments
+        self.in_proj_qkv = MergedColumnParallelLinear(h, qkv)
+        self.in_proj_z = ColumnParallelLinear(h, v_heads * self.head_v_dim)
+        self.in_proj_b = ColumnParallelLinear(h, v_heads)
+        self.in_proj_a = ColumnParallelLinear(h, v_heads)
+        self.conv1d = DepthwiseConvWeight(qkv, self.kernel)
+        self.dt_bias = segment_parameter((v_heads,), [v_heads], "linear-attention value heads")
+        self.A_log = segment_parameter((v_heads,), [v_heads], "linear-attention value heads")
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = RowParallelLinear(v_heads * self.head_v_dim, h)
 
     def state_spec(self) -> StateSpec:
+        """This rank's state per sequence: the conv window of its channels, the delta-rule matrix of its heads."""
         return StateSpec(self.idx,
                          shapes={"conv": (self.conv_dim, self.kernel - 1),
                                  "ssm": (self.num_v_heads, self.head_k_dim, self.head_v_dim)},
@@ -194,7 +237,7 @@ class DecoderLayer(nn.Module):
 class Qwen3_5Model(nn.Module):
     def __init__(self, cfg: Qwen3_5TextConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq = rotary_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor)
@@ -214,7 +257,7 @@ class Qwen3_5Model(nn.Module):
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE):
+class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE, SupportsTP, SupportsEP):
     """Qwen3.5 dense text model (the conditional-generation checkpoints: models/qwen3_5_mm.py)."""
 
     moe = False
@@ -223,8 +266,8 @@ class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE):
         super().__init__()
         self.cfg = cfg
         self.model = Qwen3_5Model(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        tied = cfg.tie_word_embeddings
+        self.lm_head = self.model.embed_tokens if tied else ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
 
     @classmethod
     def config_from_hf(cls, hf: dict) -> Qwen3_5TextConfig:
@@ -251,8 +294,7 @@ class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w)
+        return self.lm_head.logits(hidden)
 
     def hf_to_ours(self, name: str):
         """Checkpoint tensor name -> parameter name, (parameter name, index) for a slice of a packed

@@ -39,7 +39,7 @@ from compiled_llm.runtime.executor.abstract import Executor
 from compiled_llm.runtime.executor.launch import (JOINED, check_parallel_config, free_port, join_store, torchrun_rank,
                                                   world_size)
 from compiled_llm.runtime.executor.supervision import WorkerProcesses
-from compiled_llm.runtime.executor.wire import MediaRefs, StepInput, to_device
+from compiled_llm.runtime.executor.wire import MediaRefs, StepInput, to_device, wire_extras
 from compiled_llm.runtime.executor.worker import RankWorker
 from compiled_llm.runtime.model_runner import read_hf_config
 from compiled_llm.runtime.scheduler import ScheduledSeq
@@ -162,7 +162,7 @@ class MultiProcExecutor(Executor):
             ctx.extra[BIDIR_KEY] = plan.spans
             media = MediaRefs(plan.rows, [(s.request_id, k, lo, hi) for s, k, lo, hi in plan.refs],
                               sorted({s.request_id for s in plan.done}))
-        return StepInput(input_ids, positions, meta, rows, ctx.extra, media)
+        return StepInput(input_ids, positions, meta, rows, wire_extras(ctx.extra), media)
 
     def register_media(self, request_id: str, mm) -> None:
         """Hands a multimodal request's processor tensors to every rank once (docs/multimodal.md). If a rank

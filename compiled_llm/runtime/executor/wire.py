@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from compiled_llm.ops.context import AttentionMetadata
+from compiled_llm.ops.state import STATE_KEY
 
 
 @dataclass
@@ -28,8 +29,22 @@ class StepInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     rows: torch.Tensor  # token rows whose logits are wanted
-    extra: dict  # forward-context extras (no per-rank state in them)
+    extra: dict  # forward-context extras (no per-rank state in them: see wire_extras)
     media: MediaRefs | None = None
+
+
+def wire_extras(extra: dict) -> dict:
+    """The forward-context extras as the wire carries them: the recurrent-state metadata (slots, offsets)
+    without the driver's state caches. Each rank keeps the state of its own heads (rank_extras puts them
+    back); sent along, the driver's would be pickled every step and read by the other ranks as theirs."""
+    meta = extra.get(STATE_KEY)
+    return extra if meta is None else {**extra, STATE_KEY: dataclasses.replace(meta, caches={})}
+
+
+def rank_extras(extra: dict, state_caches: dict) -> dict:
+    """A step's extras as this rank runs them: the recurrent-state metadata on this rank's state caches."""
+    meta = extra.get(STATE_KEY)
+    return extra if meta is None else {**extra, STATE_KEY: dataclasses.replace(meta, caches=state_caches)}
 
 
 def to_device(obj, device: torch.device):

@@ -22,7 +22,7 @@ from compiled_llm.multimodal import transport
 from compiled_llm.multimodal.runner import merge, soft_tokens
 from compiled_llm.ops.context import ForwardContext
 from compiled_llm.runtime.executor.launch import rank_config
-from compiled_llm.runtime.executor.wire import MediaRefs, StepInput, to_device
+from compiled_llm.runtime.executor.wire import MediaRefs, StepInput, rank_extras, to_device
 from compiled_llm.runtime.model_runner import ModelRunner
 
 # Test hook: "RANK:REQUEST_ID" makes that rank refuse that request's media registration.
@@ -119,7 +119,7 @@ class RankWorker:
         if ps.rank != 0:
             step = to_device(step, dev)
         n = step.input_ids.shape[0]
-        ctx = ForwardContext(step.meta, r.kv_caches, r.specs, step.extra)
+        ctx = ForwardContext(step.meta, r.kv_caches, r.specs, rank_extras(step.extra, r.state_caches))
         intermediate = None
         if not ps.is_first_stage:
             shapes = r.model.intermediate_shapes(n, r.dtype)

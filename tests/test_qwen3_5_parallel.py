@@ -1,0 +1,166 @@
+"""Tensor and expert parallelism for Qwen3.5 (dense and MoE) on the CPU: 2 processes talking through gloo.
+
+Each parallel engine must give the same greedy tokens as one process (which equals transformers,
+tests/test_qwen3_5.py) and hold only its share: half of the attention and linear-attention heads, so
+half of the KV cache and of the conv / delta-rule state per sequence. The rank slices are also checked
+without processes: put back together they give the checkpoint's tensors, the [q; k; v] blocks of the
+linear-attention projection included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.distributed.parallel_state import ParallelState, set_parallel_state
+from qwen3_5_tiny import make_qwen_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+_CKPTS: dict = {}
+_REFS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpt(tmp_path_factory):
+    def get(name):
+        if name not in _CKPTS:
+            folder = tmp_path_factory.mktemp(f"qwen3_5_par_{name}")
+            make_qwen_checkpoint(folder, name)
+            _CKPTS[name] = folder
+        return _CKPTS[name]
+
+    return get
+
+
+def make_llm(folder, **kw):
+    kw.setdefault("enforce_eager", True)
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("max_num_seqs", 4)
+    return LLM(str(folder), **kw)
+
+
+def generate_ids(llm, ps):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+
+
+def reference(qwen_ckpt, name):
+    """(prompts, one-process greedy tokens, attention specs, state shapes) of a tiny checkpoint."""
+    if name not in _REFS:
+        llm = make_llm(qwen_ckpt(name))
+        runner = llm.engine.executor.runner
+        g = torch.Generator().manual_seed(3)
+        ps = [torch.randint(3, runner.model_config.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 33)]
+        _REFS[name] = (ps, generate_ids(llm, ps), runner.specs, state_shapes(runner))
+    return _REFS[name]
+
+
+def state_shapes(runner) -> dict[int, dict[str, tuple]]:
+    """The allocated recurrent state of one sequence, per layer and state name."""
+    return {i: {k: tuple(t.shape[1:]) for k, t in s.items()} for i, s in runner.state_caches.items()}
+
+
+@pytest.fixture
+def parallel_llm(qwen_ckpt):
+    """parallel_llm(name, **engine kwargs) -> LLM; shut down after the test."""
+    made = []
+
+    def start(name, **kw):
+        llm = make_llm(qwen_ckpt(name), **kw)
+        made.append(llm)
+        return llm
+
+    yield start
+    for llm in made:
+        llm.engine.shutdown()
+
+
+def check_halved(runner, ref_specs, ref_states) -> None:
+    """This rank's KV heads and recurrent state are half of the one-process ones (2 KV heads -> 1; 4 query
+    heads -> 2; conv channels and value heads of the delta-rule state halved)."""
+    for i, s in runner.specs.items():
+        assert (s.num_heads, s.num_kv_heads) == (ref_specs[i].num_heads // 2, ref_specs[i].num_kv_heads // 2)
+    states = state_shapes(runner)
+    assert set(states) == set(ref_states) and states
+    for i, shapes in ref_states.items():
+        channels, window = shapes["conv"]
+        heads, dk, dv = shapes["ssm"]
+        assert states[i] == {"conv": (channels // 2, window), "ssm": (heads // 2, dk, dv)}
+
+
+# ---- no processes: what each rank loads --------------------------------------------------------------
+def test_rank_slices_reassemble_checkpoint(qwen_ckpt):
+    """Built as rank 0 and rank 1 of TP2, the slices put back together give the checkpoint's tensors: the
+    [q; k; v] blocks of in_proj_qkv and the conv channels per block, per-head vectors, the gated q_proj by
+    whole [query; gate] heads, per-expert gate and up projections into the packed experts."""
+    from safetensors import safe_open
+
+    from compiled_llm.models.loader import load_weights
+    from compiled_llm.models.qwen3_5 import Qwen3_5MoeForCausalLM
+    from compiled_llm.runtime.model_runner import read_hf_config
+
+    folder = qwen_ckpt("moe")
+    cfg = Qwen3_5MoeForCausalLM.config_from_hf(read_hf_config(folder))
+    shards = []
+    try:
+        for rank in range(2):
+            set_parallel_state(ParallelState(tp_size=2, tp_rank=rank))
+            model = Qwen3_5MoeForCausalLM(cfg)
+            load_weights(model, folder, model.hf_to_ours, progress=False)
+            shards.append(dict(model.named_parameters()))
+    finally:
+        set_parallel_state(ParallelState())
+
+    def joined(name, dim=0):
+        return torch.cat([s[name] for s in shards], dim)
+
+    lin, full = "model.layers.0.linear_attn.", "model.layers.2.self_attn."
+    kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for name in ("in_proj_qkv.weight", "conv1d.weight"):  # [q; k; v]: each rank holds [q_r; k_r; v_r]
+            w = f.get_tensor(lin + name)
+            parts = [s[lin + name] for s in shards]
+            for a, b, n in ((0, 0, kd), (kd, kd // 2, kd), (2 * kd, kd, vd)):
+                assert torch.equal(torch.cat([p[b:b + n // 2] for p in parts]), w[a:a + n]), (name, a)
+        for name in ("in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight", "dt_bias", "A_log"):
+            assert torch.equal(joined(lin + name), f.get_tensor(lin + name)), name
+        assert torch.equal(joined(lin + "out_proj.weight", 1), f.get_tensor(lin + "out_proj.weight"))
+        assert torch.equal(joined(full + "q_proj.weight"), f.get_tensor(full + "q_proj.weight"))
+        assert torch.equal(joined(full + "o_proj.weight", 1), f.get_tensor(full + "o_proj.weight"))
+        i = cfg.moe_intermediate_size
+        gate_up = [s["model.layers.0.mlp.experts.gate_up_proj"] for s in shards]  # [E, 2 * I/2, H] per rank
+        assert torch.equal(torch.cat([p[3, :i // 2] for p in gate_up]),
+                           f.get_tensor("model.layers.0.mlp.experts.3.gate_proj.weight"))
+        assert torch.equal(torch.cat([p[3, i // 2:] for p in gate_up]),
+                           f.get_tensor("model.layers.0.mlp.experts.3.up_proj.weight"))
+        assert torch.equal(joined("model.layers.0.mlp.experts.down_proj", 2)[3],
+                           f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight"))
+        for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight"):
+            assert all(torch.equal(s[name], f.get_tensor(name)) for s in shards)  # replicated
+
+
+# ---- two processes -------------------------------------------------------------------------------
+def test_tp2_dense_greedy_and_halved_state(qwen_ckpt, parallel_llm):
+    ps, ref, specs, states = reference(qwen_ckpt, "dense")
+    llm = parallel_llm("dense", tensor_parallel_size=2)
+    assert generate_ids(llm, ps) == ref
+    check_halved(llm.engine.executor.runner, specs, states)
+
+
+def test_tp2_moe_greedy(qwen_ckpt, parallel_llm):
+    ps, ref, specs, states = reference(qwen_ckpt, "moe")
+    llm = parallel_llm("moe", tensor_parallel_size=2)
+    assert generate_ids(llm, ps) == ref
+    check_halved(llm.engine.executor.runner, specs, states)
+
+
+@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
+def test_tp2_expert_parallel_greedy(qwen_ckpt, parallel_llm, monkeypatch, dispatch):
+    monkeypatch.setenv("COMPILED_LLM_MOE_DISPATCH", dispatch)  # the spawned worker inherits it
+    ps, ref, _, _ = reference(qwen_ckpt, "moe")
+    llm = parallel_llm("moe", tensor_parallel_size=2, enable_expert_parallel=True)
+    experts = llm.engine.executor.runner.model.model.layers[0].mlp.experts
+    assert (experts.num_local_experts, experts.first_expert, experts.local_intermediate) == (4, 0, 24)
+    assert experts.use_all_to_all(1) == (dispatch == "all_to_all")
+    assert generate_ids(llm, ps) == ref
