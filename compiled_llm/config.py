@@ -49,6 +49,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     load_format: str = "auto"  # auto | dummy
     enforce_eager: bool = False
+    async_scheduling: bool = False  # launch step N+1 before step N's tokens reach the host (one process)
     # compiler (docs/compiler.md); ignored with enforce_eager
     compile_cache: str | None = None  # folder of precompiled artefacts (python -m compiled_llm compile-cache)
     jit_monitor: str = "off"  # off | warn | error: what a JIT compile after start-up warm-up does
@@ -111,6 +112,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "load_format": "auto (safetensors) or dummy (random weights of the right shapes)",
     "enforce_eager": "run the model in eager mode: no torch.compile, no CUDA Graphs",
+    "async_scheduling": "prepare and launch each step while the previous one still runs on the device; its "
+                        "tokens are read one step later (one process; requests with penalties step synchronously)",
     "compile_cache": "folder of precompiled compiler artefacts (build it with `compile-cache`); a stale or corrupt "
                      "cache is rebuilt there, with a warning",
     "jit_monitor": "off, warn or error: what a JIT compile after start-up warm-up does (error: raise)",

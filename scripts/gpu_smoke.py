@@ -191,7 +191,7 @@ def big(config: str, shape: str, compile_sizes: str | None = None) -> bool:
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, vocab - 1, (p,), generator=g).tolist()} for _ in range(b)]
     params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
-    llm.generate(prompts, params)  # warm
+    ref = llm.generate(prompts, params)  # warm; async scheduling's tokens must equal these
     times = []
     for _ in range(3):
         torch.cuda.synchronize()
@@ -214,8 +214,54 @@ def big(config: str, shape: str, compile_sizes: str | None = None) -> bool:
     RESULTS["big"]["profile"] = profile(llm, prompts, o)
     print(f"big {config} {shape}: {tok_s:.1f} tok/s (runs {RESULTS['big']['runs_s']}), start-up {start:.1f}s "
           f"(compile {comp.startup_seconds:.1f}s), peak {RESULTS['big']['peak_memory_GiB']} GiB", flush=True)
+    if llm.engine.executor.supports_async_scheduling:  # the same engine, async scheduling on: side by side
+        RESULTS["big"]["async"] = async_run(llm, prompts, params, o, ref)
     print(comp.report(), flush=True)
     return True
+
+
+def async_run(llm: LLM, prompts: list[dict], params: SamplingParams, out_tokens: int, ref) -> dict:
+    """Throughput with async scheduling on (the engine as it is, the flag flipped), its greedy tokens against
+    the synchronous run's, its step profile, and the host syncs left in a decode step (torch's sync debug
+    mode: each blocking copy or .item() in the step path is a place the overlap stops)."""
+    import warnings
+    from collections import Counter
+
+    engine = llm.engine
+    engine.async_scheduling = True
+    try:
+        got = llm.generate(prompts, params)
+        equal = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, got))
+        times = []
+        for _ in range(3):
+            sync()
+            t = time.perf_counter()
+            llm.generate(prompts, params)
+            sync()
+            times.append(time.perf_counter() - t)
+        tok_s = len(prompts) * out_tokens / statistics.median(times)
+        prof = profile(llm, prompts, out_tokens, tag="_async")
+        short = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        llm.generate(prompts, short)
+        gpu = torch.cuda.is_available()
+        if gpu:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                llm.generate(prompts, short)
+        finally:
+            if gpu:
+                torch.cuda.set_sync_debug_mode(0)
+        where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
+    finally:
+        engine.async_scheduling = False
+    res = {"tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times], "tokens_equal": f"{equal}/{len(ref)}",
+           "async_steps": engine.async_steps, "profile": prof, "syncs_in_24_steps": len(caught),
+           "sync_sites": where.most_common(12)}
+    print(f"big async scheduling: {tok_s:.1f} tok/s (runs {res['runs_s']}), tokens equal {res['tokens_equal']}, "
+          f"{len(caught)} host syncs in a 24-token generate: {where.most_common(6)}", flush=True)
+    return res
 
 
 def sync() -> None:
@@ -223,7 +269,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def host_report(host) -> None:
+def host_report(host, tag: str = "") -> None:
     """The host functions of the profiled decode steps by cumulative time (profile_host.txt in --out)."""
     import io
     import pstats
@@ -232,11 +278,11 @@ def host_report(host) -> None:
     pstats.Stats(host, stream=buf).sort_stats("cumulative").print_stats(45)
     text = buf.getvalue()
     if OUT:
-        (OUT / "profile_host.txt").write_text(text)
+        (OUT / f"profile_host{tag}.txt").write_text(text)
     print(text[:5000], flush=True)
 
 
-def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
+def profile(llm: LLM, prompts: list[dict], out_tokens: int, tag: str = "") -> dict:
     """Where one generate call's time goes: the wall time of each engine step (prefill chunks, then decode),
     the GPU-busy share of decode steps and the kernels that take it (torch.profiler over 16 decode steps;
     the table goes to profile_decode.txt in --out)."""
@@ -256,7 +302,7 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
             host.enable()
         elif decode_seen == host_at + host_n and host is not None and not host_done:
             host.disable()
-            host_report(host)
+            host_report(host, tag)
             host_done = True
         if decode_seen == prof_at and prof is None:
             sync()
@@ -299,7 +345,7 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int) -> dict:
                    gpu_busy_ms=round(busy_us / 1e3, 1), gpu_kernels=len(kernels),
                    gpu_busy_share=round(busy_us / 1e6 / prof_wall, 3))
         if OUT:
-            (OUT / "profile_decode.txt").write_text(table)
+            (OUT / f"profile_decode{tag}.txt").write_text(table)
         print(table[:6000], flush=True)
     print("profile:", json.dumps(res), flush=True)
     return res

@@ -87,9 +87,14 @@ class StaticBatch:
         meta = dataclasses.replace(meta, groups=groups)
         if full:
             s = len(meta.seq_lens)
-            self.seq_lens[:s].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32), non_blocking=True)
+            # from the device tensors the runner made (pinned, non-blocking); a host list copied here would
+            # wait for the stream, the previous step included (async scheduling)
+            lens = meta.seq_lens_tensor if meta.seq_lens_tensor is not None else torch.tensor(meta.seq_lens)
+            qsl = (meta.query_start_loc_tensor if meta.query_start_loc_tensor is not None
+                   else torch.tensor(meta.query_start_loc))
+            self.seq_lens[:s].copy_(lens[:s], non_blocking=True)
             self.seq_lens[s:].zero_()
-            self.qsl[:s + 1].copy_(torch.tensor(meta.query_start_loc, dtype=torch.int32), non_blocking=True)
+            self.qsl[:s + 1].copy_(qsl[:s + 1], non_blocking=True)
             self.qsl[s + 1:].fill_(meta.query_start_loc[-1])
             meta.seq_lens_tensor, meta.query_start_loc_tensor = self.seq_lens, self.qsl
         return dataclasses.replace(ctx, attn_metadata=meta)

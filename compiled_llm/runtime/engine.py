@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from compiled_llm.config import EngineConfig
@@ -20,12 +21,29 @@ from compiled_llm.runtime.errors import EngineDeadError
 from compiled_llm.runtime.executor import Executor, make_executor
 from compiled_llm.runtime.input_processor import InputProcessor, load_tokenizer
 from compiled_llm.runtime.output_processor import OutputProcessor, generation_eos_ids
-from compiled_llm.runtime.sampler import Sampler
+from compiled_llm.runtime.sampler import PendingTokens, SampledBatch, Sampler
 from compiled_llm.runtime.scheduler import ScheduledSeq, Scheduler
-from compiled_llm.runtime.sequence import Request
+from compiled_llm.runtime.sequence import Request, Sequence
 from compiled_llm.sampling_params import SamplingParams
 
 log = logging.getLogger("compiled_llm")
+PLACEHOLDER = -1  # a token sampled on the device and not yet read (async scheduling)
+
+
+def needs_host_history(params: SamplingParams) -> bool:
+    """Penalties read every earlier output token on the host when sampling; under async scheduling the last
+    one is still on its way there, so such a request runs the engine synchronously while it lasts."""
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+@dataclass
+class InFlight:
+    """A step launched under async scheduling whose sampled tokens have not been read yet."""
+
+    done: list[Sequence]  # the sequences that sample a token, in the sampled rows' order
+    sampled: SampledBatch
+    pending: PendingTokens  # for the next step's inputs: the rows of sequences that continue
 
 
 class LLMEngine:
@@ -58,6 +76,25 @@ class LLMEngine:
                                                 self.executor.sparse is not None)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
+        # async scheduling: the next step is prepared and launched while the last one runs on the device
+        self.async_scheduling = self._async_scheduling_possible(config)
+        self._inflight: InFlight | None = None
+        self._sync_requests: set[str] = set()  # requests whose sampling reads host-side history (penalties)
+        self.async_steps = 0
+        self.sync_steps = 0
+
+    def _async_scheduling_possible(self, config: EngineConfig) -> bool:
+        if not config.async_scheduling:
+            return False
+        why = None
+        if not self.executor.supports_async_scheduling:
+            why = "several ranks (tensor/pipeline parallel) step synchronously"
+        elif self.executor.sparse is not None:
+            why = "sparse KV methods step synchronously"
+        if why:
+            log.warning("async scheduling is off: %s", why)
+            return False
+        return True
 
     def _build_kv_cache(self) -> BlockManager:
         """Plans the blocks of every KV group on every rank, checks they hold max_model_len, allocates them
@@ -98,6 +135,8 @@ class LLMEngine:
         if req.has_media:  # parallel engines: every rank gets the media once
             self._guarded(self.executor.register_media, request_id, req.mm)
         self.requests[request_id] = req
+        if self.async_scheduling and needs_host_history(params):
+            self._sync_requests.add(request_id)
         for seq in req.seqs:
             self.scheduler.add(seq)
         self.prompt_tokens_total += len(req.prompt_token_ids)
@@ -106,6 +145,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._sync_requests.discard(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
@@ -114,18 +154,23 @@ class LLMEngine:
         return self.output_processor.output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._inflight is not None
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update: the outputs of the requests that advanced."""
+        """Schedule, execute, update: the outputs of the requests that advanced. Under async scheduling the
+        outputs are those of the step launched by the previous call (see _step_async)."""
         if self._dead is not None:
             raise self._dead
+        if self.async_scheduling and not self._sync_requests:
+            return self._step_async()
+        outputs = self._finish_inflight()  # back to synchronous steps: read what is still on its way first
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return outputs
         logits = self._guarded(self.executor.execute, batch)
-        return self._update(batch, logits)
+        self.sync_steps += 1
+        return outputs + self._update(batch, logits)
 
     def _update(self, batch: list[ScheduledSeq], logits) -> list[RequestOutput]:
         """Sequences that completed their tokens sample one; ended ones give their blocks back; each request
@@ -133,6 +178,63 @@ class LLMEngine:
         done = self.scheduler.advance(batch)
         rows = [self.output_processor.sampling_row(s) for s in done]
         results = self.sampler(logits, rows) if done else []
+        return self._append(done, results)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step that overlaps the host with the device: schedule and launch step N (the tokens step N-1
+        sampled are copied into its inputs on the device), then, while it runs, read step N-1's tokens and do
+        their host work (stop checks, text, outputs). Each sequence that samples in step N gets a placeholder
+        token so the scheduler can plan step N+1; the real token replaces it when step N is read. A sequence
+        that step N-1 ended was still computed in step N (its result is dropped; the KV it wrote went to
+        blocks it had already released, ahead of any later step on the same stream). One whose next token
+        ends it by length gets no placeholder, so it is not computed again."""
+        batch = self.scheduler.schedule()
+        launched = None
+        if batch:
+            prev = self._inflight
+            logits = self._guarded(self.executor.execute, batch, prev.pending if prev else None)
+            done = [item.seq for item in batch if not item.seq.is_finished
+                    and item.seq.num_computed_tokens + item.num_tokens == len(item.seq)]
+            rows = [self.output_processor.sampling_row(s) for s in done]
+            sampled = self.sampler.launch(logits, rows, defer=True) if done else None
+            launched = (batch, done, sampled)
+            self.async_steps += 1
+        outputs = self._finish_inflight()
+        if launched is not None:
+            batch, done, sampled = launched
+            self.scheduler.advance(batch)  # the sequences step N-1 ended are skipped
+            pending = {}
+            for i, seq in enumerate(done):
+                if seq.is_finished or self._ends_by_length(seq):
+                    continue
+                seq.token_ids.append(PLACEHOLDER)
+                seq.pending_token = True
+                pending[seq.seq_id] = i
+            if sampled is not None:
+                self._inflight = InFlight(done, sampled, PendingTokens(sampled.token_ids, pending))
+        return outputs
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token being sampled now ends the sequence whatever it is (max_tokens, max_model_len)."""
+        return seq.num_output_tokens + 1 >= seq.max_tokens or len(seq) + 1 >= self.config.max_model_len
+
+    def _finish_inflight(self) -> list[RequestOutput]:
+        """Reads the launched step's tokens (waiting for the device if it is not done) and applies them."""
+        f, self._inflight = self._inflight, None
+        if f is None:
+            return []
+        results = f.sampled.results()
+        live = []
+        for seq, res in zip(f.done, results):
+            if seq.is_finished:  # ended while the step ran (an abort)
+                continue
+            if seq.pending_token:
+                seq.token_ids.pop()  # the placeholder
+                seq.pending_token = False
+            live.append((seq, res))
+        return self._append([s for s, _ in live], [r for _, r in live])
+
+    def _append(self, done: list[Sequence], results) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, Request] = {}
         for seq, res in zip(done, results):
@@ -145,6 +247,7 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
+                self._sync_requests.discard(req.request_id)
                 ended.append(req)
         self._release_media(ended)
         return outputs

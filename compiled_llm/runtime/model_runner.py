@@ -21,6 +21,7 @@ from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateMetadata, allocate_states
 from compiled_llm.runtime.kv_plan import KVCachePlanner
 from compiled_llm.runtime.memory import gib
+from compiled_llm.runtime.sampler import PendingTokens, to_device
 from compiled_llm.runtime.scheduler import ScheduledSeq
 from compiled_llm.runtime.sparse_kv import SparseKV, SparseKVConfig
 
@@ -180,15 +181,22 @@ class ModelRunner(KVCachePlanner):
         return ctx
 
     # ---- one step ------------------------------------------------------------------------
-    def prepare(self, batch: list[ScheduledSeq]):
+    def prepare(self, batch: list[ScheduledSeq], pending: PendingTokens | None = None):
+        """The step's device inputs. pending (async scheduling): the previous step's sampled tokens, still on
+        the device; a sequence whose last token is a placeholder for one of them gets it copied in there."""
         bs = self.block_size
+        dev = self.device
         ids, pos, qsl, seq_lens, logit_rows = [], [], [0], [], []
+        fill_at, fill_from = [], []
         groups = self.kv_groups
         slots: dict = {g: [] for g in groups}
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
             ids.extend(seq.token_ids[start:end])
+            if pending is not None and end == len(seq) and seq.seq_id in pending.rows:
+                fill_at.append(len(ids) - 1)
+                fill_from.append(pending.rows[seq.seq_id])
             pos.extend(range(start, end))
             qsl.append(qsl[-1] + item.num_tokens)
             seq_lens.append(end)
@@ -201,17 +209,21 @@ class ModelRunner(KVCachePlanner):
         metas = {}
         for g in groups:
             tables = [item.seq.block_tables[g] + [-1] * (width - len(item.seq.block_tables[g])) for item in batch]
-            metas[g] = GroupMetadata(torch.tensor(tables, dtype=torch.int32, device=self.device),
-                                     torch.tensor(slots[g], dtype=torch.long, device=self.device))
+            metas[g] = GroupMetadata(to_device(tables, torch.int32, dev), to_device(slots[g], torch.long, dev))
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas)
-        dev = self.device
+        if dev.type == "cuda":  # made here without a stream sync (the attention kernels would make them with one)
+            meta.seq_lens_tensor = to_device(seq_lens, torch.int32, dev)
+            meta.query_start_loc_tensor = to_device(qsl, torch.int32, dev)
         positions = torch.tensor(pos, dtype=torch.long)
         if any(item.seq.mm is not None and item.seq.mm.mrope is not None for item in batch):
             positions = mrope_batch_positions(batch, positions)
             if bool((positions == positions[:1]).all()):  # text and decode tokens only: one row says it all,
                 positions = positions[0]  # and the step keeps the compiled path
-        return (torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta,
-                torch.tensor(logit_rows, dtype=torch.long, device=dev))
+        input_ids = to_device(ids, torch.long, dev)
+        if fill_at:
+            input_ids[to_device(fill_at, torch.long, dev)] = pending.tokens[to_device(fill_from, torch.long, dev)]
+        positions = positions.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else positions
+        return input_ids, positions, meta, to_device(logit_rows, torch.long, dev)
 
     def forward_context(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> ForwardContext:
         """The context the ops read: KV cache and, for hybrid models, each sequence's state slot
@@ -227,9 +239,10 @@ class ModelRunner(KVCachePlanner):
         return ForwardContext(meta, self.kv_caches, self.specs, extra)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Runs the batch; returns float32 logits for each sequence that finished its tokens this step."""
-        input_ids, positions, meta, rows = self.prepare(batch)
+    def execute(self, batch: list[ScheduledSeq], pending: PendingTokens | None = None) -> torch.Tensor:
+        """Runs the batch; returns float32 logits for each sequence that finished its tokens this step.
+        pending: the previous step's tokens still on the device (async scheduling)."""
+        input_ids, positions, meta, rows = self.prepare(batch, pending)
         if has_media(batch):  # a prefill chunk with media placeholders: eager, embeddings merged in
             return self.execute_media(batch, input_ids, positions, meta, rows)
         return self.execute_prepared(input_ids, positions, self.forward_context(batch, meta), rows)

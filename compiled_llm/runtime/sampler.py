@@ -97,7 +97,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                     tok_idx.append(t)
     if row_idx:
         dev = logits.device
-        logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = float("-inf")
+        logits[to_device(row_idx, torch.long, dev), to_device(tok_idx, torch.long, dev)] = float("-inf")
     return logits
 
 
@@ -117,10 +117,10 @@ def apply_top_k_top_p_min_p(
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         positions = torch.arange(V, device=dev).unsqueeze(0)
         if use_k:
-            k_t = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev).unsqueeze(1)
+            k_t = to_device([k if 0 < k < V else V for k in top_k], torch.long, dev).unsqueeze(1)
             sorted_logits = sorted_logits.masked_fill(positions >= k_t, float("-inf"))
         if use_p:
-            p_t = torch.tensor(top_p, dtype=torch.float32, device=dev).unsqueeze(1)
+            p_t = to_device(top_p, torch.float32, dev).unsqueeze(1)
             probs = sorted_logits.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each position
             drop = (before >= p_t) & (p_t < 1.0)
@@ -128,20 +128,72 @@ def apply_top_k_top_p_min_p(
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
     if any(m > 0.0 for m in min_p):
-        m_t = torch.tensor(min_p, dtype=logits.dtype, device=dev).unsqueeze(1)
+        m_t = to_device(min_p, logits.dtype, dev).unsqueeze(1)
         probs = logits.softmax(dim=-1)
         threshold = probs.amax(dim=-1, keepdim=True) * m_t
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
+def to_device(data: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking copy: a plain
+    `torch.tensor(..., device=cuda)` waits for the stream to drain, which would stall the next step's
+    preparation behind the step still running (async scheduling)."""
+    t = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class PendingTokens:
+    """Async scheduling: a launched step's sampled tokens, still on the device, for the next step's inputs.
+    rows: seq_id -> its row in `tokens`."""
+
+    tokens: torch.Tensor
+    rows: dict[int, int]
+
+
+@dataclass
+class SampledBatch:
+    """One step's draws, still on the device (`token_ids` feeds the next step's inputs under async
+    scheduling); `results()` waits for the copies to the host and builds the SampleResults."""
+
+    rows: list[SamplingRow]
+    token_ids: torch.Tensor  # [B] on the device
+    device_out: dict  # name -> device tensor (token ids, logprob bookkeeping)
+    host_out: dict | None = None  # name -> pinned host copy (non-blocking), None: read with .tolist()
+    event: object = None  # CUDA event after the host copies
+    lp_rows: list[int] = field(default_factory=list)
+
+    def results(self) -> list[SampleResult]:
+        if self.event is not None:
+            self.event.synchronize()
+        out = {k: v.tolist() for k, v in (self.host_out if self.host_out is not None else self.device_out).items()}
+        results = [SampleResult(token_id=t) for t in out["token_ids"]]
+        rows = self.rows
+        for j, i in enumerate(self.lp_rows):
+            res = results[i]
+            res.logprob = out["chosen_lp"][j]
+            res.rank = out["ranks"][j]
+            n = rows[i].params.logprobs
+            if n > 0:
+                res.top_logprobs = list(zip(out["top_ids"][j][:n], out["top_vals"][j][:n]))
+        return results
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        if logits.shape[0] == 0 and not rows:
+            return []
+        return self.launch(logits, rows).results()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow], defer: bool = False) -> SampledBatch:
+        """Queues the sampling of every row on the logits' device. defer: also queue non-blocking copies of
+        the results to pinned host memory and an event after them, so nothing here waits for the device."""
         B, V = logits.shape
         if B != len(rows):
             raise ValueError(f"logits has {B} rows but {len(rows)} SamplingRows were given")
-        if B == 0:
-            return []
         dev = logits.device
         logits = logits.to(torch.float32)
 
@@ -152,7 +204,7 @@ class Sampler:
             if len(lp_rows) == B:
                 raw_logprobs = torch.log_softmax(logits, dim=-1)
             else:
-                raw_logprobs = torch.log_softmax(logits[torch.tensor(lp_rows, device=dev)], dim=-1)
+                raw_logprobs = torch.log_softmax(logits[to_device(lp_rows, torch.long, dev)], dim=-1)
 
         # 2-4. penalties and min_tokens (new tensor; the caller's logits are not modified).
         logits = logits.clone()
@@ -166,9 +218,9 @@ class Sampler:
         rand_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if rand_rows:
             sub_rows = [rows[i] for i in rand_rows]
-            idx = torch.tensor(rand_rows, device=dev)
+            idx = to_device(rand_rows, torch.long, dev)
             sub = logits if len(rand_rows) == B else logits[idx]
-            temp = torch.tensor([r.params.temperature for r in sub_rows], dtype=torch.float32, device=dev)
+            temp = to_device([r.params.temperature for r in sub_rows], torch.float32, dev)
             sub = sub / temp.unsqueeze(1)
             sub = apply_top_k_top_p_min_p(
                 sub,
@@ -183,7 +235,7 @@ class Sampler:
                 noise.exponential_()
             else:
                 if global_rows:
-                    g_idx = torch.tensor(global_rows, device=dev)
+                    g_idx = to_device(global_rows, torch.long, dev)
                     noise[g_idx] = torch.empty(len(global_rows), V, device=dev).exponential_()
                 for j, r in enumerate(sub_rows):
                     if r.generator is not None:
@@ -192,24 +244,21 @@ class Sampler:
             sampled = (probs / noise).argmax(dim=-1)
             token_ids = token_ids.index_copy(0, idx, sampled)
 
-        # Logprob bookkeeping, one device->host transfer per quantity.
-        token_list = token_ids.tolist()
-        results = [SampleResult(token_id=t) for t in token_list]
+        # Logprob bookkeeping on the device; one transfer per quantity when read.
+        out = {"token_ids": token_ids}
         if lp_rows:
-            lp_idx = torch.tensor(lp_rows, device=dev)
+            lp_idx = to_device(lp_rows, torch.long, dev)
             chosen = token_ids[lp_idx].unsqueeze(1)
             chosen_lp = raw_logprobs.gather(1, chosen)
-            ranks = (raw_logprobs > chosen_lp).sum(dim=-1) + 1
+            out["ranks"] = (raw_logprobs > chosen_lp).sum(dim=-1) + 1
+            out["chosen_lp"] = chosen_lp.squeeze(1)
             max_n = max(rows[i].params.logprobs for i in lp_rows)
             if max_n > 0:
-                top_vals, top_ids = raw_logprobs.topk(min(max_n, V), dim=-1)
-                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-            chosen_lp, ranks = chosen_lp.squeeze(1).tolist(), ranks.tolist()
-            for j, i in enumerate(lp_rows):
-                res = results[i]
-                res.logprob = chosen_lp[j]
-                res.rank = ranks[j]
-                n = rows[i].params.logprobs
-                if n > 0:
-                    res.top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n]))
-        return results
+                out["top_vals"], out["top_ids"] = raw_logprobs.topk(min(max_n, V), dim=-1)
+        batch = SampledBatch(rows, token_ids, out, lp_rows=lp_rows)
+        if defer and dev.type == "cuda":
+            batch.host_out = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                              for k, v in out.items()}
+            batch.event = torch.cuda.Event()
+            batch.event.record()
+        return batch

@@ -96,7 +96,9 @@ class Scheduler:
     def advance(self, batch: list[ScheduledSeq]) -> list[Sequence]:
         """After the step's forward: each sequence's computed tokens move on and its newly full blocks are
         committed (hashed for the prefix cache). Returns the sequences that completed their tokens this
-        step, in batch order: the ones that sample a token."""
+        step, in batch order: the ones that sample a token. A sequence that ended while the step ran (async
+        scheduling: the step before it stopped it; or an abort) is left alone and not returned."""
+        batch = [item for item in batch if not item.seq.is_finished]
         done = [item.seq for item in batch if item.seq.num_computed_tokens + item.num_tokens == len(item.seq)]
         for item in batch:
             item.seq.num_computed_tokens += item.num_tokens

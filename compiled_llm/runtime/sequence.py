@@ -35,6 +35,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, tokens that came from the prefix cache at admission
+        self.pending_token = False  # the last token is a placeholder for one still on the device (async scheduling)
         self.block_tables: dict[int | None, list[int]] = {}  # kv group -> block ids (-1: released)
         self.block_hashes: list[int] = []  # hash chain of the full blocks of token_ids
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models) while it holds blocks

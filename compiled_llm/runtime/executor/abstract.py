@@ -62,9 +62,12 @@ class Executor(ABC):
 
     # ---- steps ---------------------------------------------------------------------------------
     @abstractmethod
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledSeq], pending=None) -> torch.Tensor:
         """float32 logits [sequences that complete their tokens this step, vocab], on rank 0.
-        Raises EngineDeadError when a rank is gone."""
+        Raises EngineDeadError when a rank is gone. pending (sampler.PendingTokens): the previous step's
+        tokens still on the device, for an executor that supports async scheduling."""
+
+    supports_async_scheduling = False  # the next step may launch before the last one's tokens reach the host
 
     def register_media(self, request_id: str, mm) -> None:
         """Makes an admitted request's media available to every rank that runs a tower. One process: the

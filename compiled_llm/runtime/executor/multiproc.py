@@ -141,7 +141,9 @@ class MultiProcExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: dict) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks)
 
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledSeq], pending=None) -> torch.Tensor:
+        if pending is not None:
+            raise ValueError("async scheduling is not supported across ranks")
         self._check()
         try:
             step = self._step_input(batch)

@@ -23,5 +23,7 @@ class UniProcExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: dict[int | None, int]) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        return self.runner.execute(batch)
+    supports_async_scheduling = True
+
+    def execute(self, batch: list[ScheduledSeq], pending=None) -> torch.Tensor:
+        return self.runner.execute(batch, pending)

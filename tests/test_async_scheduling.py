@@ -1,0 +1,110 @@
+"""Async scheduling (engine._step_async): each step is launched before the previous step's tokens are read,
+with placeholders standing in for them. Whatever the mix of requests, the tokens, texts, logprobs and finish
+reasons must equal a synchronous engine's, and every block must come back. The demo model, eager, float32."""
+
+from __future__ import annotations
+
+import pytest
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.config import DEMO_MODEL_DIR
+
+PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4", "Once upon a time", "abc", "zzz qqq www"]
+
+
+def make(async_scheduling: bool, **kw) -> LLM:
+    kw = {"max_num_seqs": 4, "dtype": "float32", "enforce_eager": True, **kw}
+    return LLM(model=str(DEMO_MODEL_DIR), async_scheduling=async_scheduling, **kw)
+
+
+def outputs(llm: LLM, prompts, params) -> list[tuple]:
+    outs = llm.generate(prompts, params)
+    return [(c.token_ids, c.finish_reason, c.stop_reason, c.text,
+             [sorted((t, round(lp.logprob, 4)) for t, lp in e.items()) for e in c.logprobs or []])
+            for o in outs for c in o.outputs]
+
+
+def assert_all_blocks_back(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.usage() == 0.0
+    assert all(not s.pending_token for r in engine.requests.values() for s in r.seqs)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return make(False), make(True)
+
+
+def test_mixed_requests_equal_synchronous(engines):
+    sync, fast = engines
+    # the reference run first: its tokens give stops that end sequences mid-run (the launched step after
+    # an EOS/stop is computed and dropped)
+    base = [SamplingParams(temperature=0, max_tokens=n) for n in (5, 17, 1, 30, 9, 12)]
+    ref = outputs(sync, PROMPTS, base)
+    params = list(base)
+    params[1] = SamplingParams(temperature=0, max_tokens=17, stop_token_ids=[ref[1][0][6]])
+    params[3] = SamplingParams(temperature=0.8, seed=3, max_tokens=20, logprobs=2)
+    params[4] = SamplingParams(temperature=0, max_tokens=9, stop=[ref[4][3][2:5]] if len(ref[4][3]) > 5 else None)
+    params[5] = SamplingParams(temperature=0.7, seed=11, n=2, max_tokens=12, min_tokens=4)
+    want = outputs(sync, PROMPTS, params)
+    got = outputs(fast, PROMPTS, params)
+    assert got == want
+    assert want[1][1] == "stop" and len(want[1][0]) <= 7  # the stop token really ended it early
+    assert fast.engine.async_steps > 0 and fast.engine.sync_steps == 0
+    assert_all_blocks_back(fast)
+
+
+def test_preemption_and_prefix_cache_equal_synchronous():
+    prompts = [PROMPTS[1] * 3 + f" {i}" for i in range(6)]  # a shared prefix: prefix-cache hits
+    params = SamplingParams(temperature=0, max_tokens=24)
+    kw = dict(block_size=4, num_kv_blocks=40, max_num_seqs=6, max_model_len=128)
+    sync, fast = make(False, **kw), make(True, **kw)
+    want = outputs(sync, prompts, params)
+    got = outputs(fast, prompts, params)
+    assert got == want
+    stats = fast.engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert_all_blocks_back(fast)
+
+
+def test_penalties_step_synchronously_then_async_resumes(engines):
+    sync, fast = engines
+    params = [SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=20)]
+    want = outputs(sync, PROMPTS[:2], params)
+    a0, s0 = fast.engine.async_steps, fast.engine.sync_steps
+    got = outputs(fast, PROMPTS[:2], params)
+    assert got == want
+    assert fast.engine.sync_steps > s0  # while the penalised request lasted
+    assert fast.engine.async_steps > a0  # after it ended
+    assert not fast.engine._sync_requests
+    assert_all_blocks_back(fast)
+
+
+def test_abort_while_a_step_is_in_flight(engines):
+    sync, fast = engines
+    params = SamplingParams(temperature=0, max_tokens=15)
+    want = outputs(sync, PROMPTS[:3], params)
+    engine = fast.engine
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(f"r{i}", p, params)
+    finals = {}
+    for _ in range(4):
+        for out in engine.step():
+            finals[out.request_id] = out
+    assert engine._inflight is not None
+    engine.abort_request("r1")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finals[out.request_id] = out
+    assert "r1" not in engine.requests
+    for i in (0, 2):
+        assert finals[f"r{i}"].outputs[0].token_ids == want[i][0]
+    assert engine.block_manager.usage() == 0.0
+
+
+def test_async_scheduling_is_refused_with_a_warning_where_it_cannot_run(caplog):
+    llm = make(True, sparse_method="streamingllm", sparse_window=32, sparse_sink_tokens=4)
+    assert not llm.engine.async_scheduling
+    assert any("async scheduling is off: sparse KV" in r.getMessage() for r in caplog.records)
