@@ -217,6 +217,21 @@ def test_pp2_greedy_and_stage_weights(tiny_ckpt, parallel_llm):
     check_pp2_counts(executor.collective_rpc("param_counts"), full, info)
 
 
+def test_pp2_compiled_equals_eager(tiny_ckpt, parallel_llm):
+    """Each stage compiles its own layers with the fusion passes (fusion_check=error: every layer of the stage
+    gets its declared fusions); hidden states and PLE per-layer inputs cross as the compiled forward's inputs
+    and outputs; greedy tokens equal one eager process."""
+    ps, ref, _, _ = reference(tiny_ckpt, "ple")
+    llm = parallel_llm("ple", pipeline_parallel_size=2, enforce_eager=False, fusion_check="error",
+                       cudagraph_batch_sizes="1,2")
+    assert generate_ids(llm, ps) == ref
+    summaries = llm.engine.executor.collective_rpc("compiler_summary")
+    assert len(summaries) == 2
+    for s in summaries:
+        assert s["pieces"] >= 2 and s["passes"]["qk_norm_rope_kv_write"]["matches"] >= 1
+        assert s["static_sizes"] == [1, 2]
+
+
 def test_killed_worker_fails_fast(tiny_ckpt, parallel_llm):
     ps, ref, _, _ = reference(tiny_ckpt, "dense")
     llm = parallel_llm("dense", tensor_parallel_size=2)

@@ -70,8 +70,10 @@ def _tp_group_name() -> str | None:
 
 class ModelCompiler:
     def __init__(self, model: torch.nn.Module, config, device: torch.device, dtype: torch.dtype, specs: dict,
-                 hf_config: dict, facts: dict | None = None, stateful: bool = False):
-        """stateful: the model has recurrent-state ops (no whole-graph decode capture for it)."""
+                 hf_config: dict, facts: dict | None = None, stateful: bool = False, stage_inputs=None):
+        """stateful: the model has recurrent-state ops (no whole-graph decode capture for it). stage_inputs: on
+        a pipeline stage after the first, num_tokens -> dummy tensors of what the previous stage hands over
+        (for warm-up); the stage's forward takes them as `intermediate`."""
         self.config = config
         self.model = model
         self.device = torch.device(device)
@@ -85,14 +87,18 @@ class ModelCompiler:
             cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode,
             passes=parse_passes(config.compile_passes), dtype=dtype, tp_group=_tp_group_name(),
             jit_monitor=config.jit_monitor)
-        self.compiled = CompiledModel(model, ccfg, self.device, OPS["attention"].capturable(), whole_graph=not stateful)
+        # whole-graph decode keeps static buffers for token ids and positions only: not under pipeline stages
+        pipeline = config.pipeline_parallel_size > 1
+        self.stage_inputs = stage_inputs
+        self.compiled = CompiledModel(model, ccfg, self.device, OPS["attention"].capturable(),
+                                      whole_graph=not stateful and not pipeline)
         self.cache: CompileCache | None = None
         self.startup_seconds = 0.0
         self.warmup_seconds: dict[str, float] = {}  # warm-up item -> seconds (the start-up's phases)
         count_cpp_builds()
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.compiled(input_ids, positions)
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        return self.compiled(input_ids, positions, intermediate)
 
     def cache_flags(self) -> dict:
         c = self.config
@@ -110,7 +116,8 @@ class ModelCompiler:
 
         def run():
             warm_up(self.compiled, self.specs, kv_caches, block_size, self.config.max_num_batched_tokens, self.facts,
-                    self.device, self.config.jit_monitor, progress, context_factory, self.warmup_seconds)
+                    self.device, self.config.jit_monitor, progress, context_factory, self.warmup_seconds,
+                    self.stage_inputs)
 
         if self.config.compile_cache:
             self.cache = CompileCache(self.config.compile_cache, self.hf_config, self.cache_flags(), self.device)

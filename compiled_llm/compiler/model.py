@@ -62,6 +62,7 @@ class StaticBatch:
         self.tables = {g: torch.zeros(size, max_blocks, dtype=torch.int32, device=device) for g in groups}
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.qsl = torch.zeros(size + 1, dtype=torch.int32, device=device)
+        self.inter: dict[str, torch.Tensor] = {}  # a later pipeline stage's inputs, padded
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         n = input_ids.shape[0]
@@ -69,6 +70,19 @@ class StaticBatch:
         self.ids[n:].zero_()
         self.pos[:n].copy_(positions)
         self.pos[n:].zero_()
+
+    def load_intermediate(self, intermediate: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A later pipeline stage's inputs (hidden states, per-layer inputs) padded into this size's buffers."""
+        out = {}
+        for name, t in intermediate.items():
+            buf = self.inter.get(name)
+            if buf is None or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
+                buf = self.inter[name] = torch.zeros((self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            n = t.shape[0]
+            buf[:n].copy_(t)
+            buf[n:].zero_()
+            out[name] = buf
+        return out
 
     def stage(self, ctx, n: int, full: bool):
         """A copy of the forward context whose tensors live in these buffers (padded slots are -1)."""
@@ -143,12 +157,17 @@ class CompiledModel:
                 return s
         return None
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, size: int | None) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, size: int | None,
+                 intermediate: dict[str, torch.Tensor] | None = None):
         self.state.bucket = size
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         with fx_config.patch(**_NO_01_SPECIALISATION):  # one compile serves a single token too
-            return self.compiled(input_ids, positions)
+            if intermediate is None:
+                return self.compiled(input_ids, positions)
+            for t in intermediate.values():
+                torch._dynamo.mark_dynamic(t, 0)
+            return self.compiled(input_ids, positions, intermediate)
 
     def static_batch(self, size: int) -> StaticBatch:
         if size not in self.buffers:
@@ -156,24 +175,28 @@ class CompiledModel:
             self.buffers[size] = StaticBatch(size, groups, self.device, self.max_blocks)
         return self.buffers[size]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 intermediate: dict[str, torch.Tensor] | None = None):
+        """Hidden states; under pipeline parallelism a later stage takes the previous stage's tensors in
+        `intermediate` and a stage before the last returns its own (a dict)."""
         with MONITOR.watch(self.config.jit_monitor):
-            return self._call(input_ids, positions)
+            return self._call(input_ids, positions, intermediate)
 
-    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
         n = input_ids.shape[0]
         size = self.bucket_for(n)
         if size is None:
-            return self._forward(input_ids, positions, None)
+            return self._forward(input_ids, positions, None, intermediate)
         buf = self.static_batch(size)
         buf.load(input_ids, positions)
+        inter = buf.load_intermediate(intermediate) if intermediate is not None else None
         if not self.state.cudagraphs:
-            return self._forward(buf.ids, buf.pos, size)[:n]
+            return _first(self._forward(buf.ids, buf.pos, size, inter), n)
         ctx = get_forward_context()
         full = size in self.full and len(ctx.attn_metadata.seq_lens) == n  # a decode batch
         with set_forward_context(buf.stage(ctx, n, full)):
-            out = self.full[size].replay() if full else self._forward(buf.ids, buf.pos, size)
-        return out[:n]
+            out = self.full[size].replay() if full else self._forward(buf.ids, buf.pos, size, inter)
+        return _first(out, n)
 
     # ---- whole-graph decode ------------------------------------------------------------------
     def choose_decode_graph(self, size: int, repeats: int = 20) -> None:
@@ -236,6 +259,11 @@ class CompiledModel:
             "whole_graph_decode_sizes": sorted(self.full),
             "decode_timings_ms": {str(k): v for k, v in self.decode_timings.items()},
         }
+
+
+def _first(out, n: int):
+    """The first n rows of the output (a tensor, or a pipeline stage's dict of tensors)."""
+    return {k: v[:n] for k, v in out.items()} if isinstance(out, dict) else out[:n]
 
 
 def _time(fn, repeats: int) -> float:

@@ -58,17 +58,20 @@ def kernel_keys(facts: dict) -> list[tuple]:
 
 @torch.inference_mode()
 def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: int, facts: dict, device,
-            mode: str = "off", progress: bool = True, context_factory=None, timings: dict | None = None) -> float:
+            mode: str = "off", progress: bool = True, context_factory=None, timings: dict | None = None,
+            stage_inputs=None) -> float:
     """model: a CompiledModel. context_factory(num_seqs, tokens_per_seq) -> ForwardContext, for models
     whose ops need more than the KV cache (recurrent state); default: dummy_context. Returns seconds; each
-    item's seconds go into `timings` (name -> seconds) when given."""
+    item's seconds go into `timings` (name -> seconds) when given. stage_inputs(num_tokens): a later pipeline
+    stage's dummy inputs from the previous stage."""
     device = torch.device(device)
     make = context_factory or (lambda s, t: dummy_context(specs, kv_caches, block_size, s, t, device))
 
     def forward(num_seqs: int, tokens: int):
         n = num_seqs * tokens
+        args = (torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device) % tokens)
         with set_forward_context(make(num_seqs, tokens)):
-            model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device) % tokens)
+            model(*args) if stage_inputs is None else model(*args, stage_inputs(n))
 
     def decode_graph(size: int):
         with set_forward_context(make(size, 1)):

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from compiled_llm.config import EngineConfig
+from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.interfaces import recurrent_state_specs
 from compiled_llm.models.loader import init_dummy_weights, load_weights, resolve_dtype
 from compiled_llm.models.registry import resolve_model_class
@@ -97,15 +98,24 @@ class ModelRunner(KVCachePlanner):
         log.info("op providers: %s", describe(self.op_providers))
         self.compiler = None
         if not config.enforce_eager:
-            if self.sparse is not None or config.pipeline_parallel_size > 1:
-                log.info("compiler off for this run (sparse KV or pipeline parallel): eager")
+            if self.sparse is not None:
+                log.info("compiler off for this run (sparse KV): eager")
             else:
                 from compiled_llm.compiler import ModelCompiler
 
                 if self.device.type == "cpu":
                     quiet_cpp_extension_import()
                 self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts,
-                                              stateful=bool(self.state_specs))
+                                              stateful=bool(self.state_specs), stage_inputs=self._stage_inputs())
+
+    def _stage_inputs(self):
+        """On a pipeline stage after the first: num_tokens -> zeros shaped like what the previous stage sends
+        (the compiler warms up with them); None elsewhere."""
+        if get_parallel_state().is_first_stage:
+            return None
+        model, dtype, device = self.model, self.dtype, self.device
+        return lambda n: {name: torch.zeros(shape, dtype=dt, device=device)
+                          for name, (shape, dt) in model.intermediate_shapes(n, dtype).items()}
 
     def _build_model(self, model_cls, folder: Path) -> torch.nn.Module:
         """The model on its device in the serving dtype, with its weights; logged, since a large model
@@ -267,7 +277,8 @@ class ModelRunner(KVCachePlanner):
         kwargs = {} if intermediate is None else {"intermediate": intermediate}
         if inputs_embeds is not None:
             kwargs["inputs_embeds"] = inputs_embeds
-        compiled = self.compiler is not None and not kwargs and positions.dim() == 1  # M-RoPE steps: eager
+        # media steps (inputs_embeds) and M-RoPE steps run eager; a pipeline stage's tensors go to the compiled forward
+        compiled = self.compiler is not None and inputs_embeds is None and positions.dim() == 1
         forward = self.compiler if compiled else self.model
         with set_forward_context(ctx):
             hidden = forward(input_ids, positions, **kwargs)
