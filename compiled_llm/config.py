@@ -56,6 +56,7 @@ class EngineConfig:
     cudagraph_batch_sizes: str | None = None  # "1,2,4,8"; None: powers of two up to max_num_seqs on CUDA, none on CPU
     compile_sizes: str | None = None  # buckets with their own static compile; None: all; "none": dynamic compile
     full_graph_decode: str = "auto"  # auto | on | off: capture decode whole (attention included) where faster
+    max_autotune: str = "off"  # off | static | all: Inductor times Triton GEMM templates against cuBLAS per shape
     compile_passes: str | None = None  # comma-separated fusion passes; None: all that apply; "none": no fusion
     fusion_check: str = "warn"  # warn | error: what a layer missing a declared fusion does (compiler/verify.py)
     op_providers: str | None = None  # override the op resolver: "attention=reference,rms_norm=triton"
@@ -119,6 +120,9 @@ _HELP = {
     "jit_monitor": "off, warn or error: what a JIT compile after start-up warm-up does (error: raise)",
     "cudagraph_batch_sizes": "comma-separated token counts compiled statically and captured as CUDA Graphs "
                              "(default: powers of two up to max-num-seqs on CUDA, none on CPU; 'none' for none)",
+    "max_autotune": "matmuls of the compiled pieces timed on this device (Inductor's Triton GEMM templates "
+                    "against cuBLAS) and the fastest kept: off, static (the static batch sizes: decode) or all "
+                    "(the dynamic compile too); slower start-up, kept in the compile cache",
     "compile_sizes": "comma-separated batch sizes (of --cudagraph-batch-sizes) that get their own static "
                      "Inductor compile; the other sizes replay the dynamic-token-count compile, padded (and "
                      "captured as CUDA Graphs). Default: all of them; 'none': only the dynamic compile, the "

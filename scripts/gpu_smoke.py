@@ -174,7 +174,7 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
     return ok
 
 
-def big(config: str, shape: str, compile_sizes: str | None = None) -> bool:
+def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune: str = "off") -> bool:
     from configs import write_checkpoint_folder
 
     p, b, o = (int(x) for x in shape.split("x"))
@@ -183,7 +183,7 @@ def big(config: str, shape: str, compile_sizes: str | None = None) -> bool:
     t = time.perf_counter()
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b, fusion_check="error",
-              compile_sizes=compile_sizes)
+              compile_sizes=compile_sizes, max_autotune=max_autotune)
     start = time.perf_counter() - t
     comp = llm.engine.executor.runner.compiler
     s = comp.summary()
@@ -202,7 +202,7 @@ def big(config: str, shape: str, compile_sizes: str | None = None) -> bool:
     tok_s = b * o / statistics.median(times)
     stats = llm.engine.get_stats()
     RESULTS["big"] = {
-        "config": config, "shape": shape, "compile_sizes": compile_sizes, "tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times],
+        "config": config, "shape": shape, "compile_sizes": compile_sizes, "max_autotune": max_autotune, "tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times],
         "startup_s": round(start, 1), "compile_s": round(comp.startup_seconds, 1),
         "matches": {k: v["matches"] for k, v in s["passes"].items()}, "pieces": s["pieces"],
         "shared_compiles": s.get("shared_compiles"),
@@ -359,6 +359,7 @@ def main() -> int:
     ap.add_argument("--shape", default="1024x8x64")
     ap.add_argument("--budget", type=float, default=480, help="seconds for the tiny section before it skips the rest")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--max-autotune", default="off", help="big: off | static | all (Inductor GEMM autotuning)")
     ap.add_argument("--compile-sizes", default=None, help="big: `none` replays the dynamic compile at every batch size")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the tiny section's logic before a GPU call")
     args = ap.parse_args()
@@ -375,7 +376,7 @@ def main() -> int:
             if section == "tiny":
                 ok &= tiny(args.names.split(","), t0 + args.budget, args.device)
             else:
-                ok &= big(args.big, args.shape, args.compile_sizes)
+                ok &= big(args.big, args.shape, args.compile_sizes, args.max_autotune)
         except Exception as e:
             traceback.print_exc()
             print(f"{section}: EXCEPTION {e!r}"[:3000], flush=True)

@@ -239,3 +239,27 @@ def test_whole_graph_decode_needs_every_chosen_split_op_provider_capturable(tiny
             table = select_providers("cuda", torch.bfloat16, specs, model_facts(cfg, block_size=16), caps=GPU)
             assert ("reference" in table["attention"].values()) != capturable
             assert OPS["attention"].capturable() == capturable
+
+
+def test_max_autotune_reaches_the_compiles_it_names():
+    """--max-autotune static: Inductor's GEMM autotuning in the static batch-size compiles (decode), not in the
+    dynamic one; all: both; off: neither. Our passes and settings stay in every compile's config."""
+    from types import SimpleNamespace
+
+    from compiled_llm.compiler import parse_autotune
+    from compiled_llm.compiler.backend import CompilerConfig
+    from compiled_llm.compiler.piecewise import PieceRunner
+    from compiled_llm.passes.manager import PassManager
+
+    def patches(mode: str, shape: str) -> dict:
+        runner = PieceRunner.__new__(PieceRunner)
+        runner.backend = SimpleNamespace(pass_manager=PassManager(), config=CompilerConfig(autotune=parse_autotune(mode)))
+        return runner._inductor_config(shape)
+
+    assert patches("static", "8").get("max_autotune_gemm") is True
+    assert "max_autotune_gemm" not in patches("static", "dynamic")
+    assert patches("all", "dynamic").get("max_autotune_gemm") is True
+    assert "max_autotune_gemm" not in patches("off", "8")
+    assert patches("static", "8")["shape_padding"] is False and "post_grad_custom_pre_pass" in patches("off", "1")
+    with pytest.raises(ValueError, match="max_autotune must be off, static or all"):
+        parse_autotune("yes")

@@ -38,6 +38,13 @@ def parse_sizes(text: str | None, device: torch.device, max_num_seqs: int) -> li
     return sizes
 
 
+def parse_autotune(text: str | None) -> str:
+    value = str(text or "off").strip().lower()
+    if value not in ("off", "static", "all"):
+        raise ValueError(f"max_autotune must be off, static or all, not {text!r}")
+    return value
+
+
 def parse_compile_sizes(text: str | None, sizes: list[int]) -> list[int] | None:
     """None: every bucket compiles statically; 'none' or '': none does; '1,8': those (each must be a bucket)."""
     if text is None:
@@ -85,6 +92,7 @@ class ModelCompiler:
         ccfg = CompilerConfig(
             batch_sizes=sizes, compile_sizes=parse_compile_sizes(config.compile_sizes, sizes),
             cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode,
+            autotune=parse_autotune(config.max_autotune),
             passes=parse_passes(config.compile_passes), dtype=dtype, tp_group=_tp_group_name(),
             jit_monitor=config.jit_monitor)
         # whole-graph decode keeps static buffers for token ids and positions only: not under pipeline stages
@@ -106,7 +114,7 @@ class ModelCompiler:
         return {"dtype": str(self.dtype), "block_size": c.block_size, "max_num_seqs": c.max_num_seqs,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "max_model_len": c.max_model_len,
                 "batch_sizes": self.compiled.sizes, "compile_sizes": self.compiled.config.compile_sizes, "passes": self.compiled.pass_manager.config,
-                "full_graph_decode": c.full_graph_decode, "providers": providers, "tp": self.compiled.config.tp_group}
+                "full_graph_decode": c.full_graph_decode, "max_autotune": c.max_autotune, "providers": providers, "tp": self.compiled.config.tp_group}
 
     def warm_up(self, kv_caches: dict, block_size: int, context_factory=None, progress: bool = True) -> None:
         """Compiles everything before the first request: from the compile cache when one is given."""

@@ -47,6 +47,7 @@ class CompilerConfig:
     compile_sizes: list[int] | None = None  # buckets with their own static compile (None: every bucket)
     cudagraphs: bool = False  # capture each piece per batch size (CUDA only)
     full_graph_decode: str = "auto"  # auto: measure piecewise vs whole-graph capture of decode; on; off
+    autotune: str = "off"  # off | static | all: Inductor's max_autotune_gemm for those compiles
     passes: tuple[str, ...] | None = None  # None: every pass that applies
     dtype: torch.dtype = torch.float32
     tp_group: str | None = None  # process-group name of tensor parallelism (all-reduce fusion)

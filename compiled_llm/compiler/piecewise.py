@@ -139,7 +139,7 @@ class PieceRunner:
         calls = passes.calls
         t0 = time.perf_counter()
         compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/inspect.py)
-        fn = compile_fn(gm, static_fakes(args), config_patches=passes.inductor_config())
+        fn = compile_fn(gm, static_fakes(args), config_patches=self._inductor_config(shape))
         self.inputs[self.label(shape)] = passes.last_input if passes.calls != calls else None
         self.compile_seconds += time.perf_counter() - t0
         # our passes count into counters["inductor"], per layer relative to the graph's first one; Inductor's
@@ -147,6 +147,14 @@ class PieceRunner:
         delta = Counter({k: v for k, v in (counters["inductor"] - before).items() if k.startswith("compiled_llm.")})
         self.matches[self.label(shape)] = absolute_layers(delta, self.base)
         return fn, delta
+
+    def _inductor_config(self, shape: str) -> dict:
+        """Our passes and settings; GEMM autotuning for the compiles the config names (static: the batch sizes)."""
+        patches = self.backend.pass_manager.inductor_config()
+        autotune = self.backend.config.autotune
+        if autotune == "all" or (autotune == "static" and shape != "dynamic"):
+            patches = {**patches, "max_autotune_gemm": True}
+        return patches
 
     def label(self, shape: str) -> str:
         return shape if self.graph == 0 else f"{shape}/g{self.graph}"
