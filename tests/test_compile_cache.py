@@ -21,7 +21,7 @@ def run_cache(model: Path, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     r = subprocess.run([sys.executable, "-m", "compiled_llm", "compile-cache", "--model", str(model), "--out", str(out),
                         "--report", "--block-size", "4", "--max-model-len", "64", "--num-kv-blocks", "64",
-                        "--dtype", "float32", "--cudagraph-batch-sizes", "1,2"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        "--dtype", "float32", "--cudagraph-batch-sizes", "2"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = re.search(r"compile cache (\S+): (\w+).*start-up ([\d.]+)s", r.stdout)
     counters = dict((k, int(v)) for k, v in re.findall(r"(\w+)=(\d+)", r.stdout.split("compiles this run:")[1]))
@@ -62,7 +62,7 @@ def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_pa
     assert sorted(cache.rglob("*")) == files  # the hit wrote nothing
     c = second["counters"]
     assert c["fxgraph_cache_miss"] == 0 and c["autograd_cache_miss"] == 0 and c["cpp_builds"] == 0
-    assert c["fxgraph_cache_hit"] == first["counters"]["fxgraph_cache_miss"] >= 2 * 3  # 2 pieces x dynamic, 1, 2
+    assert c["fxgraph_cache_hit"] == first["counters"]["fxgraph_cache_miss"] >= 2 * 2  # 2 pieces x (dynamic, 2)
     assert c["fxgraph_cache_bypass"] == 0 and c["autograd_cache_bypass"] == 0
     assert "yet this start compiled" not in second["log"]
     assert second["matches"] == first["matches"] and int(first["matches"]["qk_norm_rope_kv_write"]) == 1
