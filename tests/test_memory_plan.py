@@ -8,7 +8,6 @@ smoke script, which prints `ModelRunner.memory_profile`."""
 from __future__ import annotations
 
 import gc
-import types
 import weakref
 
 import pytest
@@ -17,7 +16,6 @@ import torch
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.config import EngineConfig
 from compiled_llm.distributed.parallel_state import ParallelState, set_parallel_state
-from compiled_llm.runtime.engine import LLMEngine
 from compiled_llm.runtime.memory import GIB, GPU_MARGIN_BYTES, kv_cache_budget, one_sequence_bytes, sequence_blocks
 from compiled_llm.runtime.model_runner import ModelRunner
 from qwen3_5_tiny import make_qwen_checkpoint
@@ -57,12 +55,14 @@ def test_sequence_blocks_is_the_engines_capacity_rule():
     assert sequence_blocks((32, 4), max_len, bs) == 5  # + one block of sinks
     assert sequence_blocks(512, max_len, bs) == 8  # a window longer than the sequence: the sequence
     assert one_sequence_bytes({None: 10, 32: 3}, max_len, bs) == 8 * 10 + 4 * 3
-    engine = types.SimpleNamespace(config=EngineConfig(block_size=bs, max_model_len=max_len))
+    from compiled_llm.runtime.kv_plan import check_capacity
+
+    config = EngineConfig(block_size=bs, max_model_len=max_len)
     for group in (None, 32, (32, 4), 512):
         n = sequence_blocks(group, max_len, bs)
-        LLMEngine._check_capacity(engine, {group: n})
+        check_capacity(config, {group: n})
         with pytest.raises(ValueError):
-            LLMEngine._check_capacity(engine, {group: n - 1})
+            check_capacity(config, {group: n - 1})
 
 
 # ---- the GPU path, with made-up measurements ---------------------------------------------------------------

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.outputs import RequestOutput
-from compiled_llm.runtime.block_manager import BlockManager, group_sinks, group_window
 from compiled_llm.runtime.context_len import check_max_model_len
 from compiled_llm.runtime.errors import EngineDeadError
 from compiled_llm.runtime.executor import Executor, make_executor
 from compiled_llm.runtime.input_processor import InputProcessor, load_tokenizer
+from compiled_llm.runtime.kv_plan import build_kv_cache
 from compiled_llm.runtime.output_processor import OutputProcessor, generation_eos_ids
 from compiled_llm.runtime.sampler import PendingTokens, SampledBatch, Sampler
 from compiled_llm.runtime.scheduler import ScheduledSeq, Scheduler
@@ -66,7 +66,7 @@ class LLMEngine:
         self.eos_token_ids = set(mcfg.eos_token_id) | generation_eos_ids(Path(model_path))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.block_manager = self._build_kv_cache()
+        self.block_manager = build_kv_cache(config, self.executor)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()
@@ -95,35 +95,6 @@ class LLMEngine:
             log.warning("async scheduling is off: %s", why)
             return False
         return True
-
-    def _build_kv_cache(self) -> BlockManager:
-        """Plans the blocks of every KV group on every rank, checks they hold max_model_len, allocates them
-        (the compiler warms up there) and returns the block manager that hands them out."""
-        config, executor = self.config, self.executor
-        if executor.state_specs and config.enable_prefix_caching:
-            # A cached prefix would need the recurrent state at that point, which is not kept.
-            log.warning("prefix caching is off for this model: its recurrent (linear-attention) layers "
-                        "keep per-sequence state that cached KV blocks cannot restore")
-            config.enable_prefix_caching = False
-        num_blocks = executor.plan_blocks(config.max_model_len)
-        self._check_capacity(num_blocks)
-        executor.allocate_kv_cache(num_blocks)
-        sparse = executor.sparse
-        tokens = {("full" if g is None else f"window {g}"): n * config.block_size for g, n in num_blocks.items()}
-        log.info("KV cache: %s tokens per group, block size %d", tokens, config.block_size)
-        return BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                            executor.group_block_bytes(), executor.num_state_slots,
-                            hash_prompt_only=sparse is not None and not sparse.hash_generated_blocks)
-
-    def _check_capacity(self, num_blocks: dict[int | None, int]) -> None:
-        bs = self.config.block_size
-        for g, n in num_blocks.items():
-            need = self.config.max_model_len if g is None else min(
-                self.config.max_model_len, group_window(g) + bs + -(-group_sinks(g) // bs) * bs)
-            if n * bs < need + bs:
-                raise ValueError(f"the KV cache holds {n * bs} tokens for "
-                                 f"{'full' if g is None else f'window-{g}'} layers, fewer than max_model_len "
-                                 f"({self.config.max_model_len}) needs; give it more memory or lower max_model_len")
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,

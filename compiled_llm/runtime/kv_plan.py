@@ -11,7 +11,7 @@ import time
 import torch
 
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
-from compiled_llm.runtime.block_manager import group_sinks, group_window
+from compiled_llm.runtime.block_manager import BlockManager, group_sinks, group_window
 from compiled_llm.runtime.memory import GPU_MARGIN_BYTES, gib, kv_cache_budget, one_sequence_bytes, sequence_blocks
 
 log = logging.getLogger("compiled_llm")
@@ -160,3 +160,34 @@ class KVCachePlanner:
     def state_bytes(self) -> int:
         """Bytes of all recurrent-state slots (taken from the KV budget)."""
         return self.num_state_slots * sum(s.slot_bytes(self.dtype) for s in self.state_specs.values())
+
+
+def build_kv_cache(config, executor) -> BlockManager:
+    """Plans the blocks of every KV group on every rank, checks they hold max_model_len, allocates them
+    (the compiler warms up there) and returns the block manager that hands them out."""
+    if executor.state_specs and config.enable_prefix_caching:
+        # A cached prefix would need the recurrent state at that point, which is not kept.
+        log.warning("prefix caching is off for this model: its recurrent (linear-attention) layers "
+                    "keep per-sequence state that cached KV blocks cannot restore")
+        config.enable_prefix_caching = False
+    num_blocks = executor.plan_blocks(config.max_model_len)
+    check_capacity(config, num_blocks)
+    executor.allocate_kv_cache(num_blocks)
+    sparse = executor.sparse
+    tokens = {("full" if g is None else f"window {g}"): n * config.block_size for g, n in num_blocks.items()}
+    log.info("KV cache: %s tokens per group, block size %d", tokens, config.block_size)
+    return BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                        executor.group_block_bytes(), executor.num_state_slots,
+                        hash_prompt_only=sparse is not None and not sparse.hash_generated_blocks)
+
+
+def check_capacity(config, num_blocks: dict[int | None, int]) -> None:
+    """Each group's blocks must hold what one max_model_len sequence needs of it (a window group: its window)."""
+    bs = config.block_size
+    for g, n in num_blocks.items():
+        need = config.max_model_len if g is None else min(
+            config.max_model_len, group_window(g) + bs + -(-group_sinks(g) // bs) * bs)
+        if n * bs < need + bs:
+            raise ValueError(f"the KV cache holds {n * bs} tokens for "
+                             f"{'full' if g is None else f'window-{g}'} layers, fewer than max_model_len "
+                             f"({config.max_model_len}) needs; give it more memory or lower max_model_len")
