@@ -2,7 +2,7 @@
 gives EngineDeadError, and the compiled TP2 run (CUDA Graphs, allreduce_rms_norm) gives the same tokens.
 
     python scripts/check_parallel_gpu.py CKPT modes      # eager: TP2, PP2, TP2+EP, killed worker
-    python scripts/check_parallel_gpu.py CKPT compiled   # compiled TP1 and TP2, per-rank pass matches
+    python scripts/check_parallel_gpu.py CKPT compiled   # compiled TP1, TP2, TP2+EP and PP2, per-rank pass matches
 
 CKPT: a tiny float32 checkpoint, e.g. `python -c "import sys; sys.path.insert(0, 'tests'); from pathlib import
 Path; from tiny_models import make_checkpoint; make_checkpoint(Path('/tmp/ckpt_all'), 'all')"`.
@@ -54,11 +54,13 @@ def main():
     if phase == "compiled":
         ref_c = run(enforce_eager=False)
         print("compiled tp1 vs eager:", "MATCH" if ref_c == ref else "DIFF")
-        llm, got = run(keep=True, enforce_eager=False, tensor_parallel_size=2)
-        print("compiled tp2:", "MATCH" if got == ref else f"DIFF {got} vs {ref}", flush=True)
-        for s in llm.engine.executor.collective_rpc("compiler_summary"):
-            print({k: v for k, v in s.items() if k != "counters"}, flush=True)
-        llm.engine.shutdown()
+        for kw in (dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                   dict(pipeline_parallel_size=2)):  # compiled, CUDA graphs; PP: each stage its own graphs
+            llm, got = run(keep=True, enforce_eager=False, fusion_check="error", **kw)
+            print("compiled", kw, "MATCH" if got == ref else f"DIFF {got} vs {ref}", flush=True)
+            for s in llm.engine.executor.collective_rpc("compiler_summary"):
+                print({k: v for k, v in s.items() if k not in ("counters", "warmup_seconds")}, flush=True)
+            llm.engine.shutdown()
 
 if __name__ == "__main__":
     main()
