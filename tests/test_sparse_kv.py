@@ -518,3 +518,16 @@ def test_demo_model_agreement_and_perplexity():
         report[name] = dict(ppl=round(ppl, 3), **agreement(greedy(llm, [prompt], 48)[0], ref))
         assert math.isfinite(ppl)
     print("\ndemo model, prompt %d tokens, budget %d: %s" % (len(prompt), budget, json.dumps(report)))
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "omnikv"])
+def test_compiled_equals_eager(tiny_ckpt, tiny_llms, method):
+    """A sparse method no longer switches the compiler off: the pieces between attention ops are compiled with
+    the passes (fusion_check=error), the sparse attention runs between them, and the tokens equal eager's."""
+    folder, _ = tiny_ckpt("dense")
+    prompts = _prompts([LONG, 40], seed=5)
+    want = greedy(tiny_llms[method], prompts, 12)
+    llm = LLM(str(folder), **{**BASE, "enforce_eager": False, "fusion_check": "error"}, **METHODS[method])
+    compiler = llm.engine.executor.runner.compiler
+    assert compiler is not None and compiler.summary()["pieces"] >= 2
+    assert greedy(llm, prompts, 12) == want

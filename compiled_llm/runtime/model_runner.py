@@ -98,15 +98,14 @@ class ModelRunner(KVCachePlanner):
         log.info("op providers: %s", describe(self.op_providers))
         self.compiler = None
         if not config.enforce_eager:
-            if self.sparse is not None:
-                log.info("compiler off for this run (sparse KV): eager")
-            else:
-                from compiled_llm.compiler import ModelCompiler
+            from compiled_llm.compiler import ModelCompiler
 
-                if self.device.type == "cpu":
-                    quiet_cpp_extension_import()
-                self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts,
-                                              stateful=bool(self.state_specs), stage_inputs=self._stage_inputs())
+            if self.device.type == "cpu":
+                quiet_cpp_extension_import()
+            # sparse KV and recurrent-state ops read per-step host metadata: no whole-graph decode capture
+            self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts,
+                                          stateful=bool(self.state_specs) or self.sparse is not None,
+                                          stage_inputs=self._stage_inputs())
 
     def _stage_inputs(self):
         """On a pipeline stage after the first: num_tokens -> zeros shaped like what the previous stage sends
@@ -167,7 +166,7 @@ class ModelRunner(KVCachePlanner):
         log.info("KV cache allocated in %.1fs", time.perf_counter() - t0)
         if self.compiler is not None:  # everything compiles before the first request
             self.compiler.warm_up(self.kv_caches, self.block_size,
-                                  self._warmup_context if self.state_specs else None)
+                                  self._warmup_context if (self.state_specs or self.sparse is not None) else None)
 
     def _warmup_context(self, num_seqs: int, tokens_per_seq: int) -> ForwardContext:
         """Warm-up's dummy batch over the real cache, with state slots for the recurrent layers (each starts
