@@ -263,3 +263,30 @@ def test_max_autotune_reaches_the_compiles_it_names():
     assert patches("static", "8")["shape_padding"] is False and "post_grad_custom_pre_pass" in patches("off", "1")
     with pytest.raises(ValueError, match="max_autotune must be off, static or all"):
         parse_autotune("yes")
+
+
+def test_cpu_engine_counts_norm_fusions_and_leaves_them_to_inductor(compiled, monkeypatch):
+    """On the CPU the fused norm and QK-norm+RoPE ops could only run their PyTorch reference, op by op: the
+    passes count every layer's match (the fusion check holds) but leave those computations to Inductor, so
+    those ops never run, while the KV write (an op of the model's own graph) and the replaced MoE ops do.
+    The pass unit tests (tests/passes) keep replacing."""
+    from collections import Counter
+
+    from compiled_llm.ops.registry import OPS
+
+    calls = Counter()
+    for name in ("qk_norm_rope_kv_write", "fused_add_rms_norm", "kv_cache_write", "geglu_moe", "router_topk"):
+        spec = OPS[name]
+
+        def impl(*args, _spec=spec, _name=name, _impl=spec.impl):
+            calls[_name] += 1
+            return _impl(*args)
+
+        monkeypatch.setattr(spec, "impl", impl)
+    llm, hf = compiled("moe")
+    ps = prompts(hf.config.vocab_size)[:1]
+    llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0.0, max_tokens=3))
+    assert calls["kv_cache_write"] and calls["geglu_moe"] and calls["router_topk"]
+    assert not calls["qk_norm_rope_kv_write"] and not calls["fused_add_rms_norm"]
+    assert matches(llm) == EXPECTED["moe"]
+    assert llm.engine.executor.runner.compiler.compiled.pass_manager.inductor_config()["emulate_precision_casts"]

@@ -142,7 +142,9 @@ class CompiledModel:
         self.full_graph_ok = (whole_graph and self.state.cudagraphs and config.full_graph_decode != "off"
                               and capturable)
         allow_many_engines()
-        self.pass_manager = PassManager(config.passes, config.dtype, self.device, config.tp_group)
+        # on the CPU every fused op is its PyTorch reference: norms and RoPE are left to Inductor, counted
+        self.pass_manager = PassManager(config.passes, config.dtype, self.device, config.tp_group,
+                                        reference_only=self.device.type == "cpu")
         self.backend = Backend(config, self.pass_manager, self.state)
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
         self.max_blocks = max_blocks_per_seq

@@ -12,6 +12,7 @@ from compiled_llm.passes.base import EPS, FusionPass, empty
 class AddRMSNormPass(FusionPass):
     name = "add_rms_norm"
     fusion = "RMSNorm + residual add"
+    count_only_on_reference = True
 
     def register(self) -> None:
         def search(x, residual, weight, eps):

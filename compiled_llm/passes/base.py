@@ -156,6 +156,10 @@ def halves(match: pm.Match) -> bool:
 class FusionPass:
     name = ""  # short id, used in counters and the report
     fusion = ""  # human-readable name of the fusion
+    # When the fused op can only run its PyTorch reference (the CPU), an opaque call to it runs op by op,
+    # slower than what Inductor generates for the unfused graph. Passes that allow it then only count their
+    # matches (the fusion check still sees every layer) and leave the graph to Inductor (`count_only`).
+    count_only_on_reference = False
 
     def __init__(self, dtypes: tuple[torch.dtype, ...], device: str = "cpu"):
         self.dtypes = dtypes
@@ -163,6 +167,7 @@ class FusionPass:
         # stages run in order: patterns that contain others (q, k and v) go before them (q alone)
         self.stages = [pm.PatternMatcherPass(pass_name=f"compiled_llm.{self.name}") for _ in range(2)]
         self._layers: list[int | None] = []  # layer of each match accepted in the current apply
+        self.count_only = False  # set per graph by the pass manager
         # example inputs on the model's device: some canonicalisations Inductor applies first are device-specific
         with torch._guards.tracing(None), FakeTensorMode(), torch.device(self.device):
             self.register()
@@ -192,7 +197,12 @@ class FusionPass:
         def accept(match: pm.Match) -> bool:
             if check is not None and not check(match):
                 return False
+            if self.count_only and any(id(n) in self._seen for n in match.nodes):
+                return False  # already counted (a stage that contains another's pattern comes first)
             self._layers.append(layer_of(match))
+            if self.count_only:
+                self._seen.update(id(n) for n in match.nodes)
+                return False
             return True
 
         extra = {"skip_duplicates": True} if "skip_duplicates" in _REGISTER_PARAMS else {}
@@ -200,9 +210,11 @@ class FusionPass:
                                 scalar_workaround=scalars, search_fn_pattern=pattern, **extra)
 
     def __call__(self, graph: torch.fx.Graph) -> int:
-        self._layers = []
+        self._layers, self._seen = [], set()
         base = first_layer(graph)
         n = sum(stage.apply(graph) for stage in self.stages)
+        if self.count_only:
+            n = len(self._layers)
         if n:
             counters["inductor"][f"compiled_llm.{self.name}"] += n
             for layer, k in Counter(self._layers).items():

@@ -58,7 +58,9 @@ def _fusion_pass(cls: type[FusionPass], dtypes: tuple, device: str, tp_group: st
 
 class PassManager(CustomGraphPass):
     def __init__(self, enabled: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", tp_group: str | None = None):
+                 device: str = "cpu", tp_group: str | None = None, reference_only: bool = False):
+        """reference_only: the fused ops run their PyTorch reference here (a CPU engine); passes that allow it
+        count their matches and leave the computation to Inductor (FusionPass.count_only_on_reference)."""
         known = all_passes()
         names = list(known) if enabled is None else list(enabled)
         unknown = set(names) - set(known)
@@ -68,7 +70,8 @@ class PassManager(CustomGraphPass):
             names.remove("allreduce_rms_norm")  # only under tensor parallelism
         dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
         device = torch.device(device).type
-        self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group)
+        self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only)
+        self.reference_only = reference_only
         self.passes = [_fusion_pass(known[name], dtypes, device, tp_group) for name in names]
         self._uuid = None
         self.calls = 0  # graphs the passes ran on (an FX-cache hit runs none)
@@ -78,7 +81,11 @@ class PassManager(CustomGraphPass):
         self.calls += 1
         self.last_input = str(graph)
         for p in self.passes:
-            p(graph)
+            p.count_only = self.reference_only and p.count_only_on_reference
+            try:
+                p(graph)
+            finally:
+                p.count_only = False
         if os.environ.get("COMPILED_LLM_DUMP_GRAPHS"):
             log.warning("post-grad graph after our passes:\n%s", graph)
 
@@ -88,7 +95,10 @@ class PassManager(CustomGraphPass):
         return self._uuid
 
     def inductor_config(self) -> dict:
-        return {"post_grad_custom_pre_pass": self, **INDUCTOR_SETTINGS}
+        extra = {}
+        if self.reference_only:  # Inductor then computes what the references did: round as eager rounds
+            extra["emulate_precision_casts"] = True
+        return {"post_grad_custom_pre_pass": self, **INDUCTOR_SETTINGS, **extra}
 
     def fusions(self) -> dict[str, str]:
         return {p.name: p.fusion for p in self.passes}

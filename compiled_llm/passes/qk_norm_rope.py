@@ -15,6 +15,7 @@ from compiled_llm.passes.base import EPS, LAYER, FusionPass, empty, rotate_half
 class QKNormRopeKVWritePass(FusionPass):
     name = "qk_norm_rope_kv_write"
     fusion = "QK-norm + RoPE + KV-cache write"
+    count_only_on_reference = True
 
     def register(self) -> None:
         op = torch.ops.compiled_llm.qk_norm_rope_kv_write
