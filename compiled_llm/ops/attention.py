@@ -134,7 +134,7 @@ def ref_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     # transformers' Gemma 4 (runtime/model_runner.py execute_media sets them; docs/multimodal.md)
     bidir = ctx.extra.get(BIDIR_SPANS_KEY)
     if not any(bidir or ()) and list(meta.query_start_loc) == list(range(len(meta.seq_lens) + 1)):
-        return _ref_decode_attention(q, spec, source, cache, group, meta)
+        return _ref_decode_attention(q, spec, source, cache, group, meta, ctx.extra)
     return _ref_attention_each(q, spec, source, cache, group, meta, bidir)
 
 
@@ -169,20 +169,29 @@ def _ref_attention_each(q: torch.Tensor, spec: AttentionSpec, source: AttentionS
     return out.view(num_tokens, spec.num_heads * spec.head_dim)
 
 
-def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor,
-                          group, meta) -> torch.Tensor:
-    """ref_attention for a decode batch (one query per sequence), batched: every sequence's context gathered
-    into one padded [seqs, longest, kv_heads, head_dim] view and attended in one product, instead of a Python
-    loop over the sequences (which made the reference, the CPU's provider, most of a CPU decode step)."""
-    num_seqs, dev = len(meta.seq_lens), q.device
+def _decode_positions(meta, window: int | None, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode sequence's key positions [seqs, longest] and which are real; padding past a sequence's end
+    reads its last real position (masked later: a weight of 0 times an unused slot's contents could still be
+    NaN, 0 * NaN)."""
     seq_lens = torch.tensor(meta.seq_lens, device=dev)
-    first = (seq_lens - spec.sliding_window).clamp(min=0) if spec.sliding_window is not None else seq_lens * 0
+    first = (seq_lens - window).clamp(min=0) if window is not None else seq_lens * 0
     lens = seq_lens - first
     j = torch.arange(int(lens.max()), device=dev)
-    valid = j[None, :] < lens[:, None]  # [seqs, longest]
-    # padding past a sequence's end reads its last real position, masked below: a weight of 0 times an unused
-    # slot's contents could still be NaN (0 * NaN)
-    k_pos = first[:, None] + torch.minimum(j[None, :], lens[:, None] - 1)
+    valid = j[None, :] < lens[:, None]
+    return first[:, None] + torch.minimum(j[None, :], lens[:, None] - 1), valid
+
+
+def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor,
+                          group, meta, extra: dict) -> torch.Tensor:
+    """ref_attention for a decode batch (one query per sequence), batched: every sequence's context gathered
+    into one padded [seqs, longest, kv_heads, head_dim] view and attended in one product, instead of a Python
+    loop over the sequences (which made the reference, the CPU's provider, most of a CPU decode step). The key
+    positions are the same for every layer of a window size: computed once per step (kept in `extra`)."""
+    num_seqs, dev = len(meta.seq_lens), q.device
+    key = ("_ref_decode_positions", spec.sliding_window)
+    if key not in extra:
+        extra[key] = _decode_positions(meta, spec.sliding_window, dev)
+    k_pos, valid = extra[key]
     keys, values = gather_kv_batched(cache, group.block_tables[:num_seqs], k_pos, torch.ones_like(valid), spec, source,
                                      meta.block_size)
     group_size = spec.num_heads // spec.num_kv_heads
