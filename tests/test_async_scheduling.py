@@ -94,7 +94,9 @@ def test_abort_while_a_step_is_in_flight(engines):
         for out in engine.step():
             finals[out.request_id] = out
     assert engine._inflight is not None
-    engine.abort_request("r1")
+    aborted = engine.abort_request("r1")
+    assert aborted.finished and -1 not in aborted.outputs[0].token_ids  # the unread placeholder is not output
+    assert aborted.outputs[0].token_ids == want[1][0][:len(aborted.outputs[0].token_ids)]
     while engine.has_unfinished_requests():
         for out in engine.step():
             finals[out.request_id] = out

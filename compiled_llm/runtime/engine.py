@@ -118,6 +118,9 @@ class LLMEngine:
             return None
         self._sync_requests.discard(request_id)
         for seq in req.seqs:
+            if seq.pending_token:  # async scheduling: its last token was never read; it is not output
+                seq.token_ids.pop()
+                seq.pending_token = False
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
