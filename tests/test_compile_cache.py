@@ -1,6 +1,7 @@
 """The compile cache, through `python -m compiled_llm compile-cache` in fresh processes (the only honest
 way to see what a start compiles): a second start compiles nothing and is faster; the cache still hits
-after the folder moves (no absolute paths inside); a corrupted cache is rebuilt with a warning."""
+after the folder moves (no absolute paths inside); a corrupted cache is rebuilt with a warning (that session
+driven directly, without a third engine start)."""
 
 from __future__ import annotations
 
@@ -82,18 +83,30 @@ def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_pa
     assert third["counters"]["fxgraph_cache_miss"] == 0 and third["counters"]["cpp_builds"] == 0
 
 
-def test_corrupt_cache_is_rebuilt_with_a_warning(model, built, tmp_path):
+def test_corrupt_cache_is_rebuilt_with_a_warning(built, tmp_path, caplog):
+    """A file whose hash differs from the manifest's: the cache is not used; the start builds into a fresh folder
+    (what Inductor and Triton write during the session), installs it in place of the corrupt one with a warning,
+    and the result is valid. The session is driven directly (an engine start builds the same way, above)."""
+    import logging
+
+    import torch
+
+    from compiled_llm.compiler.cache import CompileCache
+
     cache = tmp_path / "cc"
     shutil.copytree(built[0], cache)
     victim = next(p for p in sorted(cache.rglob("*.py")) if "inductor" in p.parts)
     victim.write_text(victim.read_text() + "\n# edited\n")
-    rebuilt = run_cache(model, cache)
-    assert rebuilt["status"] == "rebuilt"
-    assert re.search(r"WARNING.*compile cache .* is corrupt: .* does not match its hash; rebuilding", rebuilt["log"])
-    assert rebuilt["counters"]["fxgraph_cache_miss"] > 0  # the corrupt cache was not used
-    from compiled_llm.compiler.cache import CompileCache
-
-    data = json.loads((cache / "manifest.json").read_text())
-    check = CompileCache.__new__(CompileCache)
-    check.dir, check.key, check.parts = cache, data["key"], data["parts"]
-    assert check.check() is None  # the rebuilt cache is valid
+    parts = json.loads((cache / "manifest.json").read_text())["parts"]
+    cc = CompileCache(cache, parts["model_config"], parts["flags"], torch.device("cpu"))
+    assert cc.check().startswith("corrupt:") and "does not match its hash" in cc.check()
+    with caplog.at_level(logging.WARNING, logger="compiled_llm"):
+        with cc.session(lambda: {"pieces": 2}):
+            inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+            assert cache not in inductor.parents  # not the corrupt folder
+            (inductor / "rebuilt.py").write_text("# compiled again\n")
+    assert cc.status == "rebuilt"
+    assert any(re.search(r"compile cache .* is corrupt: .* does not match its hash; rebuilding", r.getMessage())
+               for r in caplog.records)
+    assert cc.check() is None  # the rebuilt cache is valid
+    assert (cache / "inductor" / "rebuilt.py").exists() and not (cache / victim.relative_to(cache)).exists()
