@@ -12,11 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_llm import LLM, SamplingParams
 from compiled_llm.distributed.parallel_state import ParallelState, set_parallel_state
 from qwen3_5_tiny import make_qwen_checkpoint
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+from test_parallel import generate_ids, make_llm  # the Gemma parallel tests' engine settings and greedy run
 _CKPTS: dict = {}
 _REFS: dict = {}
 
@@ -33,22 +31,10 @@ def qwen_ckpt(tmp_path_factory):
     return get
 
 
-def make_llm(folder, **kw):
-    kw.setdefault("enforce_eager", True)
-    kw.setdefault("block_size", 4)
-    kw.setdefault("max_model_len", 128)
-    kw.setdefault("max_num_seqs", 4)
-    return LLM(str(folder), **kw)
-
-
-def generate_ids(llm, ps):
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
-
-
 def reference(qwen_ckpt, name):
     """(prompts, one-process greedy tokens, attention specs, state shapes) of a tiny checkpoint."""
     if name not in _REFS:
-        llm = make_llm(qwen_ckpt(name))
+        llm = make_llm(qwen_ckpt(name), max_num_seqs=4)
         runner = llm.engine.executor.runner
         g = torch.Generator().manual_seed(3)
         ps = [torch.randint(3, runner.model_config.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 33)]
@@ -67,7 +53,7 @@ def parallel_llm(qwen_ckpt):
     made = []
 
     def start(name, **kw):
-        llm = make_llm(qwen_ckpt(name), **kw)
+        llm = make_llm(qwen_ckpt(name), **{"max_num_seqs": 4, **kw})
         made.append(llm)
         return llm
 
