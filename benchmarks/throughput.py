@@ -56,8 +56,10 @@ def run_ours(folder: str, shapes, args) -> tuple[dict, LLM]:
     llm = LLM(folder, device=args.device, dtype=args.dtype, load_format=args.load_format, skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=longest + 16, max_num_seqs=max(b for _, b, _ in shapes),
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              seed=args.seed)
-    vocab = llm.engine.executor.runner.model_config.vocab_size
+              seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel, async_scheduling=args.async_scheduling,
+              max_autotune=args.max_autotune)
+    vocab = llm.engine.executor.model_config.vocab_size
     out = {}
     for p, b, o in shapes:
         prompts = [{"prompt_token_ids": x} for x in random_prompts(b, p, vocab)]
@@ -116,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--max-autotune", default="off", choices=["off", "static", "all"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--peer", action="append", default=[], choices=["transformers", "transformers-static"])
@@ -163,7 +169,9 @@ def main(argv=None) -> int:
         print(" | ".join(str(r[h]) for h in header))
     result = {"config": args.model or args.config, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
               "copy_bandwidth_TBps": bw / 1e12 if bw else None, "matmul_TFLOPs": rate / 1e12 if rate else None,
-              "enforce_eager": args.enforce_eager, "rows": rows, "ours_total_seconds": startup_and_runs,
+              "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
+              "enable_expert_parallel": args.enable_expert_parallel, "async_scheduling": args.async_scheduling,
+              "max_autotune": args.max_autotune, "rows": rows, "ours_total_seconds": startup_and_runs,
               "date": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,11 +3,12 @@ gives EngineDeadError, and the compiled TP2 run (CUDA Graphs, allreduce_rms_norm
 
     python scripts/check_parallel_gpu.py CKPT modes      # eager: TP2, PP2, TP2+EP, killed worker
     python scripts/check_parallel_gpu.py CKPT compiled   # compiled TP1, TP2, TP2+EP and PP2, per-rank pass matches
+    python scripts/check_parallel_gpu.py CKPT compiled pp2,tp2ep   # only those (tp1, tp2, tp2ep, pp2)
 
 CKPT: a tiny float32 checkpoint, e.g. `python -c "import sys; sys.path.insert(0, 'tests'); from pathlib import
 Path; from tiny_models import make_checkpoint; make_checkpoint(Path('/tmp/ckpt_all'), 'all')"`.
 """
-import os, sys, time, signal
+import gc, os, sys, time, signal
 import torch
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.runtime.errors import EngineDeadError
@@ -22,7 +23,7 @@ def main():
 
     def run(keep=False, **kw):
         t = time.time()
-        llm = LLM(ck, device="cuda", max_model_len=128, **kw)
+        llm = LLM(ck, device="cuda", max_model_len=128, max_num_seqs=4, **kw)  # static sizes 1, 2, 4
         t1 = time.time()
         out = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], G)]
         t2 = time.time()
@@ -52,15 +53,21 @@ def main():
         print("healthy", llm.engine.is_healthy())
         llm.engine.shutdown()
     if phase == "compiled":
-        ref_c = run(enforce_eager=False)
-        print("compiled tp1 vs eager:", "MATCH" if ref_c == ref else "DIFF")
-        for kw in (dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True),
-                   dict(pipeline_parallel_size=2)):  # compiled, CUDA graphs; PP: each stage its own graphs
+        modes = {"tp2": dict(tensor_parallel_size=2), "tp2ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                 "pp2": dict(pipeline_parallel_size=2)}  # compiled, CUDA graphs; PP: each stage its own graphs
+        chosen = sys.argv[3].split(",") if len(sys.argv) > 3 else ["tp1", *modes]
+        if "tp1" in chosen:
+            ref_c = run(enforce_eager=False)
+            print("compiled tp1 vs eager:", "MATCH" if ref_c == ref else "DIFF")
+        for kw in (modes[m] for m in chosen if m in modes):
             llm, got = run(keep=True, enforce_eager=False, fusion_check="error", **kw)
             print("compiled", kw, "MATCH" if got == ref else f"DIFF {got} vs {ref}", flush=True)
             for s in llm.engine.executor.collective_rpc("compiler_summary"):
                 print({k: v for k, v in s.items() if k not in ("counters", "warmup_seconds")}, flush=True)
             llm.engine.shutdown()
+            del llm  # the next engine measures free memory: this one's KV cache must be gone first
+            gc.collect()
+            torch.cuda.empty_cache()
 
 if __name__ == "__main__":
     main()

@@ -110,3 +110,27 @@ def test_async_scheduling_is_refused_with_a_warning_where_it_cannot_run(caplog):
     llm = make(True, sparse_method="streamingllm", sparse_window=32, sparse_sink_tokens=4)
     assert not llm.engine.async_scheduling
     assert any("async scheduling is off: sparse KV" in r.getMessage() for r in caplog.records)
+
+
+def test_default_is_on_for_one_cuda_process_and_silently_off_elsewhere(caplog):
+    """Unset, async scheduling turns on where it overlaps host and device (one CUDA process without a sparse KV
+    method: 697 -> 770 tok/s on the H200) and stays off without a word elsewhere; asked for where it cannot
+    run, it says why."""
+    from types import SimpleNamespace
+
+    from compiled_llm.config import EngineConfig
+    from compiled_llm.runtime.engine import LLMEngine
+
+    assert EngineConfig().async_scheduling is None
+
+    def decide(asked, device="cuda", ranks=1, sparse=None):  # the config as resolve_device leaves it
+        fake = SimpleNamespace(executor=SimpleNamespace(supports_async_scheduling=ranks == 1, sparse=sparse))
+        return LLMEngine._async_scheduling_possible(fake, SimpleNamespace(device=device, async_scheduling=asked))
+
+    caplog.clear()
+    assert decide(None) and decide(True) and not decide(False)
+    assert not decide(None, device="cpu") and decide(True, device="cpu")
+    assert not decide(None, ranks=2) and not decide(None, sparse="streamingllm")
+    assert not any("async scheduling" in r.getMessage() for r in caplog.records)
+    assert not decide(True, ranks=2)
+    assert any("async scheduling is off: several ranks" in r.getMessage() for r in caplog.records)

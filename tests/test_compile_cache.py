@@ -110,3 +110,39 @@ def test_corrupt_cache_is_rebuilt_with_a_warning(built, tmp_path, caplog):
                for r in caplog.records)
     assert cc.check() is None  # the rebuilt cache is valid
     assert (cache / "inductor" / "rebuilt.py").exists() and not (cache / victim.relative_to(cache)).exists()
+
+
+def test_triton_kernels_built_in_a_session_are_found_after_the_folder_moves(tmp_path):
+    """Triton names the files of a cached kernel by absolute path in a group file; a cache built in its
+    temporary folder, installed by rename and then copied elsewhere must still hit (the H200 warm start
+    rebuilt all 35 of our Triton kernels because of this). Triton's own cache manager API, no GPU needed."""
+    import torch
+    from triton.runtime.cache import FileCacheManager, get_cache_manager
+
+    from compiled_llm.compiler.cache import CompileCache
+
+    key = "ab" * 32
+
+    def lookup() -> dict | None:
+        return get_cache_manager(key).get_group("kernel.json")
+
+    first = CompileCache(tmp_path / "cc", {"layers": 1}, {}, torch.device("cpu"))
+    with first.session(lambda: {}):
+        manager = get_cache_manager(key)
+        paths = {name: manager.put(b"binary " + name.encode(), name) for name in ("kernel.json", "kernel.cubin")}
+        manager.put_group("kernel.json", paths)
+        assert lookup() == paths
+    assert first.status == "built"
+    moved = tmp_path / "elsewhere" / "cc"
+    shutil.copytree(tmp_path / "cc", moved)
+    shutil.rmtree(tmp_path / "cc")
+    again = CompileCache(moved, {"layers": 1}, {}, torch.device("cpu"))
+    with again.session(lambda: {}):
+        assert again.status == "hit"
+        found = lookup()
+        assert set(found) == {"kernel.json", "kernel.cubin"}
+        assert all(Path(p).parent.parent == moved / "triton" and Path(p).read_bytes().startswith(b"binary")
+                   for p in found.values())
+        # what Triton's default manager answers here: a miss (each child's recorded path is gone)
+        assert not (FileCacheManager(manager.key).get_group("kernel.json") or {}).get("kernel.json")
+    assert "TRITON_CACHE_MANAGER" not in os.environ

@@ -173,8 +173,11 @@ class ModelCompiler:
         """Per pass, the matches it replaced; the graph pieces and captured graphs."""
         s = self.summary()
         lines = ["passes (matches replaced in the dynamic-shape compile):"]
+        counted = self.compiled.pass_manager.count_only()
         for name, p in s["passes"].items():
-            lines.append(f"  {name:<24} {p['fusion']:<34} {p['matches']}")
+            what = p["fusion"] + (" [counted; Inductor computes it: the fused op has only its reference here]"
+                                  if name in counted else "")
+            lines.append(f"  {name:<24} {what:<34} {p['matches']}")
         lines.append(f"graph pieces: {s['pieces']} compiled, {s['attention_ops']} attention ops between them"
                      + (f"; {s['shared_compiles']} compiles reused from look-alike pieces" if s.get("shared_compiles")
                         else ""))

@@ -11,8 +11,10 @@ flashinfer / python versions, the device, and the source of our ops, passes, com
 of it, not only what tracing saw: editing a kernel invalidates what used it). A stale key or a file
 whose hash differs is reported in a warning and the cache is rebuilt, never used silently.
 
-No absolute paths are stored (the manifest names files relative to DIR; Inductor's and Triton's entries
-are keyed by content), so DIR can be moved or copied to a machine with the same versions. A build goes
+The manifest names files relative to DIR and Inductor's and Triton's entries are keyed by content, so DIR
+can be moved or copied to a machine with the same versions. Triton's group files do name absolute paths
+(of the temporary build folder); while the cache is in use Triton reads them through
+compiler/triton_cache.py, which finds each file by name beside its group file. A build goes
 to a sibling temporary folder and is renamed into place under a lock, so concurrent builders leave one
 valid cache.
 """
@@ -134,10 +136,12 @@ class CompileCache:
     @contextlib.contextmanager
     def _pointed_at(self, root: Path):
         """Inductor, Triton and FlashInfer read and write their caches under root."""
-        saved = {var: os.environ.get(var) for var in ENV.values()}
+        saved = {var: os.environ.get(var) for var in (*ENV.values(), "TRITON_CACHE_MANAGER")}
         for sub, var in ENV.items():
             (root / sub).mkdir(parents=True, exist_ok=True)
             os.environ[var] = str(root / sub)
+        if triton_manager() is not None:
+            os.environ["TRITON_CACHE_MANAGER"] = triton_manager()
         try:
             yield
         finally:
@@ -209,6 +213,15 @@ class CompileCache:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         log.info("compile cache %s: written (%d files)", self.dir, len(_listing(self.dir)))
+
+
+def triton_manager() -> str | None:
+    """TRITON_CACHE_MANAGER's value for a relocatable Triton cache (None without triton)."""
+    try:
+        from compiled_llm.compiler.triton_cache import SPEC
+    except ImportError:
+        return None
+    return SPEC
 
 
 def compile_counters() -> dict:

@@ -12,6 +12,7 @@ single-process state (every size 1), so the models work unchanged without torch.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
@@ -167,9 +168,28 @@ def init_parallel(rank: int, tp_size: int, pp_size: int, enable_expert_parallel:
     return state
 
 
-def destroy_parallel() -> None:
+def destroy_parallel(timeout: float | None = None) -> None:
+    """Leaves the process groups. With a timeout, a teardown that does not return in time (NCCL's can wait on
+    a peer that already left) is aborted with a warning instead of hanging the process at exit."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if timeout is None:
+            dist.destroy_process_group()
+        else:
+            import threading
+
+            done = threading.Event()
+
+            def destroy():
+                try:
+                    dist.destroy_process_group()
+                finally:
+                    done.set()
+
+            threading.Thread(target=destroy, name="compiled_llm-destroy-pg", daemon=True).start()
+            if not done.wait(timeout):
+                logging.getLogger("compiled_llm").warning(
+                    "leaving the process group took over %.0f s; aborting it instead", timeout)
+                abort_parallel()
     set_parallel_state(ParallelState())
 
 

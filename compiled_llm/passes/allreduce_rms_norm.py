@@ -13,6 +13,8 @@ from compiled_llm.passes.base import EPS, FusionPass, empty
 class AllReduceRMSNormPass(FusionPass):
     name = "allreduce_rms_norm"
     fusion = "all-reduce + RMSNorm"
+    op = "allreduce_rms_norm"
+    count_only_while_reference = True
 
     def __init__(self, dtypes, device: str = "cpu", group_name: str | None = None):
         self.group_name = group_name

@@ -160,6 +160,11 @@ class FusionPass:
     # slower than what Inductor generates for the unfused graph. Passes that allow it then only count their
     # matches (the fusion check still sees every layer) and leave the graph to Inductor (`count_only`).
     count_only_on_reference = False
+    # The same on every device while `op` (the fused op the replacement calls) has only its reference there:
+    # an opaque reference call would be slower than no pass at all (all-reduce + RMSNorm before a fused
+    # kernel exists for the device).
+    op: str | None = None
+    count_only_while_reference = False
 
     def __init__(self, dtypes: tuple[torch.dtype, ...], device: str = "cpu"):
         self.dtypes = dtypes

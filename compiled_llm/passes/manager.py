@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from compiled_llm.ops import OPS
 from compiled_llm.passes.base import INDUCTOR_SETTINGS, FusionPass
 
 log = logging.getLogger("compiled_llm")
@@ -70,9 +71,12 @@ class PassManager(CustomGraphPass):
             names.remove("allreduce_rms_norm")  # only under tensor parallelism
         dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
         device = torch.device(device).type
-        self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only)
         self.reference_only = reference_only
         self.passes = [_fusion_pass(known[name], dtypes, device, tp_group) for name in names]
+        # passes whose fused op has only its reference here: they count matches, Inductor computes the graph
+        self.unfused = tuple(p.name for p in self.passes if p.count_only_while_reference
+                             and OPS[p.op].provider_name() == "reference")
+        self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only, self.unfused)
         self._uuid = None
         self.calls = 0  # graphs the passes ran on (an FX-cache hit runs none)
         self.last_input = ""  # the last graph as the passes received it, for a report of a missed fusion
@@ -81,13 +85,18 @@ class PassManager(CustomGraphPass):
         self.calls += 1
         self.last_input = str(graph)
         for p in self.passes:
-            p.count_only = self.reference_only and p.count_only_on_reference
+            p.count_only = (self.reference_only and p.count_only_on_reference) or p.name in self.unfused
             try:
                 p(graph)
             finally:
                 p.count_only = False
         if os.environ.get("COMPILED_LLM_DUMP_GRAPHS"):
             log.warning("post-grad graph after our passes:\n%s", graph)
+
+    def count_only(self) -> set[str]:
+        """The passes that count their matches and leave the graph unchanged in this compile."""
+        return {p.name for p in self.passes if (self.reference_only and p.count_only_on_reference)
+                or p.name in self.unfused}
 
     def uuid(self) -> str:
         if self._uuid is None:

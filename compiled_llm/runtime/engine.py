@@ -84,15 +84,20 @@ class LLMEngine:
         self.sync_steps = 0
 
     def _async_scheduling_possible(self, config: EngineConfig) -> bool:
-        if not config.async_scheduling:
+        """Asked for (True): on, or a warning saying why not. Default (None): on where it can overlap the host
+        with the device (one CUDA process, no sparse KV method), silently off elsewhere."""
+        if config.async_scheduling is False:
             return False
         why = None
         if not self.executor.supports_async_scheduling:
             why = "several ranks (tensor/pipeline parallel) step synchronously"
         elif self.executor.sparse is not None:
             why = "sparse KV methods step synchronously"
+        elif config.async_scheduling is None and not str(config.device).startswith("cuda"):
+            return False  # the CPU runs each step as it is launched: nothing to overlap
         if why:
-            log.warning("async scheduling is off: %s", why)
+            if config.async_scheduling:
+                log.warning("async scheduling is off: %s", why)
             return False
         return True
 

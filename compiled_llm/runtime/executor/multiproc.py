@@ -244,12 +244,12 @@ class MultiProcExecutor(Executor):
                 broadcast_object(("shutdown", (), False))
             except Exception:
                 pass
-            if self.procs is not None:
-                self.procs.stop(10)
-            try:
-                destroy_parallel()
+            try:  # together with the workers (each leaves on the message): NCCL's teardown waits for its peers
+                destroy_parallel(timeout=10.0)
             except Exception:
                 pass
+            if self.procs is not None:
+                self.procs.stop(10)
         else:
             self._teardown()
         _ACTIVE = None
