@@ -1,5 +1,5 @@
 # `make serve`: install, then serve the built-in demo model. `make test`: install, then run the tests: the whole
-# suite under torch 2.14, then the fusion passes' tests and the graph audit of the released configs again under
+# suite under torch 2.14, then the fusion passes' tests and the graph audit of the released configs the GPU runs again under
 # torch 2.11, the GPU machine's version (its graphs differ: a fusion that matched under 2.14 once missed under
 # 2.11 on the GPU).
 VENV ?= .venv
@@ -9,9 +9,13 @@ PY211 := $(VENV211)/bin/python
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 COMPILER_TESTS ?= tests/passes tests/test_audit.py
-# version-independent bookkeeping (the look-alike sharing report, the dry-run CLI) runs once, in the main suite
+# version-independent bookkeeping (the look-alike sharing report, the dry-run CLI) runs once, in the main suite;
+# of the released-config audits, 2.11 (the GPU's version) keeps the configs the GPU runs (26B-A4B, E4B): the
+# 31B and Qwen3.5 audits (70 s) run under 2.14 only
 COMPILER_TESTS_211_SKIP := --deselect tests/test_audit.py::test_replaying_look_alike_pieces_reports_what_inspecting_each_does \
-	--deselect tests/test_audit.py::test_compile_cache_dry_run_prints_the_audit_and_fails_on_a_missing_fusion
+	--deselect tests/test_audit.py::test_compile_cache_dry_run_prints_the_audit_and_fails_on_a_missing_fusion \
+	--deselect 'tests/test_audit.py::test_released_configs_fuse_as_declared[gemma-4-31b-declared0-shape0]' \
+	--deselect 'tests/test_audit.py::test_released_configs_fuse_as_declared[qwen3.5-35b-a3b-declared2-shape2]'
 
 .PHONY: install install-torch2.11 serve test test-compiler-torch2.11 test-slow clean
 
