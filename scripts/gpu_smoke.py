@@ -174,7 +174,7 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
     return ok
 
 
-def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune: str = "off") -> bool:
+def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune: str = "off", tp: int = 1) -> bool:
     from configs import write_checkpoint_folder
 
     p, b, o = (int(x) for x in shape.split("x"))
@@ -183,11 +183,12 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
     t = time.perf_counter()
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b, fusion_check="error",
-              compile_sizes=compile_sizes, max_autotune=max_autotune)
+              compile_sizes=compile_sizes, max_autotune=max_autotune, tensor_parallel_size=tp,
+              async_scheduling=False)  # synchronous first; async_run then flips the same engine over
     start = time.perf_counter() - t
-    comp = llm.engine.executor.runner.compiler
+    comp = llm.engine.executor.runner.compiler  # rank 0's (the driver runs rank 0 in this process)
     s = comp.summary()
-    vocab = llm.engine.executor.runner.model_config.vocab_size
+    vocab = llm.engine.executor.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, vocab - 1, (p,), generator=g).tolist()} for _ in range(b)]
     params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
@@ -202,7 +203,8 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
     tok_s = b * o / statistics.median(times)
     stats = llm.engine.get_stats()
     RESULTS["big"] = {
-        "config": config, "shape": shape, "compile_sizes": compile_sizes, "max_autotune": max_autotune, "tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times],
+        "config": config, "shape": shape, "compile_sizes": compile_sizes, "max_autotune": max_autotune, "tp": tp,
+        "tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times],
         "startup_s": round(start, 1), "compile_s": round(comp.startup_seconds, 1),
         "matches": {k: v["matches"] for k, v in s["passes"].items()}, "pieces": s["pieces"],
         "shared_compiles": s.get("shared_compiles"),
@@ -361,6 +363,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--max-autotune", default="off", help="big: off | static | all (Inductor GEMM autotuning)")
     ap.add_argument("--compile-sizes", default=None, help="big: `none` replays the dynamic compile at every batch size")
+    ap.add_argument("--tp", type=int, default=1, help="big: tensor-parallel size (the profile is rank 0's)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the tiny section's logic before a GPU call")
     args = ap.parse_args()
     global OUT
@@ -376,7 +379,7 @@ def main() -> int:
             if section == "tiny":
                 ok &= tiny(args.names.split(","), t0 + args.budget, args.device)
             else:
-                ok &= big(args.big, args.shape, args.compile_sizes, args.max_autotune)
+                ok &= big(args.big, args.shape, args.compile_sizes, args.max_autotune, args.tp)
         except Exception as e:
             traceback.print_exc()
             print(f"{section}: EXCEPTION {e!r}"[:3000], flush=True)
