@@ -68,6 +68,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE: experts split across the tensor-parallel ranks
+    tp_allreduce: str = "nccl"  # nccl | symm-mem: how the compiled pieces all-reduce small (decode) tensors
     distributed_backend: str = "auto"  # auto (nccl on cuda, gloo on cpu) | nccl | gloo
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port (single node) or 29500 (several nodes)
@@ -86,6 +87,12 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], not {self.gpu_memory_utilization}")
+        if self.tp_allreduce not in ("nccl", "symm-mem"):
+            raise ValueError(f"tp_allreduce must be nccl or symm-mem, not {self.tp_allreduce!r}")
+        if self.tp_allreduce == "symm-mem" and not (self.device.startswith("cuda") and self.tensor_parallel_size > 1
+                                                    and not self.enforce_eager):
+            raise ValueError("tp_allreduce symm-mem needs CUDA, tensor_parallel_size > 1 and the compiler (not "
+                             "enforce_eager): it is how the compiled pieces all-reduce")
 
     def resolved_model(self) -> str:
         return str(self.model) if self.model else str(DEMO_MODEL_DIR)
@@ -142,6 +149,9 @@ _HELP = {
     "tensor_parallel_size": "ranks that split every layer (attention heads, MLP, vocabulary)",
     "pipeline_parallel_size": "ranks that split the layer stack into consecutive stages",
     "enable_expert_parallel": "MoE models: give each tensor-parallel rank whole experts instead of a slice of each",
+    "tp_allreduce": "tensor parallel on CUDA, compiled: nccl, or symm-mem (all-reduces up to 128 KB, i.e. decode, "
+                    "as torch's symmetric-memory one-shot kernel, the producer writing straight into symmetric "
+                    "memory; Inductor's lowering). Default: nccl",
     "distributed_backend": "torch.distributed backend: auto (nccl on cuda, gloo on cpu), nccl or gloo",
     "master_addr": "address of the node running rank 0 (several nodes)",
     "master_port": "port for the ranks' rendezvous (default: a free port on one node, 29500 on several)",

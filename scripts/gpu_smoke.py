@@ -174,7 +174,8 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
     return ok
 
 
-def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune: str = "off", tp: int = 1) -> bool:
+def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune: str = "off", tp: int = 1,
+        tp_allreduce: str = "nccl") -> bool:
     from configs import write_checkpoint_folder
 
     p, b, o = (int(x) for x in shape.split("x"))
@@ -184,7 +185,7 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b, fusion_check="error",
               compile_sizes=compile_sizes, max_autotune=max_autotune, tensor_parallel_size=tp,
-              async_scheduling=False)  # synchronous first; async_run then flips the same engine over
+              tp_allreduce=tp_allreduce, async_scheduling=False)  # synchronous first; async_run then flips the same engine over
     start = time.perf_counter() - t
     comp = llm.engine.executor.runner.compiler  # rank 0's (the driver runs rank 0 in this process)
     s = comp.summary()
@@ -203,7 +204,7 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
     tok_s = b * o / statistics.median(times)
     stats = llm.engine.get_stats()
     RESULTS["big"] = {
-        "config": config, "shape": shape, "compile_sizes": compile_sizes, "max_autotune": max_autotune, "tp": tp,
+        "config": config, "shape": shape, "compile_sizes": compile_sizes, "max_autotune": max_autotune, "tp": tp, "tp_allreduce": tp_allreduce,
         "tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times],
         "startup_s": round(start, 1), "compile_s": round(comp.startup_seconds, 1),
         "matches": {k: v["matches"] for k, v in s["passes"].items()}, "pieces": s["pieces"],
@@ -364,6 +365,7 @@ def main() -> int:
     ap.add_argument("--max-autotune", default="off", help="big: off | static | all (Inductor GEMM autotuning)")
     ap.add_argument("--compile-sizes", default=None, help="big: `none` replays the dynamic compile at every batch size")
     ap.add_argument("--tp", type=int, default=1, help="big: tensor-parallel size (the profile is rank 0's)")
+    ap.add_argument("--tp-allreduce", default="nccl", help="big, --tp 2: nccl or symm-mem")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the tiny section's logic before a GPU call")
     args = ap.parse_args()
     global OUT
@@ -379,7 +381,7 @@ def main() -> int:
             if section == "tiny":
                 ok &= tiny(args.names.split(","), t0 + args.budget, args.device)
             else:
-                ok &= big(args.big, args.shape, args.compile_sizes, args.max_autotune, args.tp)
+                ok &= big(args.big, args.shape, args.compile_sizes, args.max_autotune, args.tp, args.tp_allreduce)
         except Exception as e:
             traceback.print_exc()
             print(f"{section}: EXCEPTION {e!r}"[:3000], flush=True)

@@ -56,3 +56,5 @@ def test_bad_input_is_a_one_line_error(tiny_ckpt, tmp_path):
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: temperature")
     res = run("generate", "--model", str(tmp_path / "nope"), "hi")
     assert res.returncode == 2 and "does not exist" in res.stderr.strip().splitlines()[-1]
+    res = run("generate", "--model", str(folder), "--device", "cpu", "--tp-allreduce", "symm-mem", "hi")
+    assert res.returncode == 2 and "symm-mem needs CUDA" in res.stderr.strip().splitlines()[-1], res.stderr[-500:]

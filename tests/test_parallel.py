@@ -389,3 +389,15 @@ def test_tp2_media_registration_rolls_back_and_releases(tmp_path, monkeypatch):
         assert not [n for n in os.listdir(transport.SHM_DIR) if n.startswith(f"{transport.PREFIX}{os.getpid()}-")]
     finally:
         llm.engine.shutdown()
+
+
+def test_symm_mem_allreduce_is_refused_where_it_cannot_run():
+    """--tp-allreduce symm-mem is a CUDA, tensor-parallel, compiled setting: elsewhere a clear error at once
+    (test_cli.py: the same as a one-line CLI error)."""
+    from compiled_llm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tp_allreduce must be nccl or symm-mem"):
+        EngineConfig(tp_allreduce="gloo")
+    with pytest.raises(ValueError, match="symm-mem needs CUDA, tensor_parallel_size > 1"):
+        EngineConfig(device="cpu", tensor_parallel_size=2, tp_allreduce="symm-mem")
+    assert EngineConfig(device="cpu", tensor_parallel_size=2).tp_allreduce == "nccl"

@@ -75,6 +75,15 @@ def _tp_group_name() -> str | None:
     return ps.tp_group_name if ps.tp_size > 1 else None
 
 
+def enable_symm_mem(group_name: str | None) -> None:
+    """Lets Inductor lower the TP group's small all-reduces to symmetric-memory one-shot kernels."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    if group_name is None:
+        raise ValueError("tp_allreduce symm-mem needs a tensor-parallel group")
+    enable_symm_mem_for_group(group_name)
+
+
 class ModelCompiler:
     def __init__(self, model: torch.nn.Module, config, device: torch.device, dtype: torch.dtype, specs: dict,
                  hf_config: dict, facts: dict | None = None, stateful: bool = False, stage_inputs=None):
@@ -94,7 +103,9 @@ class ModelCompiler:
             cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode,
             autotune=parse_autotune(config.max_autotune),
             passes=parse_passes(config.compile_passes), dtype=dtype, tp_group=_tp_group_name(),
-            jit_monitor=config.jit_monitor)
+            jit_monitor=config.jit_monitor, symm_mem_allreduce=config.tp_allreduce == "symm-mem")
+        if ccfg.symm_mem_allreduce:
+            enable_symm_mem(ccfg.tp_group)
         # whole-graph decode keeps static buffers for token ids and positions only: not under pipeline stages
         pipeline = config.pipeline_parallel_size > 1
         self.stage_inputs = stage_inputs
@@ -114,7 +125,8 @@ class ModelCompiler:
         return {"dtype": str(self.dtype), "block_size": c.block_size, "max_num_seqs": c.max_num_seqs,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "max_model_len": c.max_model_len,
                 "batch_sizes": self.compiled.sizes, "compile_sizes": self.compiled.config.compile_sizes, "passes": self.compiled.pass_manager.config,
-                "full_graph_decode": c.full_graph_decode, "max_autotune": c.max_autotune, "providers": providers, "tp": self.compiled.config.tp_group}
+                "full_graph_decode": c.full_graph_decode, "max_autotune": c.max_autotune, "providers": providers, "tp": self.compiled.config.tp_group,
+                "tp_allreduce": c.tp_allreduce}
 
     def warm_up(self, kv_caches: dict, block_size: int, context_factory=None, progress: bool = True) -> None:
         """Compiles everything before the first request: from the compile cache when one is given."""

@@ -51,6 +51,7 @@ class CompilerConfig:
     passes: tuple[str, ...] | None = None  # None: every pass that applies
     dtype: torch.dtype = torch.float32
     tp_group: str | None = None  # process-group name of tensor parallelism (all-reduce fusion)
+    symm_mem_allreduce: bool = False  # small all-reduces as symmetric-memory one-shot kernels (CUDA, TP)
     jit_monitor: str = "off"  # what a compile after warm-up does while this model runs: off | warn | error
 
 

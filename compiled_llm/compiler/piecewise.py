@@ -154,6 +154,8 @@ class PieceRunner:
         autotune = self.backend.config.autotune
         if autotune == "all" or (autotune == "static" and shape != "dynamic"):
             patches = {**patches, "max_autotune_gemm": True}
+        if self.backend.config.symm_mem_allreduce:  # all-reduces <= 128 KB as symm_mem.one_shot_all_reduce
+            patches = {**patches, "_collective.auto_select": True}
         return patches
 
     def label(self, shape: str) -> str:
