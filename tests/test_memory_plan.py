@@ -39,7 +39,7 @@ def test_too_little_memory_for_one_sequence_is_a_one_line_error_naming_the_flags
                         need_bytes=2 * GIB, max_model_len=131072, margin_bytes=GIB)
     msg = str(e.value)
     assert "\n" not in msg
-    assert "needs 2.00 GiB for one 131072-token sequence" in msg and "only 0.00 GiB is left" in msg
+    assert "needs 2.00 GiB for one 131072-token sequence" in msg and "only 0.00 MiB is left" in msg
     assert "0.5 x 16.00 GiB total = 8.00 GiB" in msg
     assert "--gpu-memory-utilization" in msg and "--max-model-len" in msg
     # exactly enough is enough

@@ -20,6 +20,9 @@ GPU_MARGIN_BYTES = 1 << 30
 
 
 def gib(num_bytes: int) -> str:
+    """GiB with two decimals; below 0.01 GiB in MiB (a tiny model's KV need must not read as 0.00 GiB)."""
+    if abs(num_bytes) < GIB // 100:
+        return f"{num_bytes / (1 << 20):.2f} MiB"
     return f"{num_bytes / GIB:.2f} GiB"
 
 
