@@ -134,3 +134,51 @@ def test_default_is_on_for_one_cuda_process_and_silently_off_elsewhere(caplog):
     assert not any("async scheduling" in r.getMessage() for r in caplog.records)
     assert not decide(True, ranks=2)
     assert any("async scheduling is off: several ranks" in r.getMessage() for r in caplog.records)
+
+
+def test_server_front_streams_async_steps_like_synchronous_ones(engines):
+    """The server's engine thread (AsyncEngine) drives an async-scheduling engine as it drives any other (the
+    default on a GPU): concurrent streamed requests with stop strings and logprobs get the synchronous
+    engine's tokens and texts, an abandoned stream is aborted mid-flight, and every block comes back."""
+    import asyncio
+
+    from compiled_llm.server.async_engine import AsyncEngine
+    from compiled_llm.server.generation import Generation
+
+    sync, fast = engines
+    params = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=20, stop=["e"]),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=10, n=2)]
+    want = [outputs(sync, [PROMPTS[i]], p) for i, p in enumerate(params)]
+    steps_before = fast.engine.async_steps
+
+    async def main():
+        aengine = AsyncEngine(fast.engine)
+        aengine.start()
+        gens = [Generation(aengine, f"s{i}", [PROMPTS[i]], p) for i, p in enumerate(params)]
+        gone = Generation(aengine, "gone", [PROMPTS[4]], SamplingParams(temperature=0.0, max_tokens=200,
+                                                                         ignore_eos=True))
+        for g in [*gens, gone]:
+            await g.start()
+
+        async def abandon():
+            try:
+                async for _ in gone.deltas():
+                    break
+            finally:
+                gone.close()
+
+        await asyncio.gather(*(g.run() for g in gens), abandon())
+        for _ in range(200):
+            if not fast.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        await aengine.stop()
+        return gens
+
+    gens = asyncio.run(asyncio.wait_for(main(), 60))
+    for g, w in zip(gens, want):
+        got = [(c.token_ids, c.finish_reason, c.text) for c in g.choices]
+        assert got == [(t, f, x) for t, f, _, x, _ in w]
+    assert fast.engine.async_steps > steps_before + 10
+    assert_all_blocks_back(fast)
