@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -39,6 +40,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured output: {"json": <JSON schema, a dict or its JSON text>} or {"json_object": True} (any JSON
+    # object); enforced while decoding (runtime/structured_output.py). A schema given as text is parsed here.
+    structured_output: dict | None = None
 
     def __post_init__(self) -> None:
         # --- normalisation -------------------------------------------------
@@ -60,7 +64,29 @@ class SamplingParams:
             )
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
+        self._normalise_structured_output()
         self._verify()
+
+    def _normalise_structured_output(self) -> None:
+        so = self.structured_output
+        if so is None:
+            return
+        usage = "structured_output must be {'json': <JSON schema>} or {'json_object': True}"
+        if not isinstance(so, dict) or len(so) != 1 or next(iter(so)) not in ("json", "json_object"):
+            raise ValueError(f"{usage}, got {so!r}")
+        if "json_object" in so:
+            if so["json_object"] is not True:
+                raise ValueError(f"{usage}, got {so!r}")
+            return
+        schema = so["json"]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"structured_output: the JSON schema is not valid JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"structured_output: the JSON schema must be a JSON object, got {schema!r}")
+        self.structured_output = {"json": schema}
 
     # --- validation --------------------------------------------------------
     def _verify(self) -> None:

@@ -1,5 +1,6 @@
 """Request fields (issue 20, item 3): what the server does not implement is a 400 naming it, never dropped;
-structured output is refused until a grammar backend exists. In process, fake engine, official client."""
+structured output reaches the engine as SamplingParams.structured_output, or is refused when the grammar library
+is missing. In process, fake engine, official client."""
 
 import openai
 import pytest
@@ -14,8 +15,13 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def client():
-    with TestClient(create_app(FakeEngine())) as c:
+def fake():
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def client(fake):
+    with TestClient(create_app(fake)) as c:
         yield c
 
 
@@ -65,13 +71,31 @@ def test_accepted_and_ignored_fields(oai):
     assert resp.metadata == {"k": "v"} and resp.usage.output_tokens == 2
 
 
-def test_structured_output_is_refused_not_ignored(oai):
+def test_structured_output_reaches_the_engine(fake, oai):
+    pytest.importorskip("xgrammar")  # without it the server refuses (below)
+    seen = []
+    for fmt, want in (({"type": "json_object"}, {"json_object": True}),
+                      ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+                       {"json": {"type": "object"}})):
+        oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, response_format=fmt)
+        seen.append(want)
+    oai.responses.create(model="fake-model", input="hi", max_output_tokens=2,
+                         text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}})
+    seen.append({"json": {"type": "object"}})
+    assert [p.structured_output for p in fake.params[-3:]] == seen
+
+
+def test_structured_output_is_refused_without_the_grammar_library(oai, monkeypatch):
+    from compiled_llm.server import structured_output
+
+    monkeypatch.setattr(structured_output, "grammar_library_installed", lambda: False)
     for fmt in ({"type": "json_object"},
                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
         with pytest.raises(openai.BadRequestError) as err:
             oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, response_format=fmt)
         assert err.value.body["param"] == "response_format"
-        assert f"`{fmt['type']}` is not supported: structured output" in err.value.message
+        assert f"`{fmt['type']}` is not supported here: structured output" in err.value.message
+        assert "`xgrammar`" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model="fake-model", input="hi", max_output_tokens=2,
                              text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}})

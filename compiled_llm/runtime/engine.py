@@ -23,6 +23,7 @@ from compiled_llm.runtime.kv_plan import build_kv_cache
 from compiled_llm.runtime.output_processor import OutputProcessor, generation_eos_ids
 from compiled_llm.runtime.sampler import PendingTokens, SampledBatch, Sampler
 from compiled_llm.runtime.scheduler import ScheduledSeq, Scheduler
+from compiled_llm.runtime.structured_output import GrammarBackend
 from compiled_llm.runtime.sequence import Request, Sequence
 from compiled_llm.sampling_params import SamplingParams
 
@@ -31,10 +32,11 @@ PLACEHOLDER = -1  # a token sampled on the device and not yet read (async schedu
 
 
 def needs_host_history(params: SamplingParams) -> bool:
-    """Penalties read every earlier output token on the host when sampling; under async scheduling the last
-    one is still on its way there, so such a request runs the engine synchronously while it lasts."""
+    """Penalties read every earlier output token on the host when sampling, and a grammar (structured output)
+    must have accepted the last token before it can mask the next; under async scheduling the last one is still
+    on its way there, so such a request runs the engine synchronously while it lasts."""
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0)
+            or params.presence_penalty != 0.0 or params.structured_output is not None)
 
 
 @dataclass
@@ -74,12 +76,14 @@ class LLMEngine:
                                               self.executor.device)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len,
                                                 self.executor.sparse is not None)
+        # structured output: xgrammar's compiler over this tokenizer (built on the first constrained request)
+        self.grammars = GrammarBackend(self.tokenizer, mcfg.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         # async scheduling: the next step is prepared and launched while the last one runs on the device
         self.async_scheduling = self._async_scheduling_possible(config)
         self._inflight: InFlight | None = None
-        self._sync_requests: set[str] = set()  # requests whose sampling reads host-side history (penalties)
+        self._sync_requests: set[str] = set()  # requests whose sampling reads host-side history (penalties, grammars)
         self.async_steps = 0
         self.sync_steps = 0
 
@@ -107,7 +111,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # StructuredOutputError (a ValueError): xgrammar missing, or a schema it cannot compile
+        grammar = self.grammars.compile(params.structured_output) if params.structured_output is not None else None
         req = self.input_processor.process(request_id, prompt, params, arrival_time or time.time())
+        if grammar is not None:
+            for seq in req.seqs:
+                seq.grammar = self.grammars.new_state(grammar)
         if req.has_media:  # parallel engines: every rank gets the media once
             self._guarded(self.executor.register_media, request_id, req.mm)
         self.requests[request_id] = req

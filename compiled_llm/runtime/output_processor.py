@@ -2,19 +2,23 @@
 request -> its cumulative RequestOutput.
 
 A sequence ends with finish_reason "stop" on EOS (unless ignore_eos), on one of its stop token ids or
-stop strings (only once min_tokens are out), and "length" at max_tokens or max_model_len. The caller frees
+stop strings (only once min_tokens are out), when its grammar (structured output) has accepted a stop token,
+and "length" at max_tokens or max_model_len. The caller frees
 an ended sequence's blocks (the scheduler); this module only decides and records.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from compiled_llm.outputs import CompletionOutput, Logprob, RequestOutput
 from compiled_llm.runtime.detokenizer import find_stop_string
 from compiled_llm.runtime.sampler import SampleResult, SamplingRow
 from compiled_llm.runtime.sequence import Request, Sequence
+
+log = logging.getLogger("compiled_llm")
 
 
 def generation_eos_ids(folder: Path) -> set[int]:
@@ -41,7 +45,8 @@ class OutputProcessor:
         stop_ids = set(seq.params.stop_token_ids)
         if not seq.params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, stop_ids)
+        return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, stop_ids,
+                           seq.grammar)
 
     def append_token(self, seq: Sequence, res: SampleResult, now: float) -> bool:
         """Appends the sampled token; True when it ends the sequence (finish_reason and stop_reason set)."""
@@ -59,10 +64,16 @@ class OutputProcessor:
             seq.cumulative_logprob += res.logprob
         n_out = seq.num_output_tokens
         past_min = n_out >= p.min_tokens
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # the mask allowed nothing (e.g. min_tokens holding back the EOS of a complete grammar)
+            log.error("request %s: token %d does not follow its grammar; the sequence ends", seq.request_id, token)
+            return _finish(seq, "stop", None)
         if past_min and not p.ignore_eos and token in self.eos_token_ids:
             return _finish(seq, "stop", None)
         if past_min and token in p.stop_token_ids:
             return _finish(seq, "stop", token)
+        if seq.grammar is not None and seq.grammar.is_terminated():  # a stop token completed the grammar
+            return _finish(seq, "stop", None)
         new_text = seq.detokenizer.append(token) if seq.detokenizer else ""
         seq.text = seq.detokenizer.text if seq.detokenizer else ""
         if past_min and p.stop and new_text:

@@ -6,6 +6,8 @@ Order of operations for each step (all rows processed together with tensor ops):
 2. repetition penalty (HF/vLLM: tokens in prompt + output; positive logits divided, negative multiplied)
 3. frequency / presence penalties (OpenAI: output tokens only; logit -= f * count + p * (count > 0))
 4. min_tokens: the row's stop_token_ids are set to -inf while len(output) < min_tokens
+   structured output: the tokens a row's grammar does not allow now are set to -inf (one packed bitmask for the
+   batch, applied on the logits' device: runtime/structured_output.py)
 5. greedy rows: argmax of the penalised logits
 6. other rows: temperature, top-k, top-p, min-p, softmax, then an exponential-race draw
    (argmax(probs / Exp(1))), with the row's own generator when it has one.
@@ -30,6 +32,7 @@ class SamplingRow:
     generator: torch.Generator | None = None  # per-sequence when params.seed is set, else None (global RNG)
     # eos ids (unless ignore_eos) + params.stop_token_ids; masked while len(output) < min_tokens
     stop_token_ids: set[int] = field(default_factory=set)
+    grammar: object | None = None  # structured_output.GrammarState of a constrained sequence
 
 
 @dataclass
@@ -210,6 +213,10 @@ class Sampler:
         logits = logits.clone()
         logits = apply_penalties(logits, rows)
         logits = apply_min_tokens(logits, rows)
+        if any(r.grammar is not None for r in rows):
+            from compiled_llm.runtime.structured_output import apply_grammar_masks
+
+            logits = apply_grammar_masks(logits, rows)
 
         # 5. greedy rows take the argmax of the penalised logits.
         token_ids = logits.argmax(dim=-1)

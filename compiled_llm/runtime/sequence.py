@@ -40,6 +40,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # hash chain of the full blocks of token_ids
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models) while it holds blocks
         self.mm = None  # multimodal.MultiModalInputs of a prompt with media (None: text only)
+        self.grammar = None  # structured_output.GrammarState when params.structured_output is set
         # sparse KV (runtime/sparse_kv.py): keys attended vs tokens cached, summed over decode steps and layers
         self.sparse_attended_tokens = 0
         self.sparse_cached_tokens = 0

@@ -21,20 +21,24 @@ from compiled_llm.server.protocol import (
 )
 from compiled_llm.server.state import ServerState, new_id
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
-from compiled_llm.server.structured_output import reject_structured_output
+from compiled_llm.server.structured_output import RESPONSE_FORMAT_PARAM, response_format_output
 from compiled_llm.server.tool_parsers import CallEvent, ContentEvent
 from compiled_llm.server.tools import ToolSetup, finish_reason, parse_output, tool_setup
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     model = state.model_name(req.model)
-    reject_structured_output(req.response_format and req.response_format.type, "response_format")
+    constraint = response_format_output(req.response_format)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     tools = tool_setup(state, req)
+    if tools is not None and constraint is not None:
+        raise APIError(400, f"response_format type `{req.response_format.type}` together with tools is not "
+                            "supported: the grammar would forbid the tool calls", param="response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens=max_tokens, vocab_size=state.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             structured_output=constraint,
                              **(tools.sampling_overrides(req.stop) if tools else {}))
     prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a dict
                                       tools=tools.tools if tools else None, prefix=tools.prefix if tools else "")
@@ -42,7 +46,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         check_context(len(prompt), max_tokens, state.max_model_len,
                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     rid = new_id("chatcmpl-")
-    gen = Generation(state.aengine, rid, [prompt], params)
+    gen = Generation(state.aengine, rid, [prompt], params, RESPONSE_FORMAT_PARAM)
     await gen.start()
     created = int(time.time())
     top_n = params.logprobs

@@ -13,6 +13,7 @@ from compiled_llm.server.logprobs import completion_entries
 from compiled_llm.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from compiled_llm.server.state import ServerState, new_id
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
+from compiled_llm.server.structured_output import RESPONSE_FORMAT_PARAM, response_format_output
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
@@ -21,15 +22,17 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    constraint = response_format_output(req.response_format)
     prompts = completion_prompts(req.prompt)
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, vocab_size=state.vocab_size)
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, vocab_size=state.vocab_size,
+                             structured_output=constraint)
     # Text prompts are tokenized here, not on the engine thread, and checked against the context.
     ids = await tokenize_prompts(state, prompts)
     for p in ids:
         if p:
             check_context(len(p), req.max_tokens, state.max_model_len, "max_tokens", "prompt")
     rid = new_id("cmpl-")
-    gen = Generation(state.aengine, rid, ids, params)
+    gen = Generation(state.aengine, rid, ids, params, RESPONSE_FORMAT_PARAM)
     await gen.start()
     created = int(time.time())
     echoes = [_prompt_text(state, p) if req.echo else "" for p in prompts]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from compiled_llm.outputs import Logprob
 from compiled_llm.runtime.errors import EngineDeadError as RuntimeEngineDead
+from compiled_llm.runtime.errors import StructuredOutputError
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.async_engine import AsyncEngine, EngineDeadError, Update
 from compiled_llm.server.errors import APIError
@@ -37,8 +38,11 @@ class Generation:
     """Runs one engine request per prompt (each with params.n samples); choice i*n+j is sample j of prompt i."""
 
     def __init__(self, aengine: AsyncEngine, request_id: str, prompts: list[str | list[int]],
-                 params: SamplingParams):
+                 params: SamplingParams, structured_param: tuple[str, str] | None = None):
+        """structured_param: (request field, path of its schema) that params.structured_output came from, named
+        when admission refuses the constraint (a schema that does not compile)."""
         self.aengine = aengine
+        self.structured_param = structured_param or ("response_format", "response_format")
         self.params = params
         self.prompts = prompts
         self.rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -67,6 +71,9 @@ class Generation:
                 self.close()
                 if isinstance(res, RuntimeEngineDead):  # the server's, or a worker that died at admission
                     raise APIError(503, str(res), code="engine_dead") from res
+                if isinstance(res, StructuredOutputError):
+                    param, where = self.structured_param
+                    raise APIError(400, f"{where}: {res}", param=param) from res
                 if isinstance(res, (ValueError, TypeError, OverflowError)):  # the request's own input
                     raise APIError(400, str(res), param="prompt" if len(self.rids) == 1 else f"prompt.{i}") from res
                 raise res

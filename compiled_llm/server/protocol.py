@@ -151,12 +151,19 @@ class NamedToolChoice(RequestModel):
     function: FunctionName
 
 
+class JSONSchemaFormat(RequestModel):
+    name: Str | None = None  # accepted, ignored (OpenAI requires it; vLLM does not)
+    description: Str | None = None  # accepted, ignored
+    schema_: dict[Str, Any] | None = Field(None, alias="schema")
+    strict: Bool | None = None  # accepted: the schema is always enforced
+
+
 class ResponseFormat(RequestModel):
-    """Only "text" is served; json_object / json_schema (structured output) are a 400 until a grammar backend is
-    available (server/structured_output.py)."""
+    """Structured output (server/structured_output.py): "json_object" is any JSON object, "json_schema" JSON
+    valid against json_schema.schema, enforced while decoding."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[Str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -243,6 +250,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Int | None = None
     echo: Bool = False
     suffix: Str | None = None
+    response_format: ResponseFormat | None = None  # structured output, as in chat (a vLLM extension here)
 
 
 class CompletionLogprobs(APIModel):
@@ -327,7 +335,7 @@ class ResponsesRequest(RequestModel):
     previous_response_id: Str | None = None
     metadata: dict[Str, Str] | None = None  # accepted, echoed in the response
     user: Str | None = None  # accepted, ignored
-    text: ResponseTextConfig | None = None  # only {"format": {"type": "text"}}
+    text: ResponseTextConfig | None = None  # format: text, json_object or json_schema (structured output)
 
 
 class OutputText(APIModel):

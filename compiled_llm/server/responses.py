@@ -22,7 +22,7 @@ from compiled_llm.server.protocol import (
     ResponseUsage,
 )
 from compiled_llm.server.state import ServerState, new_id
-from compiled_llm.server.structured_output import reject_structured_output
+from compiled_llm.server.structured_output import structured_output
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -30,19 +30,20 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
     model = state.model_name(req.model)
-    reject_structured_output(req.text and req.text.format and req.text.format.type, "text")
+    fmt = req.text.format if req.text else None
+    constraint = structured_output(fmt and fmt.type, fmt and fmt.schema_, "text", "text.format.schema")
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id is not supported: responses are not stored",
                        param="previous_response_id")
     items = [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     want_lps = req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or [])
     params = sampling_params(req, max_tokens=req.max_output_tokens, vocab_size=state.vocab_size,
-                             logprobs=(req.top_logprobs or 0) if want_lps else None)
+                             logprobs=(req.top_logprobs or 0) if want_lps else None, structured_output=constraint)
     prompt = await chat_engine_prompt(state, items, True, req.instructions)  # media: a dict
     if isinstance(prompt, list):
         check_context(len(prompt), req.max_output_tokens, state.max_model_len, "max_output_tokens", "input")
     builder = _Builder(state, req, model, want_lps)
-    gen = Generation(state.aengine, builder.id, [prompt], params)
+    gen = Generation(state.aengine, builder.id, [prompt], params, ("text", "text.format.schema"))
     await gen.start()
 
     if req.stream:
@@ -91,7 +92,14 @@ class _Builder:
                               model=self.model, instructions=self.req.instructions, output=output,
                               temperature=self.req.temperature, top_p=self.req.top_p,
                               max_output_tokens=self.req.max_output_tokens, metadata=self.req.metadata,
-                              usage=usage)
+                              text=self._text_config(), usage=usage)
+
+    def _text_config(self) -> dict:
+        """The request's text config echoed (its format: text, json_object or json_schema)."""
+        fmt = self.req.text.format if self.req.text else None
+        if fmt is None:
+            return {"format": {"type": "text"}}
+        return {"format": fmt.model_dump(mode="json", by_alias=True, exclude_none=True)}
 
     def _event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}

@@ -1,0 +1,169 @@
+"""Structured output: a request's JSON constraint (SamplingParams.structured_output) enforced while decoding.
+
+The grammar library is xgrammar (as in vLLM and SGLang), imported on first use: an engine without it serves
+every other request, and a constrained one is a StructuredOutputError (a ValueError) naming the package.
+
+- `GrammarBackend` (one per engine, built from its tokenizer): the xgrammar compiler over the tokenizer's
+  vocabulary padded to the model's vocabulary size (built on the first constrained request), and the compiled
+  grammars, cached by (kind, schema text). A schema xgrammar cannot compile is a StructuredOutputError.
+- `GrammarState` (one per sequence): the matcher, advanced by the output processor with each sampled token;
+  once it has accepted a stop token (EOS, allowed only where the grammar is complete) the sequence ends.
+- `apply_grammar_masks` (the sampler, after penalties and min_tokens): the matchers fill one packed bitmask
+  (32 tokens per int32) on the host for the rows that have one, it goes to the logits' device in one copy, and
+  the disallowed logits become -inf there (xgrammar's kernel: C++ on CPU, Triton on CUDA; a torch unpack
+  wherever the kernel is missing). No Python loop runs over the vocabulary.
+
+The matcher needs the previous token on the host before it can fill the next mask, so a request with a
+grammar makes the engine step synchronously while it runs (engine.needs_host_history), as penalties do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+from compiled_llm.runtime.errors import StructuredOutputError
+
+log = logging.getLogger("compiled_llm")
+
+MISSING = ("structured output needs the `xgrammar` package, which is not installed here "
+           "(pip install xgrammar)")
+# JSON is written in one layout, `{"a": 1, "b": [2, 3]}` (Python's json.dumps default, as vLLM's
+# disable_any_whitespace): with free whitespace between tokens a model can keep writing blanks inside a valid
+# prefix until max_tokens, which is a known failure of grammar-constrained decoding.
+JSON_LAYOUT = dict(any_whitespace=False, separators=(", ", ": "))
+
+
+def xgrammar_available() -> bool:
+    return importlib.util.find_spec("xgrammar") is not None
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise StructuredOutputError(MISSING) from e
+    return xgrammar
+
+
+def grammar_key(spec: dict) -> tuple[str, str]:
+    """(kind, schema text) of a SamplingParams.structured_output: the compiled-grammar cache's key."""
+    if "json" in spec:
+        return "json", json.dumps(spec["json"], sort_keys=True, separators=(",", ":"))
+    return "json_object", ""
+
+
+class GrammarBackend:
+    """The engine's grammar compiler and compiled-grammar cache (for one tokenizer and vocabulary size)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.cache_size = cache_size
+        self._compiler = None
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            xgr = _xgr()
+            if self.tokenizer is None:
+                raise StructuredOutputError("structured output needs a tokenizer; this engine was started "
+                                            "without one")
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
+
+    def compile(self, spec: dict):
+        """The compiled grammar of a structured_output spec ({"json": schema} or {"json_object": True})."""
+        key = grammar_key(spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+            compiler = self._get_compiler()
+            kind, text = key
+            try:
+                if kind == "json":
+                    grammar = compiler.compile_json_schema(text, **JSON_LAYOUT)
+                else:  # any JSON object
+                    grammar = compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **JSON_LAYOUT)
+            except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError for schemas it cannot take
+                raise StructuredOutputError(f"invalid JSON schema: {_reason(e)}") from e
+            self.misses += 1
+            self._cache[key] = grammar
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            return grammar
+
+    def new_state(self, grammar) -> GrammarState:
+        return GrammarState(_xgr().GrammarMatcher(grammar))
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its timestamp and C++ source location."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[-1])[:500]
+
+
+class GrammarState:
+    """One sequence's matcher."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+_kernel_broken: set[str] = set()  # device types where xgrammar's kernel failed once (the torch unpack is used)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows) -> torch.Tensor:
+    """-inf, in place, on the logits [B, V] of the tokens each constrained row's grammar does not allow now."""
+    idx = [i for i, r in enumerate(rows) if r.grammar is not None and not r.grammar.is_terminated()]
+    if not idx:
+        return logits
+    xgr = _xgr()
+    B, V = logits.shape
+    bitmask = xgr.allocate_token_bitmask(B, V)  # host int32 [B, ceil(V/32)], all allowed
+    for i in idx:
+        rows[i].grammar.fill(bitmask, i)
+    dev = logits.device
+    if dev.type == "cuda":
+        bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
+    indices = idx if len(idx) < B else None
+    if dev.type in ("cpu", "cuda") and dev.type not in _kernel_broken:
+        try:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=V, indices=indices)
+            return logits
+        except Exception as e:  # e.g. Triton missing or unable to build the kernel
+            log.warning("xgrammar's bitmask kernel failed on %s (%s); masking with torch ops instead", dev.type, e)
+            _kernel_broken.add(dev.type)
+    return apply_bitmask_torch(logits, bitmask)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The packed bitmask unpacked on the logits' device (bit j of word w allows token 32*w + j); rows left all
+    ones are unchanged."""
+    B, V = logits.shape
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).view(B, -1)[:, :V].bool()
+    return logits.masked_fill_(~allowed, float("-inf"))
