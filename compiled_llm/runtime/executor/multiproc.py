@@ -141,7 +141,8 @@ class MultiProcExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: dict) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks)
 
-    def execute(self, batch: list[ScheduledSeq], pending=None) -> torch.Tensor:
+    @torch.inference_mode()  # the step's tensors as warm-up made them: an ordinary tensor fails Dynamo's
+    def execute(self, batch: list[ScheduledSeq], pending=None) -> torch.Tensor:  # guard, a recompile each run
         if pending is not None:
             raise ValueError("async scheduling is not supported across ranks")
         self._check()

@@ -20,9 +20,12 @@ from compiled_llm.runtime.executor.worker import RankWorker
 
 
 def serve_forever(worker: RankWorker) -> None:
-    """A worker's loop: run what rank 0 broadcasts until it says stop."""
+    """A worker's loop: run what rank 0 broadcasts until it says stop. The step's tensors are unpickled in
+    inference mode, as warm-up made its inputs: an ordinary tensor (a different dispatch key set) fails the
+    compiled forward's guard, and Dynamo compiled the model again after warm-up."""
     while True:
-        method, args, gather = broadcast_object()
+        with torch.inference_mode():
+            method, args, gather = broadcast_object()
         if method == "shutdown":
             return
         result = getattr(worker, method)(*args)
