@@ -70,13 +70,15 @@ def test_shared_prefix_skips_the_prefix(ckpt):
     assert len(cached.engine.block_manager.free_state_slots) == 4
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
-def test_second_chat_turn_computes_only_new_tokens(ckpt, name):
+@pytest.mark.parametrize("name,async_", [("dense", False), ("moe", False), ("dense", True)])
+def test_second_chat_turn_computes_only_new_tokens(ckpt, name, async_):
     """Turn 2 = turn 1's prompt + its answer + new text: the state snapshot a decode step left at the last
     block boundary of turn 1 serves the whole history it computed (42 prompt + 7 generated tokens, of which
     48 computed: the last sampled token never is), so turn 2 computes that last token and the new text."""
     folder, vocab = ckpt(name)
-    cached, plain = make_llm(folder), make_llm(folder, enable_prefix_caching=False)
+    # async_: under async scheduling the decode step that takes the snapshot reads a token still on its way
+    cached, plain = make_llm(folder, async_scheduling=async_), make_llm(folder, enable_prefix_caching=False)
+    assert cached.engine.async_scheduling is async_
     turn1 = toks(vocab, 42, 2)
     ans, computed, _ = run(cached, turn1, 7)
     assert computed == 42 and ans == run(plain, turn1, 7)[0]
@@ -128,10 +130,11 @@ def _seq(prompt):
     return Sequence("x", 0, prompt, greedy(1), 1, 0.0)
 
 
-@pytest.mark.parametrize("budget", [7, 2048])
-def test_batched_chunked_and_preempted_requests_match(ckpt, budget):
-    """Requests sharing a prefix, all at once, under chunked prefill (7-token steps) or preemption (a small
-    cache): the same tokens as without prefix caching, and every state slot comes back."""
+@pytest.mark.parametrize("budget,async_", [(7, False), (2048, False), (7, True)])
+def test_batched_chunked_and_preempted_requests_match(ckpt, budget, async_):
+    """Requests sharing a prefix, all at once, under chunked prefill (7-token steps; also under async
+    scheduling) or preemption (a small cache): the same tokens as without prefix caching, and every state
+    slot comes back."""
     folder, vocab = ckpt("dense")
     prefix = toks(vocab, 26, 5)
     ps = [prefix + toks(vocab, k, 30 + k) for k in (3, 5, 9)] + [prefix + toks(vocab, 3, 33)]
@@ -139,7 +142,7 @@ def test_batched_chunked_and_preempted_requests_match(ckpt, budget):
     params = greedy(10)
     outs = {}
     for on in (True, False):
-        llm = make_llm(folder, enable_prefix_caching=on, **kw)
+        llm = make_llm(folder, enable_prefix_caching=on, async_scheduling=async_, **kw)
         first = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
         second = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
         outs[on] = (first, second, llm.engine.get_stats())
