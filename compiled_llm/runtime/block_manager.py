@@ -120,6 +120,7 @@ class BlockManager:
         self.num_snapshot_slots = num_snapshot_slots if self.snapshotting else 0
         self.free_snapshot_slots = list(range(num_state_slots - 1, seq_slots - 1, -1)) if self.snapshotting else []
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, least recently used first
+        self.tail_hashes: set[bytes] = set()  # of those, the tails (taken in decode, not at a prompt's cut)
         self.snapshots_saved = 0
         self.snapshot_hits = 0
         evict = self._drop_snapshot if self.snapshotting else None
@@ -283,12 +284,20 @@ class BlockManager:
         n = end // bs
         if len(seq.block_hashes) >= n and seq.block_hashes[n - 1] in self.snapshots:
             return None  # already kept (one seen now; a placeholder token's block is checked at commit)
-        if self.free_snapshot_slots:
+        tail, old = end not in self.snapshot_cuts(seq), seq.tail_snapshot
+        if tail and old is not None and self.snapshots.get(old[0]) == old[1]:
+            # a newer tail takes the slot of the sequence's last one: a sequence holds one tail at a time
+            seq.tail_snapshot = None
+            self._drop_snapshot(old[0])
             slot = self.free_snapshot_slots.pop()
-        elif self.snapshots:
-            _, slot = self.snapshots.popitem(last=False)  # the least recently used
-        else:
-            return None
+        elif self.free_snapshot_slots:
+            slot = self.free_snapshot_slots.pop()
+        else:  # the least recently used snapshot goes; a tail only pushes out tails (prompt snapshots stay)
+            victim = next((h for h in self.snapshots if h in self.tail_hashes or not tail), None)
+            if victim is None:
+                return None
+            self._drop_snapshot(victim)
+            slot = self.free_snapshot_slots.pop()
         seq.pending_snapshot = (slot, n)
         return slot
 
@@ -302,11 +311,13 @@ class BlockManager:
         self.snapshots[h] = slot
         self.snapshots_saved += 1
         if n * self.block_size not in self.snapshot_cuts(seq):  # a tail snapshot: the sequence keeps its latest only
+            self.tail_hashes.add(h)
             old, seq.tail_snapshot = seq.tail_snapshot, (h, slot)
             if old is not None and self.snapshots.get(old[0]) == old[1]:
                 self._drop_snapshot(old[0])
 
     def _drop_snapshot(self, h: bytes) -> None:
+        self.tail_hashes.discard(h)
         slot = self.snapshots.pop(h, None)
         if slot is not None:
             self.free_snapshot_slots.append(slot)
