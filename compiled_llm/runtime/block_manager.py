@@ -16,7 +16,8 @@ dropped with their block's KV). A step that ends on a block boundary worth keepi
 the last full block before the prompt's last token and, when the prompt's cached KV reaches further than any
 snapshot, the end of that cached KV (where prompts branch off a shared prefix) -- the scheduler cuts prefill
 chunks at both -- or a block boundary that a step computing all known tokens ends on (decode; a sequence
-keeps only its latest such "tail" snapshot, which is what a next chat turn hits). The runner copies the
+keeps only its latest such "tail" snapshot, which is what a next chat turn hits; tails push only tails out
+of a full pool). The runner copies the
 sequence's state into the reserved slot after the forward; commit registers it under the block's hash. A
 prefix hit then needs a snapshot at its last block (and its attention blocks): the snapshot is copied into
 the sequence's slot before its first forward.
