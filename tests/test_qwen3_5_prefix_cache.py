@@ -167,3 +167,48 @@ def test_compiled_prefix_hit(ckpt):
     turn2 = p + ans + toks(vocab, 4, 8)
     got, computed, hits = run(llm, turn2)
     assert got == run(eager, turn2)[0] and hits == 36 and computed == len(turn2) - 36
+
+
+def test_snapshot_pool_policy():
+    """The block manager alone: a prompt snapshot at its last full block before the last token; a sequence's
+    tail snapshots reuse one slot; a tail pushes out only tails; a hit needs the snapshot and the blocks."""
+    from compiled_llm.runtime.block_manager import BlockManager
+
+    bm = BlockManager({None: 64}, BS, True, num_state_slots=4, num_snapshot_slots=2)
+    assert bm.free_state_slots == [1, 0] and sorted(bm.free_snapshot_slots) == [2, 3]
+
+    def step(seq, n):
+        bm.allocate(seq, n, bm.plan_prefix(seq) if seq.state_slot is None else None)
+        slot = bm.reserve_snapshot(seq, n)
+        seq.num_computed_tokens += n
+        bm.commit(seq)
+        return slot
+
+    a = _seq(list(range(3, 13)))  # 10 tokens: snapshot at 8
+    assert step(a, 8) is not None and step(a, 2) is None
+    a.token_ids += [20, 21]  # decode: token 10 computed (ends at 11), then token 11 (ends at 12: a tail)
+    assert step(a, 1) is None
+    first_tail = step(a, 1)
+    assert first_tail is not None and len(bm.snapshots) == 2 and a.tail_snapshot[1] == first_tail
+    a.token_ids += [22, 23, 24, 25]
+    for _ in range(4):
+        step(a, 1)
+    assert a.tail_snapshot[1] == first_tail and len(bm.snapshots) == 2  # the next tail, in the same slot
+    c = _seq(list(range(3, 13)) + [7])  # a's prompt and more: hits a's prompt snapshot at 8
+    plan = bm.plan_prefix(c)
+    assert (plan.num_blocks, plan.state_from) == (2, bm.snapshots[a.block_hashes[1]])
+    b = _seq(list(range(40, 48)))  # 8 tokens: a prompt snapshot at 4, then its whole prompt ends a block (a tail)
+    assert step(b, 4) is not None  # pushes out the least recently used: a's prompt snapshot
+    assert a.block_hashes[1] not in bm.snapshots and bm.plan_prefix(c).num_blocks == 0
+    assert step(b, 4) == first_tail  # b's tail pushes out a's
+    assert a.tail_snapshot[0] not in bm.snapshots and b.tail_snapshot[1] == first_tail
+    bm.free(a), bm.free(b)  # finished: their snapshots stay
+    d, e = _seq(list(range(50, 60))), _seq(list(range(60, 70)))
+    assert step(d, 8) is not None and step(e, 8) is not None  # two prompt snapshots fill the pool
+    assert set(bm.snapshots) == {d.block_hashes[1], e.block_hashes[1]}
+    step(e, 2)
+    e.token_ids += [1, 2]
+    assert step(e, 1) is None and step(e, 1) is None  # a tail at 12 finds no tail to push out
+    assert set(bm.snapshots) == {d.block_hashes[1], e.block_hashes[1]}
+    bm.free(d), bm.free(e)
+    assert sorted(bm.free_state_slots) == [0, 1] and not bm.free_snapshot_slots
