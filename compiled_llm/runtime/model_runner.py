@@ -90,6 +90,8 @@ class ModelRunner(KVCachePlanner):
         self.num_snapshot_slots = 0
         if self.state_specs and config.enable_prefix_caching:
             snaps = config.prefix_state_snapshots
+            if snaps is not None and snaps < 0:
+                raise ValueError(f"prefix_state_snapshots must be 0 or more, not {snaps}")
             self.num_snapshot_slots = config.max_num_seqs if snaps is None else snaps
         self.num_state_slots = config.max_num_seqs + self.num_snapshot_slots if self.state_specs else 0
         self.state_caches: dict[int, dict[str, torch.Tensor]] = {}
