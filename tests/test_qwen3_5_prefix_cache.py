@@ -155,7 +155,6 @@ def test_batched_chunked_and_preempted_requests_match(ckpt, budget, async_):
         assert stats["num_preemptions"] > 0
 
 
-@pytest.mark.slow  # ~40 s of compiling on 2 CPU cores
 def test_compiled_prefix_hit(ckpt):
     """The compiled path: a prefix hit and a chat turn give the eager engine's tokens."""
     folder, vocab = ckpt("dense")
