@@ -75,7 +75,10 @@ def copy_state_slots(caches: dict[int, dict[str, torch.Tensor]], pairs: list[tup
     for layer in caches.values():
         for t in layer.values():
             if t.device not in index:
-                index[t.device] = tuple(torch.tensor(x, dtype=torch.long, device=t.device) for x in zip(*pairs))
+                host = torch.tensor(list(zip(*pairs)), dtype=torch.long)  # [2, pairs]: sources, destinations
+                if t.device.type == "cuda":  # no host sync (as the runner's other step inputs)
+                    host = host.pin_memory()
+                index[t.device] = host.to(t.device, non_blocking=True)
             src, dst = index[t.device]
             t.index_copy_(0, dst, t.index_select(0, src))
 
