@@ -46,6 +46,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the GPU's total memory this engine may use (as vLLM)
     num_kv_blocks: int | None = None  # overrides the budget (tests)
     enable_prefix_caching: bool = True
+    prefix_state_snapshots: int | None = None  # hybrid models: state snapshots kept for prefix hits; None: max_num_seqs
     enable_chunked_prefill: bool = True
     load_format: str = "auto"  # auto | dummy
     enforce_eager: bool = False
@@ -118,6 +119,10 @@ _HELP = {
                               "sampler come out of it, the KV cache gets the rest (as vLLM)",
     "num_kv_blocks": "exact number of KV-cache blocks (overrides the budget)",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes across requests",
+    "prefix_state_snapshots": "models with recurrent (linear-attention) layers: how many recurrent-state snapshots "
+                              "at block boundaries the prefix cache keeps (each as large as one sequence's state, "
+                              "taken from the KV-cache budget; default max-num-seqs; 0 turns prefix caching off "
+                              "for such models)",
     "enable_chunked_prefill": "split long prompts across steps",
     "load_format": "auto (safetensors) or dummy (random weights of the right shapes)",
     "enforce_eager": "run the model in eager mode: no torch.compile, no CUDA Graphs",

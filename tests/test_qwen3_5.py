@@ -142,10 +142,13 @@ def test_abort_frees_the_slot_and_others_continue(qwen_ckpt, hf_ref):
     assert free_slots(llm) == 8
 
 
-def test_prefix_caching_is_switched_off(qwen_ckpt):
+def test_prefix_caching_is_off_without_state_snapshots(qwen_ckpt):
+    """Prefix hits of a hybrid model need recurrent-state snapshots (tests/test_qwen3_5_prefix_cache.py);
+    --prefix-state-snapshots 0 turns them, and so prefix caching, off."""
     folder, hf = qwen_ckpt("dense")
-    llm = make_llm(folder, enable_prefix_caching=True)
+    llm = make_llm(folder, enable_prefix_caching=True, prefix_state_snapshots=0)
     assert llm.engine.config.enable_prefix_caching is False
+    assert llm.engine.executor.num_state_slots == 8
     ps = prompts(hf.config.vocab_size, (30,))
     few = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     assert generate_ids(llm, ps, few) == generate_ids(llm, ps, few)

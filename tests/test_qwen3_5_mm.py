@@ -201,3 +201,18 @@ def test_placeholder_count_must_match_the_images(vl_ckpt):
     with pytest.raises(ValueError, match="placeholder"):
         llm.generate(prompt(f"One {IMG} only", (image(1, 32, 32), image(2, 32, 32))), PARAMS)
     assert llm.generate(prompt(f"One {IMG} only", (image(1, 32, 32),)), PARAMS)[0].outputs[0].token_ids
+
+
+def test_image_prompt_prefix_hit(vl_ckpt):
+    """The same image prompt again hits the prefix cache past both images (block hashes carry the media
+    hashes; the recurrent state comes from its snapshot) and gives the tokens of an engine without it."""
+    folder, _, _ = vl_ckpt()
+    text, images = TWO
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    want = make_llm(folder, enable_prefix_caching=False).generate([prompt(text, images)], params)[0]
+    llm = make_llm(folder)
+    first, again = (llm.generate([prompt(text, images)], params)[0] for _ in range(2))
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == want.outputs[0].token_ids
+    n = len(want.prompt_token_ids)
+    stats = llm.engine.get_stats()
+    assert stats["prefix_cache_hits"] == (n - 1) // 4 * 4 and stats["prefix_state_snapshot_hits"] == 1

@@ -132,6 +132,10 @@ def test_tp2_dense_greedy_and_halved_state(qwen_ckpt, parallel_llm):
     llm = parallel_llm("dense", tensor_parallel_size=2)
     assert generate_ids(llm, ps) == ref
     check_halved(llm.engine.executor.runner, specs, states)
+    # again: prefix hits restore each rank's half of the recurrent state from its snapshot slots
+    assert generate_ids(llm, ps) == ref
+    stats = llm.engine.get_stats()
+    assert (stats["prefix_state_snapshot_hits"], stats["prefix_cache_hits"]) == (3, 4 + 16 + 32)
 
 
 def test_tp2_moe_greedy(qwen_ckpt, parallel_llm):

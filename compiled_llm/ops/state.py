@@ -44,6 +44,10 @@ class StateMetadata:
     slots: list[int]  # per sequence of the batch
     has_initial_state: list[bool]  # per sequence: False on its first chunk
     query_start_loc: list[int]  # num_seqs + 1 offsets into the token dimension
+    # prefix caching of hybrid models: (source slot, destination slot) state copies the runner makes before
+    # the forward (a cached snapshot into a sequence's slot) and after it (a sequence's slot into a snapshot)
+    copies_before: list[tuple[int, int]] = field(default_factory=list)
+    copies_after: list[tuple[int, int]] = field(default_factory=list)
     _device_tensors: dict = field(default_factory=dict, repr=False)
 
     def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,6 +64,23 @@ def allocate_states(specs: dict[int, StateSpec], num_slots: int, dtype: torch.dt
     return {i: {name: torch.zeros((num_slots, *shape), dtype=s.dtype(name, dtype), device=device)
                 for name, shape in s.shapes.items()}
             for i, s in specs.items()}
+
+
+def copy_state_slots(caches: dict[int, dict[str, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Copies every state of every layer from slot src to slot dst for each (src, dst) pair (on the device,
+    in stream order with the forward passes around it)."""
+    if not pairs:
+        return
+    index: dict = {}
+    for layer in caches.values():
+        for t in layer.values():
+            if t.device not in index:
+                host = torch.tensor(list(zip(*pairs)), dtype=torch.long)  # [2, pairs]: sources, destinations
+                if t.device.type == "cuda":  # no host sync (as the runner's other step inputs)
+                    host = host.pin_memory()
+                index[t.device] = host.to(t.device, non_blocking=True)
+            src, dst = index[t.device]
+            t.index_copy_(0, dst, t.index_select(0, src))
 
 
 def get_state_metadata() -> StateMetadata:

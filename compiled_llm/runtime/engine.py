@@ -287,9 +287,12 @@ class LLMEngine:
             "prefix_cache_queries": s.prefix_queries,
             "prefix_cache_hits": s.prefix_hits,
             "num_preemptions": s.num_preemptions,
+            "prompt_tokens_computed": s.prompt_tokens_computed,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.output_processor.generation_tokens_total,
         }
+        if self.block_manager.snapshotting:  # hybrid models' recurrent-state snapshots for prefix hits
+            stats.update(self.block_manager.snapshot_stats())
         if self.executor.sparse is not None:  # sparse_method, sparse_attended_tokens, sparse_cached_tokens
             stats.update(self.executor.sparse.stats())
         return stats

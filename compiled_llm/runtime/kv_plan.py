@@ -48,9 +48,11 @@ class KVCachePlanner:
         else:
             budget = cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
         if self.state_bytes() >= budget:
-            raise ValueError(f"the recurrent state of {self.num_state_slots} sequences takes {self.state_bytes()} "
-                             f"bytes, more than the cache budget ({budget}); lower max_num_seqs or give the cache "
-                             "more memory")
+            snaps = self.num_snapshot_slots
+            raise ValueError(f"the recurrent state of {self.num_state_slots - snaps} sequences"
+                             f"{f' and {snaps} prefix-cache snapshots' if snaps else ''} takes {self.state_bytes()} "
+                             f"bytes, more than the cache budget ({budget}); lower max_num_seqs or "
+                             "prefix_state_snapshots, or give the cache more memory")
         budget -= self.state_bytes()
         bs = self.block_size
         sliding = {g: b for g, b in bytes_per.items() if g is not None}
@@ -158,7 +160,7 @@ class KVCachePlanner:
                  gib(m["kv_cache_bytes"]), blocks)
 
     def state_bytes(self) -> int:
-        """Bytes of all recurrent-state slots (taken from the KV budget)."""
+        """Bytes of all recurrent-state slots, prefix snapshots included (taken from the KV budget)."""
         return self.num_state_slots * sum(s.slot_bytes(self.dtype) for s in self.state_specs.values())
 
 
@@ -166,10 +168,13 @@ def build_kv_cache(config, executor) -> BlockManager:
     """Plans the blocks of every KV group on every rank, checks they hold max_model_len, allocates them
     (the compiler warms up there) and returns the block manager that hands them out."""
     if executor.state_specs and config.enable_prefix_caching:
-        # A cached prefix would need the recurrent state at that point, which is not kept.
-        log.warning("prefix caching is off for this model: its recurrent (linear-attention) layers "
-                    "keep per-sequence state that cached KV blocks cannot restore")
-        config.enable_prefix_caching = False
+        if executor.num_snapshot_slots == 0:  # a cached prefix needs the recurrent state at its end
+            log.info("prefix caching is off for this model: its recurrent-state snapshots are off "
+                     "(--prefix-state-snapshots 0)")
+            config.enable_prefix_caching = False
+        else:
+            log.info("prefix caching with recurrent-state snapshots at block boundaries: %d snapshot slots",
+                     executor.num_snapshot_slots)
     num_blocks = executor.plan_blocks(config.max_model_len)
     check_capacity(config, num_blocks)
     executor.allocate_kv_cache(num_blocks)
@@ -178,7 +183,8 @@ def build_kv_cache(config, executor) -> BlockManager:
     log.info("KV cache: %s tokens per group, block size %d", tokens, config.block_size)
     return BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                         executor.group_block_bytes(), executor.num_state_slots,
-                        hash_prompt_only=sparse is not None and not sparse.hash_generated_blocks)
+                        hash_prompt_only=sparse is not None and not sparse.hash_generated_blocks,
+                        num_snapshot_slots=executor.num_snapshot_slots)
 
 
 def check_capacity(config, num_blocks: dict[int | None, int]) -> None:

@@ -19,7 +19,7 @@ from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, prepare_media
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
-from compiled_llm.ops.state import STATE_KEY, StateMetadata, allocate_states
+from compiled_llm.ops.state import STATE_KEY, StateMetadata, allocate_states, copy_state_slots
 from compiled_llm.runtime.kv_plan import KVCachePlanner
 from compiled_llm.runtime.memory import gib
 from compiled_llm.runtime.sampler import PendingTokens, to_device
@@ -86,7 +86,14 @@ class ModelRunner(KVCachePlanner):
         self.kv_groups = {s.kv_group for s in self.specs.values()}
         # Recurrent layers (hybrid models): per-sequence state, one slot per possible running sequence.
         self.state_specs = recurrent_state_specs(model)
-        self.num_state_slots = config.max_num_seqs if self.state_specs else 0
+        # Prefix caching keeps state snapshots in extra slots after those (block_manager.py).
+        self.num_snapshot_slots = 0
+        if self.state_specs and config.enable_prefix_caching:
+            snaps = config.prefix_state_snapshots
+            if snaps is not None and snaps < 0:
+                raise ValueError(f"prefix_state_snapshots must be 0 or more, not {snaps}")
+            self.num_snapshot_slots = config.max_num_seqs if snaps is None else snaps
+        self.num_state_slots = config.max_num_seqs + self.num_snapshot_slots if self.state_specs else 0
         self.state_caches: dict[int, dict[str, torch.Tensor]] = {}
         self.block_size = config.block_size
         # GPU only, filled by plan_blocks: what the KV-cache budget was taken from (the smoke script prints it)
@@ -242,7 +249,9 @@ class ModelRunner(KVCachePlanner):
             extra[STATE_KEY] = StateMetadata(
                 caches=self.state_caches, slots=[item.seq.state_slot for item in batch],
                 has_initial_state=[item.seq.num_computed_tokens > 0 for item in batch],
-                query_start_loc=meta.query_start_loc)
+                query_start_loc=meta.query_start_loc,
+                copies_before=[(i.load_state, i.seq.state_slot) for i in batch if i.load_state is not None],
+                copies_after=[(i.seq.state_slot, i.save_state) for i in batch if i.save_state is not None])
         if self.sparse is not None:
             extra[SPARSE_KEY] = self.sparse.metadata(batch)
         return ForwardContext(meta, self.kv_caches, self.specs, extra)
@@ -279,8 +288,13 @@ class ModelRunner(KVCachePlanner):
         # media steps (inputs_embeds) and M-RoPE steps run eager; a pipeline stage's tensors go to the compiled forward
         compiled = self.compiler is not None and inputs_embeds is None and positions.dim() == 1
         forward = self.compiler if compiled else self.model
+        state = ctx.extra.get(STATE_KEY)
+        if state is not None:  # hybrid prefix caching: a cached snapshot into a sequence's slot
+            copy_state_slots(state.caches, state.copies_before)
         with set_forward_context(ctx):
             hidden = forward(input_ids, positions, **kwargs)
+        if state is not None:  # a sequence's state at a block boundary into a snapshot slot
+            copy_state_slots(state.caches, state.copies_after)
         if isinstance(hidden, dict):
             return hidden
         return self.model.compute_logits(hidden[rows]).float()

@@ -1,6 +1,12 @@
 """Continuous batching: each step takes running sequences first (decodes and unfinished prefill
 chunks), then admits waiting ones, all under one token budget. When blocks run out the most
-recently admitted sequence is preempted and later recomputed (its cached blocks may still hit)."""
+recently admitted sequence is preempted and later recomputed (its cached blocks may still hit).
+
+Hybrid models with prefix caching: a prefill chunk that would cross one of the prompt's snapshot points
+(BlockManager.snapshot_cuts: the end of its last full block before the last token; where its cached KV
+ended past its snapshot hit) is cut there, and a step that ends on a snapshot point carries
+the slot its state is copied to (ScheduledSeq.save_state); an admitted sequence with a prefix hit carries
+the snapshot its state starts from (load_state)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from compiled_llm.runtime.sequence import Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    load_state: int | None = None  # hybrid prefix hit: copy this snapshot slot into the sequence's slot first
+    save_state: int | None = None  # copy the sequence's state into this snapshot slot after the step
 
 
 class Scheduler:
@@ -31,6 +39,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.prompt_tokens_computed = 0  # prompt tokens scheduled for computing (not served from the cache)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -53,7 +62,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
                 continue
-            n = clamp_chunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed, budget))  # keeps media spans whole
+            n = self._cut(seq, seq.num_computed_tokens,
+                          clamp_chunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed, budget)))  # keeps media spans whole
             if n == 0:
                 continue
             while not self.bm.can_allocate(seq, n):
@@ -64,7 +74,7 @@ class Scheduler:
                     break
             else:
                 self.bm.allocate(seq, n)
-                out.append(ScheduledSeq(seq, n))
+                out.append(self._scheduled(seq, n))
                 budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
@@ -76,6 +86,7 @@ class Scheduler:
                 break
             if n < len(seq) - cached and not self.chunked:
                 break
+            n = self._cut(seq, cached, n)
             if not self.bm.can_allocate(seq, n, plan):
                 if not self.running and not out:
                     raise RuntimeError(f"the KV cache cannot hold a sequence of {len(seq)} tokens; "
@@ -89,9 +100,21 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.time()
             self.running.append(seq)
-            out.append(ScheduledSeq(seq, n))
+            out.append(self._scheduled(seq, n, plan.state_from))
             budget -= n
         return out
+
+    def _cut(self, seq: Sequence, start: int, n: int) -> int:
+        """n, or fewer tokens so that the chunk ends at a snapshot point of the prompt (hybrid prefix caching)."""
+        for cut in sorted(self.bm.snapshot_cuts(seq)):
+            if start < cut < start + n and clamp_chunk(seq, start, cut - start) == cut - start:
+                return cut - start
+        return n
+
+    def _scheduled(self, seq: Sequence, n: int, load_state: int | None = None) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        self.prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
+        return ScheduledSeq(seq, n, load_state, self.bm.reserve_snapshot(seq, n))
 
     def advance(self, batch: list[ScheduledSeq]) -> list[Sequence]:
         """After the step's forward: each sequence's computed tokens move on and its newly full blocks are

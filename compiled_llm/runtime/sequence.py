@@ -39,6 +39,11 @@ class Sequence:
         self.block_tables: dict[int | None, list[int]] = {}  # kv group -> block ids (-1: released)
         self.block_hashes: list[int] = []  # hash chain of the full blocks of token_ids
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models) while it holds blocks
+        # prefix caching of hybrid models (block_manager.py): the snapshot slot its scheduled step saves to and
+        # the number of blocks it will end at; the (hash, slot) of its latest snapshot past the prompt's cut
+        self.pending_snapshot: tuple[int, int] | None = None
+        self.tail_snapshot: tuple[bytes, int] | None = None
+        self.snapshot_branch = 0  # where its cached KV ended past its snapshot hit at admission (0: nowhere)
         self.mm = None  # multimodal.MultiModalInputs of a prompt with media (None: text only)
         self.grammar = None  # structured_output.GrammarState when params.structured_output is set
         # sparse KV (runtime/sparse_kv.py): keys attended vs tokens cached, summed over decode steps and layers

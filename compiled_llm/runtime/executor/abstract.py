@@ -43,6 +43,11 @@ class Executor(ABC):
         return self.runner.num_state_slots
 
     @property
+    def num_snapshot_slots(self) -> int:
+        """Of the state slots, those that hold prefix-cache snapshots (the last ones)."""
+        return self.runner.num_snapshot_slots
+
+    @property
     def sparse(self):
         """The sparse-KV policy (runtime/sparse_kv.py), or None."""
         return self.runner.sparse
