@@ -8,9 +8,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+from qwen3_5_tiny import make_qwen_checkpoint  # noqa: E402
 from tiny_models import make_checkpoint  # noqa: E402
 
 _CACHE: dict[str, tuple[Path, object]] = {}
+_QWEN: dict[str, tuple[Path, object]] = {}
 
 
 @pytest.fixture(scope="session")
@@ -23,5 +25,18 @@ def tiny_ckpt(tmp_path_factory):
             model = make_checkpoint(folder, name)
             _CACHE[name] = (folder, model)
         return _CACHE[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def qwen_ckpt(tmp_path_factory):
+    """qwen_ckpt(name) -> (folder, transformers model) of a tiny Qwen3.5 checkpoint, built once per session."""
+
+    def get(name: str):
+        if name not in _QWEN:
+            folder = tmp_path_factory.mktemp(f"qwen3_5_{name}")
+            _QWEN[name] = (folder, make_qwen_checkpoint(folder, name))
+        return _QWEN[name]
 
     return get

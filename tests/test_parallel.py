@@ -138,26 +138,34 @@ def test_unsupported_settings_are_refused():
         check_parallel_config(EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2))
 
 
+def rank_shards(model_cls, folder, tp: int = 2) -> tuple[object, list[dict]]:
+    """The model config and each TP rank's parameters, built and loaded in this process as that rank (loading
+    needs no collective)."""
+    from compiled_llm.models.loader import load_weights
+    from compiled_llm.runtime.model_runner import read_hf_config
+
+    cfg = model_cls.config_from_hf(read_hf_config(folder))
+    shards = []
+    try:
+        for rank in range(tp):
+            set_parallel_state(ParallelState(tp_size=tp, tp_rank=rank))
+            model = model_cls(cfg)
+            load_weights(model, folder, model.hf_to_ours, progress=False)
+            shards.append(dict(model.named_parameters()))
+    finally:
+        set_parallel_state(ParallelState())
+    return cfg, shards
+
+
 def test_rank_slices_reassemble_checkpoint(tiny_ckpt):
     """Built as rank 0 and rank 1 of TP2 (no collectives needed to load), the slices of every weight
     put back together give the checkpoint tensor."""
     from safetensors import safe_open
 
     from compiled_llm.models.gemma4 import Gemma4ForCausalLM
-    from compiled_llm.models.loader import load_weights
-    from compiled_llm.runtime.model_runner import read_hf_config
 
     folder, _ = tiny_ckpt("all")
-    cfg = Gemma4ForCausalLM.config_from_hf(read_hf_config(folder))
-    shards = []
-    try:
-        for rank in range(2):
-            set_parallel_state(ParallelState(tp_size=2, tp_rank=rank))
-            model = Gemma4ForCausalLM(cfg)
-            load_weights(model, folder, model.hf_to_ours, progress=False)
-            shards.append(dict(model.named_parameters()))
-    finally:
-        set_parallel_state(ParallelState())
+    _, shards = rank_shards(Gemma4ForCausalLM, folder)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
         assert torch.equal(torch.cat([s["model.layers.0.self_attn.q_proj.weight"] for s in shards]), q)

@@ -11,23 +11,11 @@ from compiled_llm.models.registry import resolve_model_class
 from compiled_llm.ops.context import set_forward_context
 from compiled_llm.runtime.scheduler import ScheduledSeq
 from compiled_llm.runtime.sequence import Sequence
-from qwen3_5_tiny import CONFIGS, FULL, LIN, make_qwen_checkpoint
+from qwen3_5_tiny import CONFIGS, FULL, LIN
 from tiny_models import hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-_CKPTS: dict = {}
 _REFS: dict = {}
-
-
-@pytest.fixture(scope="module")
-def qwen_ckpt(tmp_path_factory):
-    def get(name):
-        if name not in _CKPTS:
-            folder = tmp_path_factory.mktemp(f"qwen3_5_{name}")
-            _CKPTS[name] = (folder, make_qwen_checkpoint(folder, name))
-        return _CKPTS[name]
-
-    return get
 
 
 def prompts(vocab: int, lengths=(5, 17, 30), seed: int = 1) -> list[list[int]]:

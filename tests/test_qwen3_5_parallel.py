@@ -12,29 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_llm.distributed.parallel_state import ParallelState, set_parallel_state
-from qwen3_5_tiny import make_qwen_checkpoint
-from test_parallel import generate_ids, make_llm  # the Gemma parallel tests' engine settings and greedy run
-_CKPTS: dict = {}
+from test_parallel import generate_ids, make_llm, rank_shards  # the Gemma parallel tests' engine settings, runs
+
 _REFS: dict = {}
-
-
-@pytest.fixture(scope="module")
-def qwen_ckpt(tmp_path_factory):
-    def get(name):
-        if name not in _CKPTS:
-            folder = tmp_path_factory.mktemp(f"qwen3_5_par_{name}")
-            make_qwen_checkpoint(folder, name)
-            _CKPTS[name] = folder
-        return _CKPTS[name]
-
-    return get
 
 
 def reference(qwen_ckpt, name):
     """(prompts, one-process greedy tokens, attention specs, state shapes) of a tiny checkpoint."""
     if name not in _REFS:
-        llm = make_llm(qwen_ckpt(name), max_num_seqs=4)
+        llm = make_llm(qwen_ckpt(name)[0], max_num_seqs=4)
         runner = llm.engine.executor.runner
         g = torch.Generator().manual_seed(3)
         ps = [torch.randint(3, runner.model_config.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 33)]
@@ -53,7 +39,7 @@ def parallel_llm(qwen_ckpt):
     made = []
 
     def start(name, **kw):
-        llm = make_llm(qwen_ckpt(name), **{"max_num_seqs": 4, **kw})
+        llm = make_llm(qwen_ckpt(name)[0], **{"max_num_seqs": 4, **kw})
         made.append(llm)
         return llm
 
@@ -82,21 +68,10 @@ def test_rank_slices_reassemble_checkpoint(qwen_ckpt):
     whole [query; gate] heads, per-expert gate and up projections into the packed experts."""
     from safetensors import safe_open
 
-    from compiled_llm.models.loader import load_weights
     from compiled_llm.models.qwen3_5 import Qwen3_5MoeForCausalLM
-    from compiled_llm.runtime.model_runner import read_hf_config
 
-    folder = qwen_ckpt("moe")
-    cfg = Qwen3_5MoeForCausalLM.config_from_hf(read_hf_config(folder))
-    shards = []
-    try:
-        for rank in range(2):
-            set_parallel_state(ParallelState(tp_size=2, tp_rank=rank))
-            model = Qwen3_5MoeForCausalLM(cfg)
-            load_weights(model, folder, model.hf_to_ours, progress=False)
-            shards.append(dict(model.named_parameters()))
-    finally:
-        set_parallel_state(ParallelState())
+    folder, _ = qwen_ckpt("moe")
+    cfg, shards = rank_shards(Qwen3_5MoeForCausalLM, folder)
 
     def joined(name, dim=0):
         return torch.cat([s[name] for s in shards], dim)

@@ -6,19 +6,16 @@ import pytest
 import torch
 
 from compiled_llm import LLM, SamplingParams
-from qwen3_5_tiny import make_qwen_checkpoint
 
 BS = 4
-_CKPTS: dict = {}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def ckpt(qwen_ckpt):
+    """ckpt(name) -> (folder, vocabulary size) of the session's tiny Qwen3.5 checkpoint."""
     def get(name):
-        if name not in _CKPTS:
-            folder = tmp_path_factory.mktemp(f"qwen3_5_pc_{name}")
-            _CKPTS[name] = (folder, make_qwen_checkpoint(folder, name).config.get_text_config().vocab_size)
-        return _CKPTS[name]
+        folder, hf = qwen_ckpt(name)
+        return folder, hf.config.get_text_config().vocab_size
 
     return get
 
