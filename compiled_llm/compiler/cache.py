@@ -140,8 +140,9 @@ class CompileCache:
         for sub, var in ENV.items():
             (root / sub).mkdir(parents=True, exist_ok=True)
             os.environ[var] = str(root / sub)
-        if triton_manager() is not None:
-            os.environ["TRITON_CACHE_MANAGER"] = triton_manager()
+        manager = triton_manager()
+        if manager is not None:
+            os.environ["TRITON_CACHE_MANAGER"] = manager
         try:
             yield
         finally:

@@ -84,8 +84,9 @@ class PassManager(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.calls += 1
         self.last_input = str(graph)
+        counted = self.count_only()
         for p in self.passes:
-            p.count_only = (self.reference_only and p.count_only_on_reference) or p.name in self.unfused
+            p.count_only = p.name in counted
             try:
                 p(graph)
             finally:
