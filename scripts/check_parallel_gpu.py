@@ -32,6 +32,9 @@ def main():
         if keep:
             return llm, out
         llm.engine.shutdown()
+        del llm  # the next engine measures free memory: this one's KV cache must be gone first
+        gc.collect()
+        torch.cuda.empty_cache()
         return out
 
     phase = sys.argv[2]

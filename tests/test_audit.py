@@ -42,11 +42,11 @@ def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
         assert per_layer(r, shape) == {i: GEMMA_MOE for i in range(30)}, shape
     assert (r.graphs, r.pieces, r.attention_ops) == (1, 31, 30)
     assert r.layers[0] == "sliding d256" and r.layers[5] == "full d512 k=v"
-    # the largest tensor of an 8192-token prefill is a full layer's query projection (16 heads x 512), not a
-    # [128 experts, tokens, hidden] dense expert sum
+    # the largest tensor of an 8192-token prefill is a full layer's merged [q; k] projection (16 query heads
+    # and 2 K=V heads of 512), not a [128 experts, tokens, hidden] dense expert sum
     big = r.largest["dynamic"]
-    assert (big.shape, big.dtype, big.layer) == ((8192, 8192), torch.bfloat16, 5)
-    assert r.largest["8"].shape == (8, 8192)
+    assert (big.shape, big.dtype, big.layer) == ((8192, 9216), torch.bfloat16, 5)
+    assert r.largest["8"].shape == (8, 9216)
 
 
 @pytest.mark.skipif(not ALL_CONFIGS, reason="run by make test under torch 2.11 (or set COMPILED_LLM_AUDIT_ALL=1)")

@@ -241,7 +241,7 @@ def test_whole_graph_decode_needs_every_chosen_split_op_provider_capturable(tiny
             assert OPS["attention"].capturable() == capturable
 
 
-def test_max_autotune_reaches_the_compiles_it_names():
+def test_max_autotune_and_symm_mem_reach_the_compiles_they_name():
     """--max-autotune static: Inductor's GEMM autotuning in the static batch-size compiles (decode), not in the
     dynamic one; all: both; off: neither. Our passes and settings stay in every compile's config."""
     from types import SimpleNamespace
@@ -251,10 +251,16 @@ def test_max_autotune_reaches_the_compiles_it_names():
     from compiled_llm.compiler.piecewise import PieceRunner
     from compiled_llm.passes.manager import PassManager
 
-    def patches(mode: str, shape: str) -> dict:
+    def patches(mode: str, shape: str, symm_mem: bool = False) -> dict:
         runner = PieceRunner.__new__(PieceRunner)
-        runner.backend = SimpleNamespace(pass_manager=PassManager(), config=CompilerConfig(autotune=parse_autotune(mode)))
+        runner.backend = SimpleNamespace(pass_manager=PassManager(), config=CompilerConfig(
+            autotune=parse_autotune(mode), symm_mem_allreduce=symm_mem))
         return runner._inductor_config(shape)
+
+    # --tp-allreduce symm-mem: the decode compiles only (Inductor cannot size-check a symbolic token count)
+    assert patches("off", "8", symm_mem=True).get("_collective.auto_select") is True
+    assert "_collective.auto_select" not in patches("off", "dynamic", symm_mem=True)
+    assert "_collective.auto_select" not in patches("off", "8")
 
     assert patches("static", "8").get("max_autotune_gemm") is True
     assert "max_autotune_gemm" not in patches("static", "dynamic")

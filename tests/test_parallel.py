@@ -41,14 +41,20 @@ def generate_ids(llm, ps):
 
 
 def reference(tiny_ckpt, name):
-    """(prompts, single-process greedy tokens, {parameter: numel}, kv heads per layer)"""
+    """(prompts, single-process greedy tokens, {parameter: numel}, layout: kv heads per layer and the segment
+    sizes of every merged projection)"""
     if name not in _REFERENCE:
         folder, hf = tiny_ckpt(name)
         ps = prompts(hf.config.vocab_size)
         llm = make_llm(folder)
         counts = {n: p.numel() for n, p in llm.engine.executor.runner.model.named_parameters()}
-        kv_heads = [layer.num_kv_heads for layer in llm.engine.executor.runner.model_config.layers]
-        _REFERENCE[name] = (ps, generate_ids(llm, ps), counts, kv_heads)
+        from compiled_llm.models.parallel_layers import MergedColumnParallelLinear
+
+        model = llm.engine.executor.runner.model
+        layout = {"kv_heads": [layer.num_kv_heads for layer in llm.engine.executor.runner.model_config.layers],
+                  "merged": {f"{n}.weight": (m.sizes, m.in_features) for n, m in model.named_modules()
+                             if isinstance(m, MergedColumnParallelLinear)}}
+        _REFERENCE[name] = (ps, generate_ids(llm, ps), counts, layout)
     return _REFERENCE[name]
 
 
@@ -68,24 +74,26 @@ def parallel_llm(tiny_ckpt):
 
 
 # ---- what each rank must hold ------------------------------------------------------------------------
-SPLIT = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|experts\.|embed_tokens)")
+SPLIT = re.compile(r"(qkv_proj|o_proj|gate_up_proj|down_proj|experts\.|embed_tokens|q_proj|k_proj|v_proj)")
 
 
-def expected_tp2(name: str, full: int, kv_heads: list[int]) -> int:
+def expected_tp2(name: str, full: int, layout: dict) -> int:
     """Parameters of one TP2 rank: half of every split weight, all of the replicated ones (norms,
-    router, PLE gates and projections, and K/V projections of layers with a single KV head)."""
-    m = re.match(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj)\.", name)
-    if m and kv_heads[int(m.group(1))] == 1:
-        return full
+    router, PLE gates and projections, and the K/V segments of a merged [q; k; v] in layers with a single KV
+    head)."""
+    m = re.match(r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.weight", name)
+    if m and layout["kv_heads"][int(m.group(1))] == 1:
+        sizes, cols = layout["merged"][name]
+        return (sizes[0] // 2 + sum(sizes[1:])) * cols
     return full // 2 if SPLIT.search(name) else full
 
 
-def check_tp2_counts(per_rank: list[dict], full: dict, kv_heads: list[int]) -> None:
+def check_tp2_counts(per_rank: list[dict], full: dict, layout: dict) -> None:
     assert len(per_rank) == 2
     for counts in per_rank:
         assert set(counts) == set(full)
         for name, n in full.items():
-            assert counts[name] == expected_tp2(name, n, kv_heads), name
+            assert counts[name] == expected_tp2(name, n, layout), name
     assert sum(per_rank[0].values()) < sum(full.values())
 
 
@@ -167,12 +175,23 @@ def test_rank_slices_reassemble_checkpoint(tiny_ckpt):
     folder, _ = tiny_ckpt("all")
     _, shards = rank_shards(Gemma4ForCausalLM, folder)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
-        assert torch.equal(torch.cat([s["model.layers.0.self_attn.q_proj.weight"] for s in shards]), q)
+        def merged(layer: int, merged_name: str, names: list[str], replicated: tuple = ()) -> None:
+            """A merged projection holds [a_r; b_r; ...]: rank r's slice of each checkpoint tensor, in order
+            (a tensor with fewer heads than ranks whole on every rank)."""
+            full = [f.get_tensor(f"model.layers.{layer}.{n}.weight") for n in names]
+            sizes = [t.shape[0] if n in replicated else t.shape[0] // 2 for t, n in zip(full, names)]
+            parts = [s[f"model.layers.{layer}.{merged_name}.weight"].split(sizes) for s in shards]
+            for j, (t, n) in enumerate(zip(full, names)):
+                got = [p[j] for p in parts]
+                assert all(torch.equal(g, t) for g in got) if n in replicated else torch.equal(torch.cat(got), t), n
+
+        merged(0, "self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])
+        merged(0, "mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"])
+        # a global K=V layer with one KV head: q split, k replicated, no v
+        assert "model.layers.1.self_attn.v_proj.weight" not in f.keys()
+        merged(1, "self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj"], replicated=("self_attn.k_proj",))
         o = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
         assert torch.equal(torch.cat([s["model.layers.0.self_attn.o_proj.weight"] for s in shards], 1), o)
-        k = f.get_tensor("model.layers.1.self_attn.k_proj.weight")  # a global layer with one KV head: replicated
-        assert all(torch.equal(s["model.layers.1.self_attn.k_proj.weight"], k) for s in shards)
         gu = f.get_tensor("model.layers.0.experts.gate_up_proj")  # [E, 2I, H], packed [gate; up]
         i = gu.shape[1] // 2
         parts = [s["model.layers.0.experts.gate_up_proj"] for s in shards]
@@ -184,13 +203,25 @@ def test_rank_slices_reassemble_checkpoint(tiny_ckpt):
 
 # ---- two processes -------------------------------------------------------------------------------
 def test_tp2_greedy_and_weight_slices(tiny_ckpt, parallel_llm):
-    ps, ref, full, kv_heads = reference(tiny_ckpt, "all")
+    ps, ref, full, layout = reference(tiny_ckpt, "all")
     llm = parallel_llm("all", tensor_parallel_size=2)
     assert generate_ids(llm, ps) == ref
     executor = llm.engine.executor
-    check_tp2_counts(executor.collective_rpc("param_counts"), full, kv_heads)
+    check_tp2_counts(executor.collective_rpc("param_counts"), full, layout)
     specs = executor.runner.specs  # the KV cache is sized for this rank's heads: 2 query heads, 1 KV head
     assert {s.num_heads for s in specs.values()} == {2} and {s.num_kv_heads for s in specs.values()} == {1}
+    # shutdown releases the graphs and the KV cache before the group is left (an NCCL abort waited on
+    # collectives captured in live CUDA graphs)
+    from compiled_llm.runtime.executor import multiproc
+
+    seen = []
+    leave = multiproc.destroy_parallel
+    multiproc.destroy_parallel = lambda **kw: (seen.append(dict(executor.runner.kv_caches)), leave(**kw))
+    try:
+        llm.engine.shutdown()
+    finally:
+        multiproc.destroy_parallel = leave
+    assert seen == [{}]
 
 
 def test_tp2_expert_parallel_greedy_and_experts(tiny_ckpt, parallel_llm):
@@ -283,12 +314,12 @@ MODES = {"tp2": dict(tensor_parallel_size=2), "tp2_ep": dict(tensor_parallel_siz
 def test_every_model_every_mode(tiny_ckpt, parallel_llm, name, mode):
     if mode == "tp2_ep" and name != "moe":
         pytest.skip("expert parallelism needs experts")
-    ps, ref, full, kv_heads = reference(tiny_ckpt, name)
+    ps, ref, full, layout = reference(tiny_ckpt, name)
     llm = parallel_llm(name, **MODES[mode])
     assert generate_ids(llm, ps) == ref
     counts = llm.engine.executor.collective_rpc("param_counts")
     if mode == "tp2":
-        check_tp2_counts(counts, full, kv_heads)
+        check_tp2_counts(counts, full, layout)
     elif mode == "pp2":
         check_pp2_counts(counts, full, llm.engine.executor.collective_rpc("info"))
 
@@ -412,3 +443,23 @@ def test_symm_mem_allreduce_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="symm-mem needs CUDA, tensor_parallel_size > 1"):
         EngineConfig(device="cpu", tensor_parallel_size=2, tp_allreduce="symm-mem")
     assert EngineConfig(device="cpu", tensor_parallel_size=2).tp_allreduce == "nccl"
+
+
+def test_nccl_groups_are_aborted_not_destroyed(monkeypatch):
+    """NCCL's graceful destroy waits on its peers (it hung at shutdown on two H200s, and so did the abort that a
+    watchdog thread started beside it): an NCCL group is aborted, which is local; gloo keeps the graceful destroy."""
+    import torch.distributed as dist
+
+    from compiled_llm.distributed import parallel_state
+
+    calls = []
+    state = {"up": True}
+    monkeypatch.setattr(dist, "is_initialized", lambda: state["up"])
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (calls.append("destroy"), state.update(up=False)))
+    monkeypatch.setattr(parallel_state, "abort_parallel", lambda: (calls.append("abort"), state.update(up=False)))
+    for backend, want in (("nccl", ["abort"]), ("gloo", ["destroy"])):
+        calls.clear()
+        state["up"] = True
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        parallel_state.destroy_parallel(timeout=10.0)
+        assert calls == want, (backend, calls)

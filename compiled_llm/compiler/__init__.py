@@ -77,11 +77,15 @@ def _tp_group_name() -> str | None:
 
 def enable_symm_mem(group_name: str | None) -> None:
     """Lets Inductor lower the TP group's small all-reduces to symmetric-memory one-shot kernels."""
+    import warnings
+
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     if group_name is None:
         raise ValueError("tp_allreduce symm-mem needs a tensor-parallel group")
-    enable_symm_mem_for_group(group_name)
+    with warnings.catch_warnings():  # torch >= 2.11 enables every group itself and says so (FutureWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(group_name)
 
 
 class ModelCompiler:
@@ -118,6 +122,9 @@ class ModelCompiler:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
         return self.compiled(input_ids, positions, intermediate)
+
+    def release_graphs(self) -> None:
+        self.compiled.release_graphs()
 
     def cache_flags(self) -> dict:
         c = self.config

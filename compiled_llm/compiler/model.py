@@ -152,6 +152,14 @@ class CompiledModel:
         self.full: dict[int, FullGraph] = {}  # decode sizes that replay the whole-graph capture
         self.decode_timings: dict[int, tuple[float, float | None]] = {}  # size -> (piecewise ms, full ms)
 
+    def release_graphs(self) -> None:
+        """Drops every captured CUDA graph and their memory pool. Done before the process group is left: on
+        two H200s an NCCL abort waited, without end, on the communicator whose collectives sat in live graphs."""
+        for piece in self.backend.pieces:
+            piece.graphs.clear()
+        self.full.clear()
+        self.state.pool = None
+
     # ---- calls -------------------------------------------------------------------------------
     def bucket_for(self, n: int) -> int | None:
         for s in self.sizes:

@@ -154,7 +154,10 @@ class PieceRunner:
         autotune = self.backend.config.autotune
         if autotune == "all" or (autotune == "static" and shape != "dynamic"):
             patches = {**patches, "max_autotune_gemm": True}
-        if self.backend.config.symm_mem_allreduce:  # all-reduces <= 128 KB as symm_mem.one_shot_all_reduce
+        if self.backend.config.symm_mem_allreduce and shape != "dynamic":
+            # decode sizes: all-reduces <= 128 KB as symm_mem.one_shot_all_reduce. Not in the dynamic-shape
+            # compile: Inductor's size check cannot decide `5632 * tokens <= 131072` for a symbolic token
+            # count (LoweringException on the H200, torch 2.11), and prefill all-reduces are large anyway
             patches = {**patches, "_collective.auto_select": True}
         return patches
 

@@ -171,7 +171,11 @@ def init_parallel(rank: int, tp_size: int, pp_size: int, enable_expert_parallel:
 def destroy_parallel(timeout: float | None = None) -> None:
     """Leaves the process groups. With a timeout, a teardown that does not return in time (NCCL's can wait on
     a peer that already left) is aborted with a warning instead of hanging the process at exit."""
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        # NCCL's graceful destroy waits on its peers: on the H200 it hung at shutdown, and so did the abort
+        # that followed it from another thread. An abort is local and the group has no work left: abort only
+        abort_parallel()
+    if dist.is_initialized():  # gloo (or an abort that did not take)
         if timeout is None:
             dist.destroy_process_group()
         else:

@@ -2,7 +2,10 @@
 
 Tokens arrive flattened ([num_tokens]) with their positions; attention goes through the paged
 attention op, so the model holds no cache itself. Parameter names follow the Hugging Face
-checkpoint (model.layers.N.self_attn.q_proj.weight, ...), so loading is a rename at most.
+checkpoint (model.layers.N.self_attn.o_proj.weight, ...), so loading is a rename at most, except that
+q/k/v and the MLP's gate/up are each one merged projection (qkv_proj, gate_up_proj: one GEMM each, which
+decode reads at a better share of bandwidth than two or three narrow ones); their checkpoint tensors load
+into the merged weight's segments.
 
 Tensor parallel: projections are column/row-parallel layers (models/parallel_layers.py) that hold this
 rank's slice and sum partial outputs with an all-reduce, which a compiler pass fuses into the RMSNorm
@@ -18,9 +21,9 @@ from torch import nn
 from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.gemma4_config import Gemma4TextConfig, LayerShape
 from compiled_llm.models.interfaces import SupportsEP, SupportsPP, SupportsTP
-from compiled_llm.models.parallel_layers import (ColumnParallelLinear, ExpertWeights, HeadParallelLinear,
-                                                 ParallelLMHead, PPMissingLayer, RowParallelLinear,
-                                                 VocabParallelEmbedding, local_num_heads, make_layers)
+from compiled_llm.models.parallel_layers import (ExpertWeights, MergedColumnParallelLinear, ParallelLMHead,
+                                                 PPMissingLayer, RowParallelLinear, VocabParallelEmbedding,
+                                                 head_parallel_segments, local_num_heads, make_layers)
 from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.moe import dense_gated_moe, ref_geglu_moe, ref_router_topk
@@ -41,12 +44,12 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, intermediate)
-        self.up_proj = ColumnParallelLinear(hidden, intermediate)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])  # [gate; up]
         self.down_proj = RowParallelLinear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.local_sizes, dim=-1)
+        return self.down_proj(gelu_tanh(gate) * up)
 
 
 class Attention(nn.Module):
@@ -64,11 +67,13 @@ class Attention(nn.Module):
             shape.head_dim, rope["rope_theta"], rope.get("rope_type", "default"),
             rope.get("partial_rotary_factor", 1.0), rope.get("factor", 1.0)), persistent=False)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.q_proj = HeadParallelLinear(h, cfg.num_attention_heads, self.head_dim)
+        # [q; k; v] in one projection (q alone where the layer reads another's cache; no v where K=V)
+        kv_projections = 0 if self.shares_kv else (1 if self.k_eq_v else 2)
+        self.qkv_proj = head_parallel_segments(
+            h, [cfg.num_attention_heads] + [shape.num_kv_heads] * kv_projections, self.head_dim)
+        self.local_heads = [n // self.head_dim for n in self.qkv_proj.local_sizes]
         self.q_norm = RMSNorm(self.head_dim, eps)
         if not self.shares_kv:
-            self.k_proj = HeadParallelLinear(h, shape.num_kv_heads, self.head_dim)
-            self.v_proj = None if self.k_eq_v else HeadParallelLinear(h, shape.num_kv_heads, self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, eps)
             self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, h)
@@ -84,12 +89,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        q = apply_rope(q, positions, self.inv_freq)
+        # heads first, then the split: a view of a column slice would guard on n >= 2 and recompile for n = 1
+        q, *kv = self.qkv_proj(x).view(n, -1, self.head_dim).split(self.local_heads, dim=1)
+        q = apply_rope(self.q_norm(q), positions, self.inv_freq)
         k = v = None
         if not self.shares_kv:
-            k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-            v = k if self.v_proj is None else self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            k = kv[0]
+            v = k if self.k_eq_v else kv[1]
             # K=V layers cache only the value; keys are rebuilt from it when read
             k = None if self.k_eq_v else apply_rope(self.k_norm(k), positions, self.inv_freq).reshape(n, -1)
             v = self.v_norm(v).reshape(n, -1)
@@ -316,7 +322,8 @@ class Gemma4ForCausalLM(nn.Module, SupportsPP, SupportsTP, SupportsEP):
         last stage's head. Everything this stage owns must then be found ("missing" is per stage)."""
         m = self.model
         if name.startswith("model.layers."):
-            return name if m.start_layer <= int(name.split(".")[2]) < m.end_layer else None
+            i = int(name.split(".")[2])
+            return self.merged_segment(name, m.layers[i]) if m.start_layer <= i < m.end_layer else None
         if name == "model.embed_tokens.weight" and self.cfg.tie_word_embeddings and m.is_last and not m.is_first:
             return "lm_head.weight"
         if name.startswith(("model.embed_tokens.", "model.embed_tokens_per_layer.", "model.per_layer_model_projection.",
@@ -325,6 +332,25 @@ class Gemma4ForCausalLM(nn.Module, SupportsPP, SupportsTP, SupportsEP):
         if name.startswith(("model.norm.", "lm_head.")) and not m.is_last:
             return None
         return name
+
+    _SEGMENTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+                 "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+                 "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+
+    @classmethod
+    def merged_segment(cls, name: str, layer: nn.Module) -> str | tuple:
+        """model.layers.N.self_attn.k_proj.weight -> (model.layers.N.self_attn.qkv_proj.weight, its rows of the
+        merged weight); other names unchanged (a k_proj the layer does not have stays unexpected)."""
+        prefix, _, rest = name.partition(".layers.")
+        idx, _, tail = rest.partition(".")
+        module, _, param = tail.rpartition(".")
+        if module not in cls._SEGMENTS:
+            return name
+        merged, seg = cls._SEGMENTS[module]
+        proj = layer.get_submodule(merged)
+        if seg >= len(proj.sizes):
+            return name
+        return f"{prefix}.layers.{idx}.{merged}.{param}", proj.segment(seg)
 
     def skip_missing(self, name: str) -> bool:
         return False

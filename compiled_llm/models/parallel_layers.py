@@ -104,16 +104,24 @@ class HeadParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, num_heads * head_dim, bias)
 
     def _local_rows(self, out_features: int) -> range:
-        tp, r, d = self.tp_size, self.tp_rank, self.head_dim
-        n = self.num_local_heads = local_num_heads(self.num_heads)
-        if self.num_heads >= tp:
-            first = r * n
-        elif tp % self.num_heads:
-            raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of the {self.num_heads} KV "
-                             "head(s) when it exceeds them")
-        else:
-            first = r * self.num_heads // tp
-        return range(first * d, (first + n) * d)
+        self.num_local_heads = local_num_heads(self.num_heads)
+        return head_rows(self.num_heads, self.head_dim)
+
+
+def head_rows(num_heads: int, head_dim: int) -> range:
+    """The rows of a [num_heads * head_dim, in] projection this rank holds: an even share of whole heads, or,
+    with fewer heads than ranks, head r * num_heads // tp (the one its query heads attend with)."""
+    ps = get_parallel_state()
+    tp, r = ps.tp_size, ps.tp_rank
+    n = local_num_heads(num_heads)
+    if num_heads >= tp:
+        first = r * n
+    elif tp % num_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of the {num_heads} KV "
+                         "head(s) when it exceeds them")
+    else:
+        first = r * num_heads // tp
+    return range(first * head_dim, (first + n) * head_dim)
 
 
 def rank_segments(sizes: list[int], what: str) -> list[tuple[int, int]]:
@@ -128,34 +136,68 @@ def rank_segments(sizes: list[int], what: str) -> list[tuple[int, int]]:
     return out
 
 
-def segment_parameter(full_shape: tuple[int, ...], sizes: list[int], what: str) -> nn.Parameter:
-    """A parameter whose first dimension concatenates segments of `sizes`, every segment split evenly: this
-    rank holds its slice of each, in the same order. One call per tensor that must agree on which rows a
-    rank holds: a merged projection's weight, and the per-channel conv weights or per-head vectors that
-    read its output."""
-    segments = rank_segments(sizes, what)
-    local = (sum(n for _, n in segments), *full_shape[1:])
+def segment_parameter(full_shape: tuple[int, ...], sizes: list[int], what: str,
+                      ranges: list[range] | None = None) -> nn.Parameter:
+    """A parameter whose first dimension concatenates segments of `sizes`; this rank holds `ranges[i]` of
+    segment i (rows relative to the segment; default: an even split of every segment), in the same order.
+    One call per tensor that must agree on which rows a rank holds: a merged projection's weight, and the
+    per-channel conv weights or per-head vectors that read its output. It loads from the checkpoint's merged
+    tensor, or from one segment's own tensor (index: that segment's rows of the merged shape, as
+    `MergedColumnParallelLinear.segment` names them) for checkpoints that keep the segments apart."""
+    if ranges is None:
+        ranges = [range(a - o, a - o + n) for (a, n), o in zip(rank_segments(sizes, what), _offsets(sizes))]
+    offsets = _offsets(sizes)
+    local = (sum(len(r) for r in ranges), *full_shape[1:])
 
-    def load(param: nn.Parameter, full: torch.Tensor) -> int:
-        return _copy(param, torch.cat([full[a:a + n] for a, n in segments]))
+    def load(param: nn.Parameter, full: torch.Tensor, index: slice | None = None) -> int:
+        if index is None:
+            return _copy(param, torch.cat([full[o + r.start:o + r.stop] for o, r in zip(offsets, ranges)]))
+        i = offsets.index(index.start)
+        at = sum(len(r) for r in ranges[:i])
+        with torch.no_grad():
+            param[at:at + len(ranges[i])].copy_(full[ranges[i].start:ranges[i].stop].to(param.dtype))
+        return full[ranges[i].start:ranges[i].stop].numel()
 
     return _parameter(local, full_shape, load)
 
 
-class MergedColumnParallelLinear(nn.Module):
-    """Several column-parallel projections in one matrix (the checkpoint's [q; k; v] of a linear-attention
-    layer): each segment of the output is split evenly, and a rank's output is its slices in order
-    ([q_r; k_r; v_r]), so the same split() with local sizes separates them."""
+def _offsets(sizes: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
 
-    def __init__(self, in_features: int, sizes: list[int], bias: bool = False):
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of one input in one matrix: the checkpoint's [q; k; v] of a
+    linear-attention layer, or projections a checkpoint keeps apart and one GEMM computes ([q; k; v] of an
+    attention layer, [gate; up] of an MLP: at decode sizes one wide GEMM reads the weights faster than two or
+    three narrow ones, and launches once). Each segment is split evenly, or by `ranges` (whole heads); a
+    rank's output is its slices in order ([q_r; k_r; v_r]) and `local_sizes` separates them."""
+
+    def __init__(self, in_features: int, sizes: list[int], bias: bool = False, ranges: list[range] | None = None):
         super().__init__()
         self.in_features, self.sizes = in_features, list(sizes)
         out = sum(sizes)
-        self.weight = segment_parameter((out, in_features), sizes, "output features")
-        self.bias = segment_parameter((out,), sizes, "output features") if bias else None
+        self.weight = segment_parameter((out, in_features), sizes, "output features", ranges)
+        self.bias = segment_parameter((out,), sizes, "output features", ranges) if bias else None
+        self.local_sizes = [len(r) for r in ranges] if ranges is not None else \
+            [n for _, n in rank_segments(sizes, "output features")]
+
+    def segment(self, i: int) -> slice:
+        """Segment i's rows of the merged (checkpoint-shaped) weight: the loader's index for its own tensor."""
+        start = sum(self.sizes[:i])
+        return slice(start, start + self.sizes[i])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def head_parallel_segments(in_features: int, num_heads: list[int], head_dim: int) -> MergedColumnParallelLinear:
+    """[q; k; v] in one projection, every segment split by whole heads as `HeadParallelLinear` splits it."""
+    return MergedColumnParallelLinear(in_features, [n * head_dim for n in num_heads],
+                                      ranges=[head_rows(n, head_dim) for n in num_heads])
 
 
 class RowParallelLinear(nn.Module):

@@ -163,6 +163,16 @@ class ModelRunner(KVCachePlanner):
     def _state_tensors(self, num_slots: int) -> dict[int, dict[str, torch.Tensor]]:
         return allocate_states(self.state_specs, num_slots, self.dtype, self.device)
 
+    def release(self) -> None:
+        """At shutdown: the captured CUDA graphs (and the collectives in them) go before the process group is
+        left, and the KV cache with them, so that another engine in this process finds the memory free."""
+        if self.compiler is not None:
+            self.compiler.release_graphs()
+        self.kv_caches = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     def allocate_kv_cache(self, num_blocks: dict[int | None, int]) -> None:
         t0 = time.perf_counter()
         kv_bytes = sum(n * self.group_block_bytes().get(g, 0) for g, n in num_blocks.items())

@@ -245,6 +245,7 @@ class MultiProcExecutor(Executor):
                 broadcast_object(("shutdown", (), False))
             except Exception:
                 pass
+            self.runner.release()  # graphs first: NCCL's abort waited on collectives captured in live graphs
             try:  # together with the workers (each leaves on the message): NCCL's teardown waits for its peers
                 destroy_parallel(timeout=10.0)
             except Exception:

@@ -27,6 +27,7 @@ def serve_forever(worker: RankWorker) -> None:
         with torch.inference_mode():
             method, args, gather = broadcast_object()
         if method == "shutdown":
+            worker.runner.release()  # before the group is left (executor/multiproc.py shutdown)
             return
         result = getattr(worker, method)(*args)
         if gather:
