@@ -32,6 +32,7 @@ import torch
 
 from compiled_llm.ops.attention import gather_kv_batched
 from compiled_llm.ops.context import layer_cache
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 from compiled_llm.ops.rope import apply_rope
 
 SPARSE_KEY = "sparse_kv"  # ForwardContext.extra key
@@ -131,6 +132,29 @@ def _streaming_shift(q: torch.Tensor, q_pos: torch.Tensor, spec) -> torch.Tensor
 
 
 # ---- the op -------------------------------------------------------------------------------------
+
+
+def is_sparse_layer(spec) -> bool:
+    """A layer a sparse method applies to (its attention goes through the sparse_attention op)."""
+    return bool(spec.sink_tokens) or spec.omnikv is not None
+
+
+def _triton_sparse(caps: Capabilities, shape: dict) -> str | None:
+    layer = shape["layer"]
+    if not 32 <= layer.head_dim <= 512 or layer.head_dim % 2:
+        return f"head_dim {layer.head_dim}: the kernel takes even head_dim from 32 to 512"
+    bs = shape.get("block_size", 16)
+    if bs & (bs - 1):
+        return f"block size {bs} is not a power of two"
+    return caps.triton_ok()
+
+
+# Called by the attention op for the layers a sparse method applies to (ops/attention.py routes them).
+# The Triton provider reads only the kept or picked keys from the paged cache and is CUDA-graph safe.
+SPARSE_ATTENTION = register(OpSpec("sparse_attention", "StreamingLLM / OmniKV attention over the kept or picked keys", [
+    Provider("triton", "compiled_llm.ops.triton.sparse_attention:attention", _triton_sparse, capturable=True),
+    Provider("reference", "compiled_llm.ops.sparse:sparse_attention"),
+], per_layer=True, applies=is_sparse_layer))
 
 
 def sparse_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
