@@ -281,3 +281,41 @@ def test_cuda_resolves_sparse_layers_to_the_capturable_kernel():
         table = select_providers("cpu", torch.float32, specs, {"block_size": 16}, caps=cpu)
         assert table["sparse_attention"] == {1: "reference", 3: "reference"}
         assert not OPS["sparse_attention"].capturable()
+
+
+def test_reference_filter_scores_block_by_block(monkeypatch):
+    """The reference OmniKV filter layer (the CPU's path) gathers the context a chunk of positions at a
+    time, never [rows, ctx, kv_heads, head_dim], and gives the output and pick of the one-chunk run."""
+    import torch
+
+    from compiled_llm.ops import sparse as R
+    from compiled_llm.ops.context import set_forward_context
+    from compiled_llm.ops.sparse import SparseMetadata
+
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, page, budget = [200, 61, 130], 8, 24
+    kw = dict(heads=4, kv_heads=2, head_dim=32, softcap=30.0, gen=gen)
+    real = R._gather_chunk
+    for k_eq_v in (False, True):
+        specs = {0: _spec(0, omnikv="filter", k_eq_v=k_eq_v, **kw)}
+        cache, tables = _cache(seq_lens, page=page, kv_heads=2, head_dim=32, k_eq_v=k_eq_v, gen=gen)
+        q = torch.randn(3, 4 * 32, generator=gen)
+        runs = {}
+        for chunk_bytes in (1 << 30, 3 * 2 * 32 * 4 * 16):  # everything at once; 16 positions at a time
+            monkeypatch.setattr(R, "FILTER_CHUNK_BYTES", chunk_bytes)
+            widths = []
+            monkeypatch.setattr(R, "_gather_chunk", lambda *a, **k: widths.append(a[3].shape[1]) or real(*a, **k))
+            for vec in (True, False):
+                monkeypatch.setattr(R, "VECTORIZED", vec)
+                sm = SparseMetadata(decode=[True] * 3, budget=budget, sink=2, recent=4,
+                                    index=torch.full((3, budget), -1, dtype=torch.int32))
+                with set_forward_context(_context(specs, {0: cache}, tables, seq_lens, [1, 1, 1], page, sm)):
+                    runs[chunk_bytes, vec] = (R.sparse_attention(q, 0), sm.index.clone())
+            if chunk_bytes > 1 << 20:
+                assert max(widths) == tables.shape[1] * page
+            else:  # 16 positions for 3 rows, 48 for one (the per-sequence path)
+                assert max(widths) <= 48 < tables.shape[1] * page and 16 in widths, widths
+        ref_out, ref_pick = runs[1 << 30, True]
+        for key, (out, pick) in runs.items():
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+            assert torch.equal(pick, ref_pick), key

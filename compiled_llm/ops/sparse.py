@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiled_llm.ops.attention import gather_kv_batched
+from compiled_llm.ops.attention import gather_kv_batched, keys_from_values
 from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 from compiled_llm.ops.rope import apply_rope
@@ -38,6 +38,9 @@ from compiled_llm.ops.rope import apply_rope
 SPARSE_KEY = "sparse_kv"  # ForwardContext.extra key
 
 VECTORIZED = True  # tests switch this off to compare with the per-sequence path
+# OmniKV filter layers (decode): the keys, then the values, of this many bytes' worth of positions (all rows
+# together) are gathered at a time, never the whole context as [rows, ctx, kv_heads, head_dim]
+FILTER_CHUNK_BYTES = 64 << 20
 
 
 @dataclass
@@ -124,6 +127,55 @@ def omnikv_select(score: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, s
     return chosen.to(torch.int32)
 
 
+def _gather_chunk(cache, tables, pos, valid, spec, source, block_size, values: bool) -> torch.Tensor:
+    """Keys (or values) at positions pos [B, M] through tables [B, blocks]: [B, M, kv_heads, head_dim]."""
+    p = torch.where(valid, pos, torch.zeros_like(pos))
+    blk = torch.gather(tables.long(), 1, (p // block_size).clamp(max=tables.shape[1] - 1))
+    ok = valid & (blk >= 0)
+    slots = torch.where(ok, blk * block_size + p % block_size, torch.zeros_like(p)).reshape(-1)
+    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
+    shape = (*pos.shape, spec.num_kv_heads, spec.head_dim)
+    if values or not source.k_eq_v:
+        return flat[-1 if values else 0].index_select(0, slots).view(shape)
+    return keys_from_values(flat[0].index_select(0, slots), p.reshape(-1), source).view(shape)
+
+
+def filter_decode(qd: torch.Tensor, cache, tables, lens, spec, source, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An OmniKV filter layer's decode rows: qd [B, H, D], one query per row at position lens - 1, attends
+    densely over its context, block by block: the keys of a chunk of positions are gathered and scored
+    (scores [B, H, ctx] float32 are the largest tensor, ctx = the block-table width), then the values of
+    each chunk weighted by the probabilities. Returns out [B, H, D], the probabilities summed over the
+    heads [B, ctx], the positions [B, ctx] and which are real."""
+    b, h, d = qd.shape
+    kvh = spec.num_kv_heads
+    dev = qd.device
+    width = tables.shape[1] * block_size
+    per_pos = max(1, b * kvh * d * 4)
+    chunk = max(block_size, FILTER_CHUNK_BYTES // per_pos // block_size * block_size)
+    pos = torch.arange(width, device=dev)[None].expand(b, -1)
+    valid = pos < lens[:, None]
+    qg = qd.reshape(b, kvh, h // kvh, d)
+    scores = torch.empty(b, h, width, dtype=torch.float32, device=dev)
+    for c0 in range(0, width, chunk):
+        sl = slice(c0, c0 + chunk)
+        keys = _gather_chunk(cache, tables, pos[:, sl], valid[:, sl], spec, source, block_size, values=False)
+        s = torch.einsum("bkgd,bmkd->bkgm", qg, keys).reshape(b, h, -1).mul_(spec.scale)
+        if spec.softcap is not None:
+            s = s.div_(spec.softcap).tanh_().mul_(spec.softcap)
+        scores[:, :, sl] = s
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with nothing (padding): zeros
+    del scores
+    out = torch.zeros(b, kvh, h // kvh, d, dtype=torch.float32, device=dev)
+    for c0 in range(0, width, chunk):
+        sl = slice(c0, c0 + chunk)
+        values = _gather_chunk(cache, tables, pos[:, sl], valid[:, sl], spec, source, block_size, values=True)
+        p = probs[:, :, sl].to(qd.dtype).reshape(b, kvh, h // kvh, -1)
+        out += torch.einsum("bkgm,bmkd->bkgd", p, values).float()
+    return out.reshape(b, h, d).to(qd.dtype), probs.sum(1), pos, valid
+
+
 def _streaming_shift(q: torch.Tensor, q_pos: torch.Tensor, spec) -> torch.Tensor:
     """q rotated back by each query's delta = max(0, p - W + 1 - S): the query as the sinks see it."""
     delta = (q_pos - spec.sliding_window + 1 - spec.sink_tokens).clamp(min=0)
@@ -189,6 +241,13 @@ def _per_sequence(q, ctx, spec, cache, group, sm) -> torch.Tensor:
         q_pos = torch.arange(seq_len - n, seq_len, device=dev)
         q_shift = shift_cols = None
         decode = sm is not None and sm.decode[i]
+        if spec.omnikv == "filter" and decode and n == 1:
+            lens = torch.tensor([seq_len], device=dev)
+            o, score, _, _ = filter_decode(q[start:end], cache, group.block_tables[i:i + 1], lens, spec, source,
+                                           meta.block_size)
+            out[start:end] = o
+            picks.append((i, torch.arange(seq_len, device=dev), score[0, :seq_len]))
+            continue
         if spec.sink_tokens:
             s, w = spec.sink_tokens, spec.sliding_window
             lo = max(0, seq_len - n - w + 1)
@@ -209,8 +268,6 @@ def _per_sequence(q, ctx, spec, cache, group, sm) -> torch.Tensor:
         keys, values = gather_kv_batched(cache, group.block_tables[i:i + 1], k_pos[None], valid, spec, source, meta.block_size)
         o, probs = _attend(q[None, start:end], keys, values, allowed[None], spec, q_shift, shift_cols)
         out[start:end] = o[0]
-        if spec.omnikv == "filter" and decode:
-            picks.append((i, k_pos, probs[0, :, -1, :].sum(0)))
     if picks:
         _write_picks(picks, sm, meta, dev)
     return out.view(num_tokens, spec.num_heads * spec.head_dim)
@@ -257,15 +314,15 @@ def _decode_vectorized(q, ctx, spec, cache, group, sm) -> torch.Tensor:
     elif spec.omnikv == "sparse":
         pos = sm.index[:n].long()
         valid = pos >= 0
-    else:
-        pos = torch.arange(tables.shape[1] * meta.block_size, device=dev)[None].expand(n, -1)
-        valid = pos < lens[:, None]
-    keys, values = gather_kv_batched(cache, tables, pos, valid, spec, source, meta.block_size)
-    o, probs = _attend(qd, keys, values, valid[:, None, :], spec, q_shift, shift_cols, guard_empty=True)
-    if spec.omnikv == "filter":
-        chosen = omnikv_select(probs[:, :, 0, :].sum(1), pos, valid, lens, sm.budget, sm.sink, sm.recent,
-                               sm.tp_group_name)
+    else:  # the filter layer: dense, block by block, and the pick
+        o, score, pos, valid = filter_decode(qd[:, 0], cache, tables, lens, spec, source, meta.block_size)
+        chosen = omnikv_select(score, pos, valid, lens, sm.budget, sm.sink, sm.recent, sm.tp_group_name)
         sm.index[:n].copy_(chosen)
+        out = torch.zeros(q.shape[0], h * d, dtype=q.dtype, device=dev)
+        out[:n] = o.reshape(n, h * d)
+        return out
+    keys, values = gather_kv_batched(cache, tables, pos, valid, spec, source, meta.block_size)
+    o, _ = _attend(qd, keys, values, valid[:, None, :], spec, q_shift, shift_cols, guard_empty=True)
     out = torch.zeros(q.shape[0], h * d, dtype=q.dtype, device=dev)
     out[:n] = o.reshape(n, h * d)
     return out
