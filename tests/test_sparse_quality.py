@@ -121,16 +121,17 @@ def haystack(n, seed):
 NEEDLES = [(0, 20), (1, 90), (2, 150), (3, 205), (1, LENGTH - 10)]
 
 
-def run_checks(llm, name: str) -> dict:
+def run_checks(llm, name: str, needles=NEEDLES, length: int = LENGTH, n_out: int = N_OUT, text_len: int = 480,
+               target_len: int = 32) -> dict:
     """Needle retrieval (greedy, a batch of prompts) and the teacher-forced perplexity of a long text's
     continuation; for OmniKV also whether each decode step's pick held the needle."""
     eng = llm.engine
     prompts = []
-    for k, (j, pos) in enumerate(NEEDLES):
-        p = haystack(LENGTH, seed=k)
+    for k, (j, pos) in enumerate(needles):
+        p = haystack(length, seed=k)
         p[pos] = FACTS[j]
         prompts.append(p)
-    params = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
     for k, p in enumerate(prompts):
         eng.add_request(f"n{k}", p, params)
     picked = {k: [] for k in range(len(prompts))}
@@ -152,24 +153,24 @@ def run_checks(llm, name: str) -> dict:
                 outs[int(o.request_id[1:])] = o.outputs[0].token_ids
         for row, (k, decode) in enumerate(step_rows):  # the pick the filter layer made for each decode row
             if decode:
-                picked[k].append(NEEDLES[k][1] in sk.index[row].tolist())
+                picked[k].append(needles[k][1] in sk.index[row].tolist())
         step_rows.clear()
     if step_rows is not None and sk is not None and sk.method == "omnikv":
         sk.metadata = real
-    retrieved = [outs[k] == [ANSWERS[j]] * N_OUT for k, (j, _) in enumerate(NEEDLES)]
-    # perplexity: a 480-token text with three facts planted at different depths; its 32-token continuation
-    # names them in turn (what dense attention predicts, each with about a third of the mass)
-    text = haystack(480, seed=99)
-    planted = {30: 0, 200: 2, 330: 3}
+    retrieved = [outs[k] == [ANSWERS[j]] * n_out for k, (j, _) in enumerate(needles)]
+    # perplexity: a long text with three facts planted at different depths; its continuation names them in
+    # turn (what dense attention predicts, each with about a third of the mass)
+    text = haystack(text_len, seed=99)
+    planted = {text_len // 16: 0, text_len * 5 // 12: 2, text_len * 11 // 16: 3}
     for pos, j in planted.items():
         text[pos] = FACTS[j]
-    target = [ANSWERS[j] for j in planted.values()] * 11
-    ppl = perplexity(teacher_forced_logprobs(llm, text, target[:32]))
+    target = [ANSWERS[j] for j in planted.values()] * target_len
+    ppl = perplexity(teacher_forced_logprobs(llm, text, target[:target_len]))
     return dict(method=name, retrieved=retrieved, pick_held_needle=picked, ppl=ppl)
 
 
-def build(tmp_path, name):
-    llm = LLM(str(retrieval_model(tmp_path / "retrieval")), **KW, **METHODS[name])
+def build(tmp_path, name, **overrides):
+    llm = LLM(str(retrieval_model(tmp_path / "retrieval")), **{**KW, **METHODS[name], **overrides})
     install_retrieval_weights(llm)
     return llm
 

@@ -2,7 +2,8 @@
 
 The runtime (runtime/sparse_kv.py) marks the full-attention layers a method applies to on their
 AttentionSpec, and puts a SparseMetadata into the forward context each step; the attention op routes
-those layers here (`ref_attention` dispatches, kernel providers decline them).
+those layers to the `sparse_attention` op declared here: this module's PyTorch paths are its reference
+provider, ops/triton/sparse_attention.py its Triton one (CUDA, capturable).
 
 StreamingLLM (spec.sink_tokens = S > 0, spec.sliding_window = W): a query at position p sees the first S
 positions (attention sinks) and the W positions (p - W, p]. The method numbers positions within its cache:
@@ -21,7 +22,8 @@ full cache is kept, so a token not picked this step can be picked the next.
 
 Two paths compute the same thing: a per-sequence loop (any batch: prefill chunks, mixed batches) and,
 when every row is one decode token, a vectorised path with static shapes and no host syncs (one gather
-over [rows, keys], one top-k), which is what CUDA Graphs capture.
+over [rows, keys], one top-k). Filter layers score block by block in both (`filter_decode`): a chunk of
+positions' keys, then values, at a time, never [rows, ctx, kv_heads, head_dim].
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ the batch size and the fixed key-list width).
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -35,8 +34,6 @@ from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.sparse import SPARSE_KEY, _streaming_shift, index_buffer, omnikv_select
 from compiled_llm.ops.triton._common import _reduce_angle, dot_precision
 from compiled_llm.ops.triton.paged_attention import _scores, attention_launch_policy, paged_prefill
-
-log = logging.getLogger("compiled_llm")
 
 DENSE, INDEX, STREAMING = 0, 1, 2
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -474,15 +471,6 @@ def _rows(q, out, spec, source, cache, tables, lens, sm, tab_rows=None, index_ro
             sm.index[:rows].copy_(chosen)
         else:
             sm.index[index_rows] = chosen
-
-
-_WARNED: set = set()
-
-
-def _warn_once(layer_idx: int, why: str) -> None:
-    if (layer_idx, why) not in _WARNED:
-        _WARNED.add((layer_idx, why))
-        log.warning("sparse attention, layer %d: %s", layer_idx, why)
 
 
 def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
