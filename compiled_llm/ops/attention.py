@@ -215,8 +215,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor
 
 def _triton_attention(caps: Capabilities, shape: dict) -> str | None:
     layer: AttentionSpec = shape["layer"]
-    if layer.sink_tokens or layer.omnikv is not None:
-        return "sparse-KV layers (StreamingLLM, OmniKV) run on the reference"
+    if layer.sink_tokens or layer.omnikv is not None:  # served by the sparse_attention op's kernel
+        from compiled_llm.ops.sparse import _triton_sparse
+
+        return _triton_sparse(caps, shape)
     if not 32 <= layer.head_dim <= 512 or layer.head_dim % 2:
         return f"head_dim {layer.head_dim}: the kernels take even head_dim from 32 to 512"
     bs = shape.get("block_size", 16)
@@ -254,6 +256,11 @@ def _(k, v, layer_idx):
 @torch.library.custom_op("compiled_llm::attention", mutates_args=())
 def attention_op(q: torch.Tensor, kv_written: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
     ctx = current_forward_context()
+    spec = ctx.layers.get(layer_idx) if ctx is not None else None
+    if spec is not None and (spec.sink_tokens or spec.omnikv is not None):  # StreamingLLM, OmniKV (ops/sparse.py)
+        from compiled_llm.ops.sparse import SPARSE_ATTENTION
+
+        return SPARSE_ATTENTION.impl(layer_idx)(q, layer_idx)
     if (ctx is not None and any(ctx.extra.get(BIDIR_SPANS_KEY) or ())
             and ATTENTION.provider_name(layer_idx) not in SPAN_MASK_PROVIDERS):
         return ref_attention(q, layer_idx)  # media prefill steps on a provider without the span mask

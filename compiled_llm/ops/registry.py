@@ -82,6 +82,7 @@ class OpSpec:
     providers: list[Provider]  # preference order; the last is the reference
     per_layer: bool = False  # resolved per attention layer (shape limits such as head_dim differ by layer)
     splits_graph: bool = False  # reads per-step metadata from the forward context: the compiler splits at it
+    applies: Callable[[Any], bool] | None = None  # per-layer ops: the layers it serves (None: every layer)
     chosen: dict[Any, tuple[str, Callable]] = field(default_factory=dict)
     _reference: Callable | None = None
 
@@ -178,6 +179,8 @@ def select_providers(device: torch.device | str, dtype: torch.dtype, layers: dic
         spec.chosen.clear()
         if spec.per_layer:
             for idx, layer in layers.items():
+                if spec.applies is not None and not spec.applies(layer):
+                    continue
                 shape = dict(facts, layer=layer, source=layers[layer.cache_layer], head_dim=layer.head_dim)
                 table.setdefault(name, {})[idx] = spec.select(caps, shape, idx, force.get(name))
         else:

@@ -2,7 +2,8 @@
 
 The runtime (runtime/sparse_kv.py) marks the full-attention layers a method applies to on their
 AttentionSpec, and puts a SparseMetadata into the forward context each step; the attention op routes
-those layers here (`ref_attention` dispatches, kernel providers decline them).
+those layers to the `sparse_attention` op declared here: this module's PyTorch paths are its reference
+provider, ops/triton/sparse_attention.py its Triton one (CUDA, capturable).
 
 StreamingLLM (spec.sink_tokens = S > 0, spec.sliding_window = W): a query at position p sees the first S
 positions (attention sinks) and the W positions (p - W, p]. The method numbers positions within its cache:
@@ -21,7 +22,8 @@ full cache is kept, so a token not picked this step can be picked the next.
 
 Two paths compute the same thing: a per-sequence loop (any batch: prefill chunks, mixed batches) and,
 when every row is one decode token, a vectorised path with static shapes and no host syncs (one gather
-over [rows, keys], one top-k), which is what CUDA Graphs capture.
+over [rows, keys], one top-k). Filter layers score block by block in both (`filter_decode`): a chunk of
+positions' keys, then values, at a time, never [rows, ctx, kv_heads, head_dim].
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ from dataclasses import dataclass
 
 import torch
 
-from compiled_llm.ops.attention import gather_kv_batched
+from compiled_llm.ops.attention import gather_kv_batched, keys_from_values
 from compiled_llm.ops.context import layer_cache
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 from compiled_llm.ops.rope import apply_rope
 
 SPARSE_KEY = "sparse_kv"  # ForwardContext.extra key
 
 VECTORIZED = True  # tests switch this off to compare with the per-sequence path
+# OmniKV filter layers (decode): the keys, then the values, of this many bytes' worth of positions (all rows
+# together) are gathered at a time, never the whole context as [rows, ctx, kv_heads, head_dim]
+FILTER_CHUNK_BYTES = 64 << 20
 
 
 @dataclass
@@ -123,6 +129,55 @@ def omnikv_select(score: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, s
     return chosen.to(torch.int32)
 
 
+def _gather_chunk(cache, tables, pos, valid, spec, source, block_size, values: bool) -> torch.Tensor:
+    """Keys (or values) at positions pos [B, M] through tables [B, blocks]: [B, M, kv_heads, head_dim]."""
+    p = torch.where(valid, pos, torch.zeros_like(pos))
+    blk = torch.gather(tables.long(), 1, (p // block_size).clamp(max=tables.shape[1] - 1))
+    ok = valid & (blk >= 0)
+    slots = torch.where(ok, blk * block_size + p % block_size, torch.zeros_like(p)).reshape(-1)
+    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
+    shape = (*pos.shape, spec.num_kv_heads, spec.head_dim)
+    if values or not source.k_eq_v:
+        return flat[-1 if values else 0].index_select(0, slots).view(shape)
+    return keys_from_values(flat[0].index_select(0, slots), p.reshape(-1), source).view(shape)
+
+
+def filter_decode(qd: torch.Tensor, cache, tables, lens, spec, source, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An OmniKV filter layer's decode rows: qd [B, H, D], one query per row at position lens - 1, attends
+    densely over its context, block by block: the keys of a chunk of positions are gathered and scored
+    (scores [B, H, ctx] float32 are the largest tensor, ctx = the block-table width), then the values of
+    each chunk weighted by the probabilities. Returns out [B, H, D], the probabilities summed over the
+    heads [B, ctx], the positions [B, ctx] and which are real."""
+    b, h, d = qd.shape
+    kvh = spec.num_kv_heads
+    dev = qd.device
+    width = tables.shape[1] * block_size
+    per_pos = max(1, b * kvh * d * 4)
+    chunk = max(block_size, FILTER_CHUNK_BYTES // per_pos // block_size * block_size)
+    pos = torch.arange(width, device=dev)[None].expand(b, -1)
+    valid = pos < lens[:, None]
+    qg = qd.reshape(b, kvh, h // kvh, d)
+    scores = torch.empty(b, h, width, dtype=torch.float32, device=dev)
+    for c0 in range(0, width, chunk):
+        sl = slice(c0, c0 + chunk)
+        keys = _gather_chunk(cache, tables, pos[:, sl], valid[:, sl], spec, source, block_size, values=False)
+        s = torch.einsum("bkgd,bmkd->bkgm", qg, keys).reshape(b, h, -1).mul_(spec.scale)
+        if spec.softcap is not None:
+            s = s.div_(spec.softcap).tanh_().mul_(spec.softcap)
+        scores[:, :, sl] = s
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with nothing (padding): zeros
+    del scores
+    out = torch.zeros(b, kvh, h // kvh, d, dtype=torch.float32, device=dev)
+    for c0 in range(0, width, chunk):
+        sl = slice(c0, c0 + chunk)
+        values = _gather_chunk(cache, tables, pos[:, sl], valid[:, sl], spec, source, block_size, values=True)
+        p = probs[:, :, sl].to(qd.dtype).reshape(b, kvh, h // kvh, -1)
+        out += torch.einsum("bkgm,bmkd->bkgd", p, values).float()
+    return out.reshape(b, h, d).to(qd.dtype), probs.sum(1), pos, valid
+
+
 def _streaming_shift(q: torch.Tensor, q_pos: torch.Tensor, spec) -> torch.Tensor:
     """q rotated back by each query's delta = max(0, p - W + 1 - S): the query as the sinks see it."""
     delta = (q_pos - spec.sliding_window + 1 - spec.sink_tokens).clamp(min=0)
@@ -131,6 +186,29 @@ def _streaming_shift(q: torch.Tensor, q_pos: torch.Tensor, spec) -> torch.Tensor
 
 
 # ---- the op -------------------------------------------------------------------------------------
+
+
+def is_sparse_layer(spec) -> bool:
+    """A layer a sparse method applies to (its attention goes through the sparse_attention op)."""
+    return bool(spec.sink_tokens) or spec.omnikv is not None
+
+
+def _triton_sparse(caps: Capabilities, shape: dict) -> str | None:
+    layer = shape["layer"]
+    if not 32 <= layer.head_dim <= 512 or layer.head_dim % 2:
+        return f"head_dim {layer.head_dim}: the kernel takes even head_dim from 32 to 512"
+    bs = shape.get("block_size", 16)
+    if bs & (bs - 1):
+        return f"block size {bs} is not a power of two"
+    return caps.triton_ok()
+
+
+# Called by the attention op for the layers a sparse method applies to (ops/attention.py routes them).
+# The Triton provider reads only the kept or picked keys from the paged cache and is CUDA-graph safe.
+SPARSE_ATTENTION = register(OpSpec("sparse_attention", "StreamingLLM / OmniKV attention over the kept or picked keys", [
+    Provider("triton", "compiled_llm.ops.triton.sparse_attention:attention", _triton_sparse, capturable=True),
+    Provider("reference", "compiled_llm.ops.sparse:sparse_attention"),
+], per_layer=True, applies=is_sparse_layer))
 
 
 def sparse_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
@@ -165,6 +243,13 @@ def _per_sequence(q, ctx, spec, cache, group, sm) -> torch.Tensor:
         q_pos = torch.arange(seq_len - n, seq_len, device=dev)
         q_shift = shift_cols = None
         decode = sm is not None and sm.decode[i]
+        if spec.omnikv == "filter" and decode and n == 1:
+            lens = torch.tensor([seq_len], device=dev)
+            o, score, _, _ = filter_decode(q[start:end], cache, group.block_tables[i:i + 1], lens, spec, source,
+                                           meta.block_size)
+            out[start:end] = o
+            picks.append((i, torch.arange(seq_len, device=dev), score[0, :seq_len]))
+            continue
         if spec.sink_tokens:
             s, w = spec.sink_tokens, spec.sliding_window
             lo = max(0, seq_len - n - w + 1)
@@ -185,8 +270,6 @@ def _per_sequence(q, ctx, spec, cache, group, sm) -> torch.Tensor:
         keys, values = gather_kv_batched(cache, group.block_tables[i:i + 1], k_pos[None], valid, spec, source, meta.block_size)
         o, probs = _attend(q[None, start:end], keys, values, allowed[None], spec, q_shift, shift_cols)
         out[start:end] = o[0]
-        if spec.omnikv == "filter" and decode:
-            picks.append((i, k_pos, probs[0, :, -1, :].sum(0)))
     if picks:
         _write_picks(picks, sm, meta, dev)
     return out.view(num_tokens, spec.num_heads * spec.head_dim)
@@ -233,15 +316,15 @@ def _decode_vectorized(q, ctx, spec, cache, group, sm) -> torch.Tensor:
     elif spec.omnikv == "sparse":
         pos = sm.index[:n].long()
         valid = pos >= 0
-    else:
-        pos = torch.arange(tables.shape[1] * meta.block_size, device=dev)[None].expand(n, -1)
-        valid = pos < lens[:, None]
-    keys, values = gather_kv_batched(cache, tables, pos, valid, spec, source, meta.block_size)
-    o, probs = _attend(qd, keys, values, valid[:, None, :], spec, q_shift, shift_cols, guard_empty=True)
-    if spec.omnikv == "filter":
-        chosen = omnikv_select(probs[:, :, 0, :].sum(1), pos, valid, lens, sm.budget, sm.sink, sm.recent,
-                               sm.tp_group_name)
+    else:  # the filter layer: dense, block by block, and the pick
+        o, score, pos, valid = filter_decode(qd[:, 0], cache, tables, lens, spec, source, meta.block_size)
+        chosen = omnikv_select(score, pos, valid, lens, sm.budget, sm.sink, sm.recent, sm.tp_group_name)
         sm.index[:n].copy_(chosen)
+        out = torch.zeros(q.shape[0], h * d, dtype=q.dtype, device=dev)
+        out[:n] = o.reshape(n, h * d)
+        return out
+    keys, values = gather_kv_batched(cache, tables, pos, valid, spec, source, meta.block_size)
+    o, _ = _attend(qd, keys, values, valid[:, None, :], spec, q_shift, shift_cols, guard_empty=True)
     out = torch.zeros(q.shape[0], h * d, dtype=q.dtype, device=dev)
     out[:n] = o.reshape(n, h * d)
     return out

@@ -1,0 +1,559 @@
+"""Sparse-KV attention in Triton: the `sparse_attention` op's CUDA provider (StreamingLLM, OmniKV;
+ops/sparse.py holds the reference and the method's definition, docs/sparse_kv.md).
+
+One kernel serves every case. A program owns one query row (a decode token, or under StreamingLLM one
+prefill token), one KV head and one split-K chunk of that row's *key list*, and reads only the keys in
+it, straight from the paged cache (no [rows, ctx, heads, dim] gather):
+
+- MODE 0, dense: positions 0 .. len-1 (OmniKV filter layers; also writes each head's log-sum-exp);
+- MODE 1, index: the positions in a [rows, budget] int32 list, -1 padded (OmniKV sparse layers read the
+  filter layer's pick);
+- MODE 2, sinks + window: positions [0, sink) that are not inside the window, scored against the query
+  rotated back by StreamingLLM's delta (`QShift`), then (len - window, len - 1] against the query itself.
+  The sinks get their own tiles, so a tile is either all sinks or all window.
+
+K=V layers rebuild the keys from the cached values at each key's own position (rope of v * k_norm_weight),
+as the dense kernels do. Rows may map to block-table rows (`TabRow`): a prefill chunk's tokens share their
+sequence's table. OmniKV filter layers then run a second kernel that re-reads the keys tile by tile and
+writes, per row and position, the attention probability summed over all heads (from the log-sum-exps of
+the first pass): [rows, ctx] float32, which omnikv_select ranks. Nothing in the decode path syncs with the
+host or changes shape from step to step, so CUDA graphs can capture it (the split count depends only on
+the batch size and the fixed key-list width).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.ops.context import layer_cache
+from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
+from compiled_llm.ops.sparse import SPARSE_KEY, _streaming_shift, index_buffer, omnikv_select
+from compiled_llm.ops.triton._common import _reduce_angle, dot_precision
+from compiled_llm.ops.triton.paged_attention import _scores, attention_launch_policy, paged_prefill
+
+DENSE, INDEX, STREAMING = 0, 1, 2
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    return _INTERPRETED and dtype != torch.float32
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, F32: tl.constexpr):
+    # F32: the Triton interpreter (tests on the CPU) multiplies bfloat16 operands wrongly; float32 copies give
+    # what the GPU's bf16 dot gives (exact products, float32 sums)
+    if F32:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PREC)
+    return r
+
+
+@triton.jit
+def _keys_at(v1, v2, w1, w2, inv, pos):
+    """K=V: rope(v * k_norm_weight) at each key's own position (pos [BLOCK_N]), both halves."""
+    pf = pos.to(tl.float32)[:, None] + tl.zeros_like(inv)[None, :]
+    a = pf * inv[None, :]
+    a = _reduce_angle(a) + tl.fma(pf, inv[None, :] + tl.zeros_like(pf), -a)
+    c = tl.cos(a)
+    s = tl.sin(a)
+    x1 = v1.to(tl.float32) * w1[None, :]
+    x2 = v2.to(tl.float32) * w2[None, :]
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _key_positions(Index, row, length, j0, n, end, n_keys, sink, window, stride_ix,
+                   MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions of the key-list entries j0 + n and which of them are real; is_sink: the tile holds sinks."""
+    j = j0 + n
+    jm = j < end
+    is_sink = j0 < 0  # False (a scalar of the right type)
+    if MODE == 0:
+        pos = j
+        ok = jm & (pos < length)
+    elif MODE == 1:
+        pos = tl.load(Index + row.to(tl.int64) * stride_ix + j, mask=jm, other=-1)
+        ok = jm & (pos >= 0) & (pos < length)
+    else:
+        spad = tl.cdiv(sink, BLOCK_N) * BLOCK_N
+        is_sink = j0 < spad
+        pos = tl.where(is_sink, j, length - window + (j - spad))
+        ok = jm & tl.where(is_sink, (j < sink) & (j < length - window), pos >= 0)
+    return tl.where(ok, pos, 0), ok, is_sink
+
+
+@triton.jit(do_not_specialize=["stride_zs", "stride_zh", "stride_bt", "stride_ix", "stride_es", "n_keys", "sink", "window",
+                               "num_splits"])
+def _sparse_decode_kernel(
+    Q, QShift, K, V, BlockTables, TabRow, Lens, Index, KNorm, InvFreq, Out, MidO, MidLse, Lse,
+    stride_qs, stride_qh, stride_zs, stride_zh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ix,
+    stride_os, stride_oh,
+    stride_ms, stride_mh, stride_ls, stride_lh, stride_es,
+    scale, softcap, n_keys, sink, window, num_splits,
+    MODE: tl.constexpr, ROWMAP: tl.constexpr, WRITE_LSE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr,
+    DIRECT: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(Lens + row)  # keys at positions < length (the query sits at length - 1)
+    tab = row
+    if ROWMAP:
+        tab = tl.load(TabRow + row)
+    if MODE == 0:
+        total = length
+    elif MODE == 1:
+        total = length * 0 + n_keys
+    else:
+        total = length * 0 + tl.cdiv(sink, BLOCK_N) * BLOCK_N + window
+    chunk = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, total)
+
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < GROUP
+    head = kvh * GROUP + h
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    qmask = hmask[:, None] & dmask[None, :]
+    q_ptr = Q + row.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :]
+    q1 = tl.load(q_ptr, mask=qmask, other=0.0)
+    q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
+    z1 = q1
+    z2 = q2
+    if MODE == 2:
+        z_ptr = QShift + row.to(tl.int64) * stride_zs + head[:, None] * stride_zh + d[None, :]
+        z1 = tl.load(z_ptr, mask=qmask, other=0.0)
+        z2 = tl.load(z_ptr + HALF, mask=qmask, other=0.0)
+    if K_EQ_V:
+        w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        inv = tl.load(InvFreq + d, mask=dmask, other=0.0).to(tl.float32)
+
+    n = tl.arange(0, BLOCK_N)
+    bt_row = BlockTables + tab.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for j0 in range(start, end, BLOCK_N):
+        pos, ok, is_sink = _key_positions(Index, row, length, j0, n, end, n_keys, sink, window, stride_ix,
+                                          MODE, BLOCK_N)
+        page = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        slot = pos % PAGE
+        kvmask = ok[:, None] & dmask[None, :]
+        v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+        v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
+        v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
+        if K_EQ_V:
+            k1, k2 = _keys_at(v1, v2, w1, w2, inv, pos)
+            k1 = k1.to(q1.dtype)
+            k2 = k2.to(q1.dtype)
+        else:
+            k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+            k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
+            k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+        a1 = q1
+        a2 = q2
+        if MODE == 2:
+            a1 = tl.where(is_sink, z1, q1)
+            a2 = tl.where(is_sink, z2, q2)
+        qk = _mm(a1, tl.trans(k1), PREC, DOT_F32) + _mm(a2, tl.trans(k2), PREC, DOT_F32)
+        s = _scores(qk, scale, softcap, SOFTCAP)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(v1.dtype)
+        acc1 = acc1 * alpha[:, None] + _mm(pv, v1, PREC, DOT_F32)
+        acc2 = acc2 * alpha[:, None] + _mm(pv, v2, PREC, DOT_F32)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o1 = acc1 / l_safe[:, None]
+    o2 = acc2 / l_safe[:, None]
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
+    if DIRECT:
+        o_ptr = Out + row.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, o1.to(Out.dtype.element_ty), mask=qmask)
+        tl.store(o_ptr + HALF, o2.to(Out.dtype.element_ty), mask=qmask)
+        if WRITE_LSE:
+            tl.store(Lse + row.to(tl.int64) * stride_es + head, lse, mask=hmask)
+    else:
+        o_ptr = MidO + row.to(tl.int64) * stride_ms + head[:, None] * stride_mh + split * (2 * HALF) + d[None, :]
+        tl.store(o_ptr, o1, mask=qmask)
+        tl.store(o_ptr + HALF, o2, mask=qmask)
+        tl.store(MidLse + row.to(tl.int64) * stride_ls + head * stride_lh + split, lse, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_es"])
+def _combine_kernel(
+    MidO, MidLse, Out, Lse, num_splits,
+    stride_ms, stride_mh, stride_ls, stride_lh, stride_os, stride_oh, stride_es,
+    HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Merges the split-K partial results (log2-domain log-sum-exps); optionally writes the row's total."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    lse_ptr = MidLse + row.to(tl.int64) * stride_ls + head * stride_lh
+    lse = tl.load(lse_ptr + sp, mask=sp < num_splits, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    denom = tl.sum(tl.exp2(lse - mx), 0)
+    empty = denom == 0.0
+    denom = tl.where(empty, 1.0, denom)
+    dv = tl.arange(0, BLOCK_DV)
+    dmask = dv < HEAD_DIM
+    o_base = MidO + row.to(tl.int64) * stride_ms + head * stride_mh + dv
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for i in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_ptr + i) - mx)
+        acc += w * tl.load(o_base + i * HEAD_DIM, mask=dmask, other=0.0)
+    tl.store(Out + row.to(tl.int64) * stride_os + head * stride_oh + dv, (acc / denom).to(Out.dtype.element_ty),
+             mask=dmask)
+    if WRITE_LSE:
+        tl.store(Lse + row.to(tl.int64) * stride_es + head, tl.where(empty, float("-inf"), mx + tl.log2(denom)))
+
+
+@triton.jit(do_not_specialize=["stride_bt", "stride_es", "stride_sc"])
+def _filter_score_kernel(
+    Q, K, V, BlockTables, TabRow, Lens, Lse, KNorm, InvFreq, Score,
+    stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_es, stride_sc,
+    scale, softcap,
+    KV_HEADS: tl.constexpr, ROWMAP: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Score[row, pos] = sum over every head of softmax(q k)[pos], for one tile of positions (0 past the
+    row's length): the keys are read again tile by tile, the probabilities come from the first pass's
+    log-sum-exps. Grid: (rows, tiles over the key-list width)."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    length = tl.load(Lens + row)
+    tab = row
+    if ROWMAP:
+        tab = tl.load(TabRow + row)
+    n = tl.arange(0, BLOCK_N)
+    pos = tile * BLOCK_N + n
+    ok = pos < length
+    total = tl.zeros([BLOCK_N], tl.float32)
+    if tile * BLOCK_N < length:
+        pos_c = tl.where(ok, pos, 0)
+        page = tl.load(BlockTables + tab.to(tl.int64) * stride_bt + pos_c // PAGE, mask=ok, other=0).to(tl.int64)
+        slot = pos_c % PAGE
+        h = tl.arange(0, BLOCK_H)
+        hmask = h < GROUP
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HALF
+        qmask = hmask[:, None] & dmask[None, :]
+        kvmask = ok[:, None] & dmask[None, :]
+        if K_EQ_V:
+            w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
+            w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+            inv = tl.load(InvFreq + d, mask=dmask, other=0.0).to(tl.float32)
+        for kvh in range(KV_HEADS):
+            head = kvh * GROUP + h
+            q_ptr = Q + row.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :]
+            q1 = tl.load(q_ptr, mask=qmask, other=0.0)
+            q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
+            if K_EQ_V:
+                v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+                v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
+                v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
+                k1, k2 = _keys_at(v1, v2, w1, w2, inv, pos_c)
+                k1 = k1.to(q1.dtype)
+                k2 = k2.to(q1.dtype)
+            else:
+                k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+                k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
+                k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+            qk = _mm(q1, tl.trans(k1), PREC, DOT_F32) + _mm(q2, tl.trans(k2), PREC, DOT_F32)
+            s = _scores(qk, scale, softcap, SOFTCAP)
+            lse = tl.load(Lse + row.to(tl.int64) * stride_es + head, mask=hmask, other=0.0)
+            p = tl.exp2(s - lse[:, None])
+            total += tl.sum(tl.where(hmask[:, None] & ok[None, :], p, 0.0), 0)
+    tl.store(Score + row.to(tl.int64) * stride_sc + pos, total)
+
+
+# ----------------------------------------------------------------------------------------------------
+# host side
+
+
+def _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim):
+    if not k_eq_v:
+        return q, q  # unused placeholders
+    assert k_norm_weight is not None and inv_freq is not None, "K=V needs k_norm_weight and inv_freq"
+    return (k_norm_weight.to(q.device).contiguous(), inv_freq.to(device=q.device, dtype=torch.float32).contiguous())
+
+
+def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, *, mode: int,
+                  scale: float, num_kv_heads: int, head_dim: int, softcap: float | None = None,
+                  k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
+                  inv_freq: torch.Tensor | None = None, index: torch.Tensor | None = None,
+                  q_shift: torch.Tensor | None = None, sink: int = 0, window: int = 0,
+                  tab_rows: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, num_splits: int | None = None,
+                  block_n: int | None = None) -> torch.Tensor:
+    """One query per row, attending to the keys its mode lists (module doc). q: [rows, heads(*head_dim)];
+    lens: [rows] int32, keys at positions < lens (the query's position + 1); tab_rows: [rows] int32 block-table
+    row of each query row (default: the row itself); index: [rows, budget] int32 (MODE 1); q_shift: q as the
+    sinks see it (MODE 2); lse: [rows, heads] float32, filled with each head's log2-domain log-sum-exp.
+    Returns [rows, heads, head_dim]."""
+    rows = lens.shape[0]
+    q = q.reshape(rows, -1, head_dim)
+    assert q.stride(-1) == 1
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and head_dim % 2 == 0
+    k_cache, v_cache = cache[0], cache[-1]
+    page = cache.shape[2]
+    assert page & (page - 1) == 0, "page size must be a power of two"
+    knw, inv = _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim)
+    if mode == DENSE:
+        width = block_tables.shape[1] * page
+    elif mode == INDEX:
+        assert index is not None and index.shape[0] >= rows and index.stride(-1) == 1
+        width = index.shape[1]
+    else:
+        assert q_shift is not None and window >= 1
+        q_shift = q_shift.reshape(rows, -1, head_dim)
+        width = sink + window
+    pol = attention_launch_policy(rows, width, head_dim, num_kv_heads=num_kv_heads, k_eq_v=k_eq_v)
+    splits = max(1, num_splits or pol.num_splits)
+    bn = block_n or pol.block_n
+    if out is None:
+        out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    direct = splits == 1
+    if direct:
+        mid_o, mid_lse = out, out
+    else:
+        mid_o = torch.empty(rows, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(rows, num_heads, splits, dtype=torch.float32, device=q.device)
+    lse_t = lse if lse is not None else out
+    qs = q_shift if q_shift is not None else q
+    ix = index if index is not None else lens
+    tr = tab_rows if tab_rows is not None else lens
+    half = head_dim // 2
+    _sparse_decode_kernel[(rows, num_kv_heads, splits)](
+        q, qs, k_cache, v_cache, block_tables, tr, lens, ix, knw, inv, out, mid_o, mid_lse, lse_t,
+        q.stride(0), q.stride(1), qs.stride(0), qs.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), ix.stride(0),
+        out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), lse_t.stride(0),
+        float(scale), float(softcap or 1.0), int(index.shape[1] if mode == INDEX else 0), int(sink), int(window),
+        splits,
+        MODE=mode, ROWMAP=tab_rows is not None, WRITE_LSE=lse is not None,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_D=triton.next_power_of_2(half),
+        PAGE=page, BLOCK_N=bn, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
+        PREC=dot_precision(q.dtype), DOT_F32=_dot_f32(q.dtype), num_warps=pol.num_warps, num_stages=pol.num_stages,
+    )
+    if not direct:
+        _combine_kernel[(rows, num_heads)](
+            mid_o, mid_lse, out, lse_t, splits,
+            mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            lse_t.stride(0),
+            HEAD_DIM=head_dim, BLOCK_DV=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(splits),
+            WRITE_LSE=lse is not None, num_warps=4,
+        )
+    return out
+
+
+def filter_scores(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
+                  lse: torch.Tensor, *, scale: float, num_kv_heads: int, head_dim: int, softcap: float | None = None,
+                  k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
+                  inv_freq: torch.Tensor | None = None, tab_rows: torch.Tensor | None = None,
+                  block_n: int = 32) -> torch.Tensor:
+    """[rows, block-table width x page] float32: each position's attention probability summed over the
+    heads (0 past a row's length), from the log-sum-exps `lse` [rows, heads] of sparse_decode (MODE 0)."""
+    rows = lens.shape[0]
+    q = q.reshape(rows, -1, head_dim)
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    k_cache, v_cache = cache[0], cache[-1]
+    page = cache.shape[2]
+    width = block_tables.shape[1] * page
+    if k_eq_v and head_dim >= 256:
+        block_n = min(block_n, 16)  # the in-loop key rebuild keeps fp32 cos/sin tiles live
+    tiles = triton.cdiv(width, block_n)
+    score = torch.empty(rows, tiles * block_n, dtype=torch.float32, device=q.device)
+    if rows == 0:
+        return score[:, :width]
+    knw, inv = _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim)
+    half = head_dim // 2
+    tr = tab_rows if tab_rows is not None else lens
+    _filter_score_kernel[(rows, tiles)](
+        q, k_cache, v_cache, block_tables, tr, lens, lse, knw, inv, score,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), lse.stride(0), score.stride(0),
+        float(scale), float(softcap or 1.0),
+        KV_HEADS=num_kv_heads, ROWMAP=tab_rows is not None,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_D=triton.next_power_of_2(half),
+        PAGE=page, BLOCK_N=block_n, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, PREC=dot_precision(q.dtype),
+        DOT_F32=_dot_f32(q.dtype), num_warps=4, num_stages=2,
+    )
+    return score[:, :width]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the provider
+
+
+def _meta_tensors(meta, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if meta.seq_lens_tensor is None:
+        meta.seq_lens_tensor = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
+    if meta.query_start_loc_tensor is None:
+        meta.query_start_loc_tensor = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
+    return meta.seq_lens_tensor, meta.query_start_loc_tensor
+
+
+def _kw(spec, source) -> dict:
+    return dict(scale=spec.scale, softcap=spec.softcap, k_eq_v=source.k_eq_v, k_norm_weight=source.k_norm_weight,
+                inv_freq=source.inv_freq, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+
+
+def _key(spec, source, dtype, mode: int) -> tuple:
+    return (dtype, spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.softcap is not None,
+            source.k_eq_v, mode)
+
+
+def _mode(spec) -> int:
+    return STREAMING if spec.sink_tokens else (DENSE if spec.omnikv == "filter" else INDEX)
+
+
+def _rows(q, out, spec, source, cache, tables, lens, sm, tab_rows=None, index_rows=None):
+    """Decode attention for query rows q [rows, H * D] (row r at position lens[r] - 1, in block-table row
+    tab_rows[r], default r) into out [rows, H, D]; OmniKV filter layers also write the rows' pick into the
+    index buffer (rows index_rows of it, default the first rows)."""
+    rows = lens.shape[0]
+    kw = _kw(spec, source)
+    mode = _mode(spec)
+    MONITOR.note("sparse_decode", _key(spec, source, q.dtype, mode))
+    if mode == STREAMING:
+        q_shift = _streaming_shift(q.view(rows, spec.num_heads, spec.head_dim), (lens.long() - 1), spec)
+        sparse_decode(q, cache, tables, lens, mode=mode, q_shift=q_shift, sink=spec.sink_tokens,
+                      window=spec.sliding_window, tab_rows=tab_rows, out=out, **kw)
+    elif mode == INDEX:
+        index = sm.index[:rows] if index_rows is None else sm.index[index_rows]
+        sparse_decode(q, cache, tables, lens, mode=mode, index=index, tab_rows=tab_rows, out=out, **kw)
+    else:
+        lse = torch.empty(rows, spec.num_heads, dtype=torch.float32, device=q.device)
+        sparse_decode(q, cache, tables, lens, mode=mode, tab_rows=tab_rows, lse=lse, out=out, **kw)
+        score = filter_scores(q, cache, tables, lens, lse, tab_rows=tab_rows, **kw)
+        width = score.shape[1]
+        pos = torch.arange(width, device=q.device)[None].expand(rows, -1)
+        lens64 = lens.long()
+        chosen = omnikv_select(score, pos, pos < lens64[:, None], lens64, sm.budget, sm.sink, sm.recent,
+                               sm.tp_group_name)
+        if index_rows is None:
+            sm.index[:rows].copy_(chosen)
+        else:
+            sm.index[index_rows] = chosen
+
+
+def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """The op's Triton provider (q: [tokens, H * D], padding rows past the last sequence come back as zeros).
+    Every row one decode token: one launch over the rows (plus the scoring kernel and the top-k on filter
+    layers), static shapes. Otherwise, OmniKV: the dense prefill kernel for every token, then the decode rows
+    again through the sparse path; StreamingLLM: each new token is a query row of its own."""
+    ctx, spec, cache, group = layer_cache(layer_idx)
+    source = ctx.layers[spec.cache_layer]
+    meta = ctx.attn_metadata
+    sm = ctx.extra.get(SPARSE_KEY)
+    if spec.omnikv is not None and sm is None:
+        raise RuntimeError("OmniKV layers need the runtime's sparse metadata in the forward context")
+    seq_lens, qsl = _meta_tensors(meta, q.device)
+    n = len(meta.seq_lens)
+    if spec.omnikv is not None and sm.index is None:
+        sm.index = index_buffer(max(n, seq_lens.shape[0]), sm.budget, q.device)
+    h, d = spec.num_heads, spec.head_dim
+    out = torch.zeros(q.shape[0], h, d, dtype=q.dtype, device=q.device)
+    tables = group.block_tables
+    if meta.query_start_loc[-1] == n and (spec.omnikv is None or sm.all_decode):
+        rows = seq_lens.shape[0]
+        _rows(q[:rows], out[:rows], spec, source, cache, tables, seq_lens, sm)
+    elif spec.omnikv is not None:
+        MONITOR.note("paged_prefill", (q.dtype, d, h // spec.num_kv_heads, False, spec.softcap is not None,
+                                       source.k_eq_v))
+        paged_prefill(q, cache, tables, qsl, seq_lens, out=out, sliding_window=None, **_kw(spec, source))
+        dec = [i for i in range(n) if sm.decode[i] and meta.query_start_loc[i + 1] - meta.query_start_loc[i] == 1]
+        if dec:
+            tok = torch.tensor([meta.query_start_loc[i] for i in dec], device=q.device)
+            idx = torch.tensor(dec, device=q.device)
+            part = torch.empty(len(dec), h, d, dtype=q.dtype, device=q.device)
+            _rows(q[tok], part, spec, source, cache, tables, seq_lens[idx], sm, tab_rows=idx.int(), index_rows=idx)
+            out[tok] = part
+    else:  # StreamingLLM prefill (chunks, mixed batches): every new token is a row with its own sinks and window
+        seq_of, lens = [], []
+        for i, L in enumerate(meta.seq_lens):
+            m = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+            seq_of.extend([i] * m)
+            lens.extend(range(L - m + 1, L + 1))
+        t = len(lens)
+        _rows(q[:t], out[:t], spec, source, cache, tables, torch.tensor(lens, dtype=torch.int32, device=q.device),
+              sm, tab_rows=torch.tensor(seq_of, dtype=torch.int32, device=q.device))
+    return out.view(q.shape[0], h * d)
+
+
+# ---- JIT warm-up ---------------------------------------------------------------------------------
+
+
+def _keys(facts: dict) -> list:
+    dtype, keys = facts["dtype"], set()
+    layers = facts.get("layers", {})
+    every = facts.get("all_layers", layers)
+    for spec in layers.values():
+        if spec.sink_tokens or spec.omnikv is not None:
+            keys.add(("sparse_decode",) + _key(spec, every[spec.cache_layer], dtype, _mode(spec)))
+    return sorted(keys, key=repr)
+
+
+def _compile(key, device) -> None:
+    """Each mode's direct and split-K builds (and the combine kernel at each split count), and the scoring
+    kernel, on a throwaway cache."""
+    _, dtype, head_dim, group, kv_heads, softcap, k_eq_v, mode = key
+    page, width, rows = 16, 64, 2
+    cache = torch.zeros(1 if k_eq_v else 2, width, page, kv_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+    lens = torch.full((rows,), page * width, dtype=torch.int32, device=device)
+    q = torch.zeros(rows, kv_heads * group * head_dim, dtype=dtype, device=device)
+    kw = dict(scale=1.0, softcap=30.0 if softcap else None, k_eq_v=k_eq_v, num_kv_heads=kv_heads, head_dim=head_dim,
+              k_norm_weight=torch.ones(head_dim, dtype=dtype, device=device) if k_eq_v else None,
+              inv_freq=torch.zeros(head_dim // 2, device=device) if k_eq_v else None)
+    extra = {}
+    if mode == INDEX:
+        extra["index"] = torch.zeros(rows, 64, dtype=torch.int32, device=device)
+    elif mode == STREAMING:
+        extra.update(q_shift=q, sink=4, window=60)
+    lse = torch.empty(rows, kv_heads * group, dtype=torch.float32, device=device)
+    for tab_rows in (None, lens * 0):  # decode rows; rows mapped to block-table rows (prefill steps)
+        for splits in [1 << i for i in range(8)]:
+            sparse_decode(q, cache, tables, lens, mode=mode, num_splits=splits, tab_rows=tab_rows,
+                          lse=lse if mode == DENSE else None, **extra, **kw)
+        if mode == DENSE:
+            filter_scores(q, cache, tables, lens, lse, tab_rows=tab_rows, **kw)
+
+
+register_kernel(JitKernel("sparse_decode", "sparse_attention", "triton", _keys, _compile))
