@@ -372,15 +372,16 @@ def _install_needle_weights(llm):
         attn.k_norm.weight.fill_(1.0)
         q = torch.zeros(4 * 16, 64)
         q[torch.arange(4) * 16 + U, 0] = 1.0
-        attn.q_proj.weight.copy_(q)
-        for proj, dim, rows in ((attn.k_proj, U, [(1, 1.0)]), (attn.v_proj, J, [(1, 1.0), (0, -0.3)])):
+        kv_weights = []
+        for dim, rows in ((U, [(1, 1.0)]), (J, [(1, 1.0), (0, -0.3)])):  # k, then v
             w = torch.zeros(2 * 16, 64)
             w[:, 8:] = 0.3 * torch.randn(32, 56, generator=g)
             for kv in range(2):
                 w[kv * 16 + dim] = 0
                 for src, val in rows:
                     w[kv * 16 + dim, src] = val
-            proj.weight.copy_(w)
+            kv_weights.append(w)
+        attn.qkv_proj.weight.copy_(torch.cat([q, *kv_weights]))  # the merged [q; k; v] projection
         o = torch.zeros(64, 64)
         o[2, torch.arange(4) * 16 + J] = 1.0
         attn.o_proj.weight.copy_(o)

@@ -91,7 +91,6 @@ def install_retrieval_weights(llm):
         attn.k_norm.weight.fill_(1.0)
         q = torch.zeros(heads * hd, HIDDEN)
         q[torch.arange(heads) * hd + U, 0] = 1.0
-        attn.q_proj.weight.copy_(q)
         k = torch.zeros(kvh * hd, HIDDEN)
         k[:, 24:] = 0.3 * torch.randn(kvh * hd, HIDDEN - 24, generator=g)
         v = k.clone().normal_(generator=g).mul_(0.3)
@@ -102,8 +101,7 @@ def install_retrieval_weights(llm):
             for j, dim in enumerate(VDIMS):
                 v[h * hd + dim] = 0
                 v[h * hd + dim, 3 + j] = 1.0
-        attn.k_proj.weight.copy_(k)
-        attn.v_proj.weight.copy_(v)
+        attn.qkv_proj.weight.copy_(torch.cat([q, k, v]))  # the merged [q; k; v] projection
         if i == 3:  # the last full layer answers; the first (OmniKV's filter) only scores
             o = torch.zeros(HIDDEN, heads * hd)
             for j, dim in enumerate(VDIMS):
