@@ -8,7 +8,7 @@ every constant in it (exponents, reduction and softmax dims, fill values, dtypes
 must be equal in the real graph. Only sizes that follow from the input shapes (view and reshape sizes,
 the size of a zeros/full, a split's chunk size, a slice's bounds) are wildcards, and where such a size
 carries meaning (RoPE's rotate-half split, GEGLU's [gate, up] halves) the pass checks it on the match.
-Scalars the replacement needs (eps, layer index, top-k) are traced with sentinel values and become
+Scalars the replacement needs (eps, layer index, top-k, a norm's weight offset) are traced with sentinel values and become
 pattern arguments through `scalar_workaround`.
 
 Each replaced match is counted under `compiled_llm.<pass>` and `compiled_llm.<pass>@+<offset>` in
@@ -38,6 +38,7 @@ EPS = 1.2345e-5
 LAYER = 9973
 TOP_K = 3
 ROOT = 0.0123456
+OFFSET = 0.7654321  # an RMSNorm's weight offset (scale by offset + w)
 
 # argument positions that hold sizes derived from the input shapes: wildcards in a pattern
 SHAPE_ARGS = {
@@ -144,6 +145,72 @@ def rotate_half(match: pm.Match) -> bool:
             return False
         if size % 2 or start not in (0, size // 2) or not (end == size // 2 or end >= size):
             return False
+    return True
+
+
+def _slice(node) -> tuple | None:
+    """(input, size of the cut dim, start, end) of a slice node whose bounds are plain ints, else None."""
+    x = _val(node.args[0])
+    if x is None:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else 0
+    size = x.shape[dim]
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else size
+    if not all(type(v) is int for v in (size, start, end)):
+        return None
+    return node.args[0], size, start, end
+
+
+def partial_rotate_half(match: pm.Match) -> bool:
+    """Partial rotary as ops/mrope.py computes it, checked node by node: each rotation is
+    cat([-r[..., h:], r[..., :h]]) of one tensor r with h = half its last dim; r is the first R channels of
+    the head ([0, R), R the cos/sin table's width) and the channels past R ([R, end)) are what the outer cat
+    appends; every other slice is a no-op (a full range)."""
+    cos = _val(match.kwargs.get("cos"))
+    if cos is None or type(cos.shape[-1]) is not int:
+        return False
+    rd = cos.shape[-1]
+    approved: set = set()
+    rot_sources = set()
+    for node in match.nodes:
+        if node.op != "call_function" or node.target != aten.cat.default:
+            continue
+        parts = node.args[0]
+        if len(parts) != 2 or not all(isinstance(p, torch.fx.Node) for p in parts):
+            return False
+        first, second = parts
+        if first.target == aten.neg.default:  # a rotate-half cat
+            a, b = first.args[0], second
+            if a.target != aten.slice.Tensor or b.target != aten.slice.Tensor:
+                return False
+            sa, sb = _slice(a), _slice(b)
+            if sa is None or sb is None or sa[0] is not sb[0] or sa[1] != rd or rd % 2:
+                return False
+            h = rd // 2
+            if (sa[2], sb[2], sb[3]) != (h, 0, h) or sa[3] < rd:
+                return False
+            approved |= {a, b}
+            rot_sources.add(sa[0])
+        else:  # the outer cat: [rotated, the channels past R]
+            if second.target != aten.slice.Tensor:
+                return False
+            sr = _slice(second)
+            if sr is None or sr[2] != rd or sr[3] < sr[1]:
+                return False
+            approved.add(second)
+            rot_sources.add(("rest", sr[0]))
+    for src in [s for s in rot_sources if isinstance(s, torch.fx.Node)]:  # r = head[..., :R] (or the head itself)
+        if src.target == aten.slice.Tensor and src in match.nodes:
+            ss = _slice(src)
+            if ss is None or ss[2] != 0 or ss[3] != rd or (ss[1] != rd and ("rest", ss[0]) not in rot_sources):
+                return False
+            approved.add(src)
+    for node in match.nodes:
+        if node.op == "call_function" and node.target == aten.slice.Tensor and node not in approved:
+            s = _slice(node)
+            if s is None or s[2] != 0 or s[3] < s[1]:
+                return False
     return True
 
 
