@@ -101,13 +101,12 @@ def _norm_rotate(src, w_ptr, d, dm, partner, rot, sign, cos, sin, eps, offset, D
     return tl.where(rot, xn * cos + sign * pn * sin, xn)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots", "H"])  # one build for every batch and head count (warm-up's is tiny)
 def _qk_norm_mrope_kernel(Q, K, V, Cos, Sin, QW, KW, Slots, QOut, KC, VC,
-                          n_slots, eps, offset,
+                          n_slots, eps, offset, H,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_ct, stride_st, stride_ot, stride_oh, stride_cs, stride_ch,
-                          H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr,
-                          HAS_K: tl.constexpr):
+                          D: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr, HAS_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
@@ -153,10 +152,10 @@ def qk_norm_mrope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     if n:
         _qk_norm_mrope_kernel[(n, num_heads + kv_heads)](
             q, k, v, cos, sin, q_weight, k_weight, slots, q_out, kc, vc,
-            slots.shape[0], float(eps), float(weight_offset),
+            slots.shape[0], float(eps), float(weight_offset), num_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1),
-            H=num_heads, D=head_dim, ROT=rot, BLOCK=triton.next_power_of_2(head_dim), HAS_K=has_k,
+            D=head_dim, ROT=rot, BLOCK=triton.next_power_of_2(head_dim), HAS_K=has_k,
             num_warps=1 if head_dim <= 256 else 4)
     return q_out
 
