@@ -25,8 +25,11 @@ from configs import config_dict  # noqa: E402
 # audited there (two layers, the MoE pass off and on) by the tests below them.
 ALL_CONFIGS = torch.__version__.startswith("2.11") or bool(os.environ.get("COMPILED_LLM_AUDIT_ALL"))
 
-GEMMA_MOE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 2, "router_topk": 1, "geglu_moe": 1}
-GEMMA_DENSE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 1, "router_topk": 0, "geglu_moe": 0}
+GEMMA_MOE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 2, "router_topk": 1, "geglu_moe": 1, "swiglu_moe": 0}
+GEMMA_DENSE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 1, "router_topk": 0, "geglu_moe": 0, "swiglu_moe": 0}
+# Qwen3.5 MoE: two add + norm per layer, QK-norm + M-RoPE + KV write on every 4th (full-attention) layer
+QWEN_MOE = {"add_rms_norm": 2, "router_topk": 1, "swiglu_moe": 1}
+QWEN_MOE_FULL = dict(QWEN_MOE, qk_norm_rope_kv_write=1)
 
 
 def per_layer(report, shape="dynamic"):
@@ -53,12 +56,16 @@ def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
 @pytest.mark.parametrize("name, declared, shape", [
     ("gemma-4-31b", GEMMA_DENSE, (8192, 21504)),  # the MLP's gate/up (intermediate 21504)
     ("gemma-4-e4b", GEMMA_DENSE, (8192, 10752)),  # the per-layer-embedding projection (42 layers x 256)
-    ("qwen3.5-35b-a3b", {}, (8192, 8192)),  # no pass matches Qwen3.5's graphs yet (issue 18); nothing falls back
+    # every layer: both add + norms, the softmax router and the SwiGLU MoE; layers 3, 7, ..., 39 (full attention)
+    # QK-norm + M-RoPE + KV write too. The largest tensor: a linear-attention layer's in_proj_qkv (2 x 16 x 128
+    # + 32 x 128), not a [256 experts, tokens, hidden] dense expert sum
+    ("qwen3.5-35b-a3b", lambda i: QWEN_MOE_FULL if i % 4 == 3 else QWEN_MOE, (8192, 8192)),
 ])
 def test_released_configs_fuse_as_declared(name, declared, shape):
     r = audit(config_dict(name), device="cuda", dtype=torch.bfloat16, tokens=8192)
     assert r.mismatches == []
-    assert per_layer(r) == {i: {n: declared.get(n, 0) for n in r.enabled} for i in r.layers}
+    of = declared if callable(declared) else lambda i: declared
+    assert per_layer(r) == {i: {n: of(i).get(n, 0) for n in r.enabled} for i in r.layers}
     assert r.largest["dynamic"].shape == shape
     if name == "gemma-4-e4b":
         assert r.layers[24] == "sliding d256 shared" and r.layers[41] == "full d512 shared"

@@ -51,8 +51,8 @@ def matches(llm) -> dict[str, int]:
 # (post-FFN norms summed, then normed) is a second RMSNorm + residual add match. An exact count, so a
 # model change that breaks a match fails here.
 EXPECTED = {
-    "dense": {"add_rms_norm": 4, "qk_norm_rope_kv_write": 4, "router_topk": 0, "geglu_moe": 0},
-    "moe": {"add_rms_norm": 6, "qk_norm_rope_kv_write": 3, "router_topk": 3, "geglu_moe": 3},
+    "dense": {"add_rms_norm": 4, "qk_norm_rope_kv_write": 4, "router_topk": 0, "geglu_moe": 0, "swiglu_moe": 0},
+    "moe": {"add_rms_norm": 6, "qk_norm_rope_kv_write": 3, "router_topk": 3, "geglu_moe": 3, "swiglu_moe": 0},
 }
 
 

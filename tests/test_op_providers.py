@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = ["norm", "qk_norm_rope", "kv_write", "attention", "moe"]
+GROUPS = ["norm", "qk_norm_rope", "qk_norm_mrope", "kv_write", "attention", "moe", "softmax_moe"]
 DEV = os.environ.get("OP_TEST_DEVICE", "cpu")  # scripts/compiler_gpu_check.py runs the groups on cuda
 
 
@@ -108,6 +108,11 @@ def group_norm():
         got, want = norm.fused_add_rms_norm(x, r, w, 1e-6), ref_fused_add_rms_norm(x, r, w, 1e-6)
         _check("fused_add_rms_norm out", got[0], want[0])
         _check("fused_add_rms_norm sum", got[1], want[1])
+        w0 = 0.3 * rand(d)  # zero-centred weight: the norm scales by 1 + w
+        _check("rms_norm offset", norm.rms_norm(x, w0, 1e-6, 1.0), ref_rms_norm(x, w0, 1e-6, 1.0))
+        got, want = norm.fused_add_rms_norm(x, r, w0, 1e-6, 1.0), ref_fused_add_rms_norm(x, r, w0, 1e-6, 1.0)
+        _check("fused_add_rms_norm offset out", got[0], want[0])
+        _check("fused_add_rms_norm offset sum", got[1], want[1])
     x3, w3 = rand(3, 4, 16), rand(16)  # per-head norms: over the last dim
     _check("rms_norm 3d", norm.rms_norm(x3, w3, 1e-6), ref_rms_norm(x3, w3, 1e-6))
 
@@ -138,6 +143,35 @@ def group_qk_norm_rope():
         with set_forward_context(ctx_tri):  # q only (a layer reading another layer's cache)
             _check("q only", qk_norm_rope_kv_write(q, None, None, pos, inv, qw, None, 1e-6, False, 1),
                    ref_qk_norm_rope_kv_write(q, None, None, pos, inv, qw, None, 1e-6, False, 1))
+
+
+def group_qk_norm_mrope():
+    """Qwen3.5's full attention: zero-centred q/k norms, the first rotary_dim channels rotated by the step's
+    M-RoPE table (built from [3, tokens] positions here), the rest passed through; k, v cached; padding rows
+    write nothing. Strided q (a chunk of the gated q projection) and a flat v, as the model hands them."""
+    from compiled_llm.ops.attention import AttentionSpec
+    from compiled_llm.ops.context import set_forward_context
+    from compiled_llm.ops.mrope import mrope_cos_sin, mrope_owner, rotary_inv_freq
+    from compiled_llm.ops.qk_norm_rope import ref_qk_norm_mrope_kv_write
+    from compiled_llm.ops.triton.qk_norm_rope import qk_norm_mrope_kv_write
+
+    for d, factor, section in ((16, 0.5, [2, 1, 1]), (24, 0.25, [1, 1, 1]), (16, 1.0, [4, 2, 2])):
+        specs = {0: AttentionSpec(0, 4, 2, d, None, 0)}
+        inv = rotary_inv_freq(d, 1e6, factor)
+        n = 15
+        pos = torch.randint(0, 5000, (3, n + 2))
+        cos, sin = (t.to(DEV) for t in mrope_cos_sin(pos, inv, mrope_owner(len(inv), section), torch.float32))
+        q = rand(n + 2, 4, 2 * d)[..., :d]  # 2 padding rows; a strided view, as the chunk of [query, gate]
+        k, v = rand(n + 2, 2, d), rand(n + 2, 2 * d)
+        qw, kw = 0.3 * rand(d), 0.3 * rand(d)
+        ctx_ref, ctx_tri = _context(specs), _context(specs)
+        ctx_tri.kv_caches[0].copy_(ctx_ref.kv_caches[0])
+        with set_forward_context(ctx_ref):
+            want = ref_qk_norm_mrope_kv_write(q, k, v, cos, sin, qw, kw, 1e-6, 1.0, 0)
+        with set_forward_context(ctx_tri):
+            got = qk_norm_mrope_kv_write(q, k, v, cos, sin, qw, kw, 1e-6, 1.0, 0)
+        _check(f"mrope q d={d} rotary={cos.shape[-1]}", got, want)
+        _check(f"mrope cache d={d} rotary={cos.shape[-1]}", ctx_tri.kv_caches[0], ctx_ref.kv_caches[0])
 
 
 def group_kv_write():
@@ -230,6 +264,25 @@ def group_moe():
     _check("router weights", w, w_ref)
     gate_up, down = rand(8, 24, 32, generator=g) * 0.2, rand(8, 32, 12, generator=g) * 0.2
     _check("geglu_moe", geglu_moe(x, w, ids, gate_up, down), ref_geglu_moe(x, w, ids, gate_up, down), 1e-3)
+
+
+def group_softmax_moe():
+    """Qwen3.5's router (projection, softmax, top-k, renormalise) and SwiGLU experts."""
+    from compiled_llm.ops.moe import ref_softmax_router_topk
+    from compiled_llm.ops.swiglu_moe import ref_swiglu_moe
+    from compiled_llm.ops.triton.providers import softmax_router_topk, swiglu_moe
+
+    g = torch.Generator().manual_seed(2)
+    for t, e, h, k in ((9, 8, 32, 2), (3, 128, 160, 8), (70, 20, 64, 3)):
+        x, proj = rand(t, h, generator=g), rand(e, h, generator=g)
+        w_ref, ids_ref = ref_softmax_router_topk(x, proj, k)
+        w, ids = softmax_router_topk(x, proj, k)
+        assert ids.dtype == torch.long and torch.equal(ids, ids_ref), (ids, ids_ref)
+        _check(f"softmax router T={t} E={e} k={k}", w, w_ref)
+    x = rand(9, 32, generator=g)
+    w, ids = ref_softmax_router_topk(x, rand(8, 32, generator=g), 2)
+    gate_up, down = rand(8, 24, 32, generator=g) * 0.2, rand(8, 32, 12, generator=g) * 0.2
+    _check("swiglu_moe", swiglu_moe(x, w, ids, gate_up, down), ref_swiglu_moe(x, w, ids, gate_up, down), 1e-3)
 
 
 if __name__ == "__main__":

@@ -399,11 +399,34 @@ def test_compiled_greedy_matches_transformers(qwen_ckpt, hf_ref, name):
     folder, _ = qwen_ckpt(name)
     ps, ref = hf_ref(name)
     llm = make_llm(folder, enforce_eager=False, max_num_batched_tokens=7, cudagraph_batch_sizes="1,2,4,8",
-                   jit_monitor="error")
+                   jit_monitor="error", fusion_check="error")  # every layer got the fusions it declares
     summary = llm.engine.executor.runner.compiler.summary()
     types = CONFIGS[name][1]["layer_types"]
+    moe = len(types) if name == "moe" else 0
+    assert {n: p["matches"] for n, p in summary["passes"].items()} == {
+        "add_rms_norm": 2 * len(types), "qk_norm_rope_kv_write": types.count(FULL), "router_topk": moe,
+        "swiglu_moe": moe, "geglu_moe": 0}
     # every linear-attention layer splits twice (conv1d, delta rule), every full-attention layer once
     assert summary["attention_ops"] == 2 * types.count(LIN) + types.count(FULL)
     assert summary["pieces"] == summary["attention_ops"] + 1
     assert generate_ids(llm, ps) == ref
     assert free_slots(llm) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_moe_gets_every_fusion_in_both_dtypes(qwen_ckpt, dtype):
+    """The tiny MoE checkpoint's graph on the CPU (the graph audit: fake tensors, our passes, no kernels): per
+    layer two RMSNorm + residual adds, the router and the SwiGLU MoE, and QK-norm + M-RoPE + KV write on the
+    full-attention layer. bfloat16 graphs carry casts float32 ones do not. (One-token graphs: tests/passes.)"""
+    import json
+
+    from compiled_llm.runtime.audit import audit
+
+    cfg = json.loads((qwen_ckpt("moe")[0] / "config.json").read_text())
+    r = audit(cfg, device="cpu", dtype=dtype, tokens=32)
+    assert r.mismatches == []
+    types = CONFIGS["moe"][1]["layer_types"]
+    got = r.layer_matches()
+    assert {i: dict(got[i]) for i in range(len(types))} == {
+        i: {"add_rms_norm": 2, "router_topk": 1, "swiglu_moe": 1, **({"qk_norm_rope_kv_write": 1} if t == FULL else {})}
+        for i, t in enumerate(types)}

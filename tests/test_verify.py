@@ -54,6 +54,18 @@ def test_a_dense_moe_fallback_is_an_error_even_when_warning_or_with_the_pass_off
     assert verify(EXPECTED, {"dynamic": short}, {"add_rms_norm", "geglu_moe"}, "warn", num_experts=8)
 
 
+def test_a_dense_swiglu_fallback_is_an_error_too():
+    """Qwen3.5's routed experts come from the SwiGLU MoE pass: its miss on a 256-expert model refuses to serve,
+    also with the pass switched off; Gemma's GEGLU count (declared 0 there) is judged alongside and holds."""
+    expected = {0: {"add_rms_norm": 2, "swiglu_moe": 1}}
+    short = Counter({"add_rms_norm@0": 2})
+    for enabled in ({"add_rms_norm", "swiglu_moe"}, {"add_rms_norm"}):
+        with pytest.raises(FusionCheckError, match=r"MoE fusion \(swiglu_moe\) missed.*all 256 experts"):
+            verify(expected, {"dynamic": short}, enabled, "warn", num_experts=256)
+    assert verify(expected, {"dynamic": Counter({"add_rms_norm@0": 2, "swiglu_moe@0": 1})}, {"add_rms_norm"}, "error",
+                  num_experts=256) == []
+
+
 def test_a_compiled_moe_engine_without_the_routed_op_refuses_to_start(tiny_ckpt):
     folder, _ = tiny_ckpt("moe16")
     with pytest.raises(FusionCheckError, match=r"layer 0: geglu_moe matched 0 of 1 in the dynamic compile"):

@@ -1,7 +1,7 @@
 """The compiler checks its own work. After compiling, the fusions each layer got (the passes count their
 matches per layer, passes/base.py) are compared with those the model declares (`model.expected_fusions()`),
 for the dynamic-token-count compile and for every static batch size. A missed fusion is silent otherwise:
-the graph still runs, only slower, and a compiled MoE layer whose GEGLU MoE fusion missed runs every
+the graph still runs, only slower, and a compiled MoE layer whose MoE fusion (GEGLU or SwiGLU) missed runs every
 expert on every token (E/k times the FLOPs, an [E, tokens, hidden] intermediate: out of memory at the
 released shapes). That case is always an error for models with more than a handful of experts; any other
 difference is a warning naming the layer and the pass, or an error with fusion_check="error" (tests).
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 log = logging.getLogger("compiled_llm")
 
 DENSE_MOE_MAX_EXPERTS = 8  # above this many experts a compiled MoE layer must take the routed op
+MOE_PASSES = ("geglu_moe", "swiglu_moe")  # the passes that turn the dense expert sum into a routed op
 MODES = ("warn", "error")
 
 
@@ -63,9 +64,9 @@ def compare(expected: dict[int, dict[str, int]], matches: dict[str, Counter], en
 
 
 def judged(enabled: set[str], num_experts: int) -> set[str]:
-    """The passes whose counts are checked: the enabled ones, and GEGLU MoE for models with many experts
-    even when it was switched off (their dense fallback must not run)."""
-    return enabled | ({"geglu_moe"} if num_experts > DENSE_MOE_MAX_EXPERTS else set())
+    """The passes whose counts are checked: the enabled ones, and the MoE passes for models with many experts
+    even when they were switched off (their dense fallback must not run)."""
+    return enabled | (set(MOE_PASSES) if num_experts > DENSE_MOE_MAX_EXPERTS else set())
 
 
 def verify(expected: dict[int, dict[str, int]], matches: dict[str, Counter], enabled: set[str], mode: str,
@@ -75,10 +76,10 @@ def verify(expected: dict[int, dict[str, int]], matches: dict[str, Counter], ena
     if mode not in MODES:
         raise ValueError(f"fusion check must be one of {', '.join(MODES)}, not {mode!r}")
     problems = compare(expected, matches, judged(enabled, num_experts))
-    fatal = [m for m in problems if m.name == "geglu_moe" and m.got < m.want and num_experts > DENSE_MOE_MAX_EXPERTS]
+    fatal = [m for m in problems if m.name in MOE_PASSES and m.got < m.want and num_experts > DENSE_MOE_MAX_EXPERTS]
     if fatal:
         raise FusionCheckError(
-            f"the GEGLU MoE fusion missed, so compiled MoE layers would run all {num_experts} experts on every "
+            f"the MoE fusion ({', '.join(sorted({m.name for m in fatal}))}) missed, so compiled MoE layers would run all {num_experts} experts on every "
             "token; refusing to serve that (run with --enforce-eager to serve anyway, and report it):\n  "
             + "\n  ".join(map(str, fatal)))
     if problems and mode == "error":

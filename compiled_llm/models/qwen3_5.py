@@ -33,13 +33,19 @@ from compiled_llm.models.qwen3_5_config import FULL, LINEAR, Qwen3_5TextConfig
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.conv1d import causal_conv1d
 from compiled_llm.ops.delta_rule import gated_delta_rule
+from compiled_llm.ops.moe import dense_gated_moe, ref_softmax_router_topk
 from compiled_llm.ops.mrope import apply_mrope, mrope_cos_sin, mrope_owner, rotary_inv_freq
+from compiled_llm.ops.norm import ref_rms_norm
 from compiled_llm.ops.state import StateSpec
 from compiled_llm.ops.swiglu_moe import swiglu_moe
 
 
+ZERO_CENTRED = 1.0  # the norms' weight offset: they scale by 1 + weight
+
+
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: x / rms(x) * (1 + weight), computed in float32."""
+    """Zero-centred RMSNorm: x / rms(x) * (1 + weight), computed in float32 (ops/norm.py `ref_rms_norm` with
+    weight offset 1.0, the function the norm fusions search for; its pow(-0.5) is rsqrt, bit for bit)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -47,9 +53,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return ref_rms_norm(x, self.weight, self.eps, ZERO_CENTRED)
 
 
 class GatedRMSNorm(nn.Module):
@@ -96,9 +100,18 @@ class Experts(ExpertWeights):
         return self.combine(self.routed(x, weights, ids) + shared)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the weighted expert outputs; the op skips ids of other ranks' experts."""
+        """This rank's share of the weighted expert outputs; the op skips ids of other ranks' experts.
+        Compiled: the dense sum, which the SwiGLU MoE pass turns into the same routed op."""
+        if torch.compiler.is_compiling():
+            return self.dense(x, weights, ids)
         local = ids - self.first_expert if self.first_expert else ids
         return swiglu_moe(x, weights, local, self.gate_up_proj, self.down_proj)
+
+    def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed sum with static shapes, which torch.compile can trace (every expert on every token; ops/moe.py
+        `dense_gated_moe` with a SiLU gate, what the SwiGLU MoE pass searches for)."""
+        return dense_gated_moe(x, weights, ids, self.gate_up_proj, self.down_proj, F.silu, self.num_experts,
+                               self.first_expert).to(x.dtype)
 
 
 class SparseMoE(nn.Module):
@@ -113,10 +126,8 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # replicated, like the router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        weights, ids = ref_softmax_router_topk(x, self.gate.weight, self.top_k)  # what the router fusion searches for
+        weights = weights.to(x.dtype)  # the router's logits' dtype, as transformers casts
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # this rank's partial sum
         return self.experts(x, weights, ids, shared)
 
@@ -146,7 +157,7 @@ class Attention(nn.Module):
         q, gate = self.q_proj(x).view(n, self.num_heads, 2 * d).chunk(2, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, d))
-        q, k = apply_mrope(q, k, cos, sin)
+        q, k = apply_mrope(q, k, cos, sin)  # with the norms and the KV write: what the QK-norm + M-RoPE fusion takes
         out = attention(q.reshape(n, -1), k.reshape(n, -1), self.v_proj(x), self.idx)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
@@ -278,9 +289,17 @@ class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE, SupportsTP, Su
         return {layer.self_attn.idx: layer.self_attn.spec for layer in self.model.layers if layer.layer_type == FULL}
 
     def expected_fusions(self) -> dict[int, dict[str, int]]:
-        """None of our passes matches Qwen3.5's graphs yet (zero-centred norms, M-RoPE, softmax router; its
-        routed experts call swiglu_moe directly, so nothing falls back to the dense sum)."""
-        return {i: {} for i in range(self.cfg.num_hidden_layers)}
+        """The fusions each layer gets when compiled (compiler/verify.py checks the passes' per-layer counts):
+        RMSNorm + residual add twice (the attention residual into the post-attention norm; the MLP residual
+        into the next layer's input norm, or the final norm after the last layer: counted at the layer of
+        the add), QK-norm + M-RoPE + KV write in full-attention layers, router + top-k and SwiGLU MoE in MoE
+        layers. Under tensor parallelism no all-reduce meets a norm directly (a residual add sits between)."""
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            moe = int(isinstance(layer.mlp, SparseMoE))
+            out[i] = {"add_rms_norm": 2, "qk_norm_rope_kv_write": int(layer.layer_type == FULL), "router_topk": moe,
+                      "swiglu_moe": moe}
+        return out
 
     def state_specs(self) -> dict[int, StateSpec]:
         """Per-sequence recurrent state of each linear-attention layer."""

@@ -54,6 +54,11 @@ class Qwen3_5TextConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of a full-attention head that M-RoPE rotates (2 x ops/mrope.py rotary_inv_freq's length)."""
+        return 2 * len(range(0, int(self.head_dim * self.partial_rotary_factor), 2))
+
     @classmethod
     def from_dict(cls, cfg: dict, top: dict | None = None, moe: bool = False) -> "Qwen3_5TextConfig":
         """cfg: the text config dict; top: the enclosing multimodal config, if any (tying, dtype, eos)."""

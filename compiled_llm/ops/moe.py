@@ -1,8 +1,9 @@
-"""Mixture-of-experts ops: router_topk (Gemma 4's router) and geglu_moe (routed experts, GELU-tanh GEGLU
-over packed [gate, up] weights).
+"""Mixture-of-experts ops: router_topk (Gemma 4's router), softmax_router_topk (Qwen3.5's) and geglu_moe
+(routed experts, GELU-tanh GEGLU over packed [gate, up] weights; SwiGLU: ops/swiglu_moe.py).
 
-The models call `ref_router_topk` and `dense_gated_moe` themselves, and the fusion passes search for the
-same two functions, so a model and its pass cannot drift apart: changing the math here changes both."""
+The models call `ref_router_topk`, `ref_softmax_router_topk` and `dense_gated_moe` themselves, and the fusion
+passes search for the same functions, so a model and its pass cannot drift apart: changing the math here
+changes both."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def ref_router_topk(x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Ten
     weights, ids = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * per_expert_scale[ids], ids
+
+
+def ref_softmax_router_topk(x: torch.Tensor, proj_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router (Qwen3.5 MoE): projection, softmax over experts (float32), top-k, renormalise.
+    Returns (weights [tokens, k] float32, expert ids [tokens, k] int64); the model casts the weights to its
+    dtype (outside, so a pattern that ends here is not hidden by a cast that Inductor folds away)."""
+    probs = torch.softmax(F.linear(x, proj_weight), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
 def ref_gated_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -88,6 +98,12 @@ ROUTER_TOPK = register(OpSpec("router_topk", "Gemma 4 router: norm, scale, softm
     Provider("reference", "compiled_llm.ops.moe:ref_router_topk"),
 ]))
 
+SOFTMAX_ROUTER_TOPK = register(OpSpec(
+    "softmax_router_topk", "Qwen3.5 router: projection, softmax, top-k, renormalise", [
+        Provider("triton", "compiled_llm.ops.triton.providers:softmax_router_topk", _triton),
+        Provider("reference", "compiled_llm.ops.moe:ref_softmax_router_topk"),
+    ]))
+
 GEGLU_MOE = register(OpSpec("geglu_moe", "routed experts, GELU-tanh GEGLU over packed [gate, up] weights", [
     Provider("triton", "compiled_llm.ops.triton.providers:geglu_moe", _triton),
     Provider("reference", "compiled_llm.ops.moe:ref_geglu_moe"),
@@ -102,6 +118,17 @@ def router_topk(x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Tensor,
 
 @router_topk.register_fake
 def _(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size):
+    n = x.shape[0]
+    return x.new_empty(n, top_k, dtype=torch.float32), x.new_empty(n, top_k, dtype=torch.long)
+
+
+@torch.library.custom_op("compiled_llm::softmax_router_topk", mutates_args=())
+def softmax_router_topk(x: torch.Tensor, proj_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return SOFTMAX_ROUTER_TOPK.impl()(x, proj_weight, top_k)
+
+
+@softmax_router_topk.register_fake
+def _(x, proj_weight, top_k):
     n = x.shape[0]
     return x.new_empty(n, top_k, dtype=torch.float32), x.new_empty(n, top_k, dtype=torch.long)
 

@@ -2,6 +2,8 @@
 
 The reference implementations compute exactly what the models' plain RMSNorm computes (float32
 statistics, optional weight, cast back), so a fused graph gives the same numbers as the eager one.
+`weight_offset` scales by (offset + weight) instead of weight: Qwen3.5's zero-centred norms store w and
+scale by 1 + w (offset 1.0); 0.0, the default, is the plain form and adds nothing to the graph.
 """
 
 from __future__ import annotations
@@ -11,18 +13,18 @@ import torch
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 
 
-def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
     h = x.float()
     h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
-        h = h * weight.float()
+        h = h * (weight.float() + weight_offset if weight_offset else weight.float())
     return h.type_as(x)
 
 
 def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     s = residual + x
-    return ref_rms_norm(s, weight, eps), s
+    return ref_rms_norm(s, weight, eps, weight_offset), s
 
 
 def _triton_rows(caps: Capabilities, shape: dict) -> str | None:
@@ -36,7 +38,7 @@ def _flashinfer_norm(caps: Capabilities, shape: dict) -> str | None:
     return why
 
 
-RMS_NORM = register(OpSpec("rms_norm", "y = x / sqrt(mean(x^2) + eps) * weight, statistics in float32", [
+RMS_NORM = register(OpSpec("rms_norm", "y = x / sqrt(mean(x^2) + eps) * (weight_offset + weight), statistics in float32", [
     Provider("triton", "compiled_llm.ops.triton.norm:rms_norm", _triton_rows),
     Provider("flashinfer", "compiled_llm.ops.flashinfer:rms_norm", _flashinfer_norm),
     Provider("reference", "compiled_llm.ops.norm:ref_rms_norm"),
@@ -50,21 +52,21 @@ FUSED_ADD_RMS_NORM = register(OpSpec("fused_add_rms_norm", "s = residual + x; re
 
 
 @torch.library.custom_op("compiled_llm::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return RMS_NORM.impl()(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    return RMS_NORM.impl()(x, weight, eps, weight_offset)
 
 
 @rms_norm.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, weight_offset=0.0):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("compiled_llm::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return FUSED_ADD_RMS_NORM.impl()(x, residual, weight, eps)
+                       eps: float, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return FUSED_ADD_RMS_NORM.impl()(x, residual, weight, eps, weight_offset)
 
 
 @fused_add_rms_norm.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, weight_offset=0.0):
     return torch.empty_like(x), torch.empty_like(x)

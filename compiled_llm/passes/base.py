@@ -8,7 +8,7 @@ every constant in it (exponents, reduction and softmax dims, fill values, dtypes
 must be equal in the real graph. Only sizes that follow from the input shapes (view and reshape sizes,
 the size of a zeros/full, a split's chunk size, a slice's bounds) are wildcards, and where such a size
 carries meaning (RoPE's rotate-half split, GEGLU's [gate, up] halves) the pass checks it on the match.
-Scalars the replacement needs (eps, layer index, top-k) are traced with sentinel values and become
+Scalars the replacement needs (eps, layer index, top-k, a norm's weight offset) are traced with sentinel values and become
 pattern arguments through `scalar_workaround`.
 
 Each replaced match is counted under `compiled_llm.<pass>` and `compiled_llm.<pass>@+<offset>` in
@@ -38,6 +38,7 @@ EPS = 1.2345e-5
 LAYER = 9973
 TOP_K = 3
 ROOT = 0.0123456
+OFFSET = 0.7654321  # an RMSNorm's weight offset (scale by offset + w)
 
 # argument positions that hold sizes derived from the input shapes: wildcards in a pattern
 SHAPE_ARGS = {
@@ -135,16 +136,79 @@ def _last_dim_cuts(match: pm.Match, target):
             yield x.shape[-1], node.args
 
 
-def rotate_half(match: pm.Match) -> bool:
-    """RoPE as the ops compute it: every slice of the head dim D cuts at 0, D/2 or the end."""
-    for size, args in _last_dim_cuts(match, aten.slice.Tensor):
-        start = args[2] if len(args) > 2 else 0
-        end = args[3] if len(args) > 3 else size
-        if not all(type(v) is int for v in (size, start, end)):  # unknown or symbolic: not provably rotate-half
+def _slice(node) -> tuple | None:
+    """(input, size of the cut dim, start, end) of a slice node whose bounds are plain ints, else None."""
+    x = _val(node.args[0])
+    if x is None:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else 0
+    size = x.shape[dim]
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else size
+    if not all(type(v) is int for v in (size, start, end)):
+        return None
+    return node.args[0], size, start, end
+
+
+def _is_slice(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target == aten.slice.Tensor
+
+
+def _rotations(match: pm.Match, rd: int | None) -> bool:
+    """Checked node by node, since the slice bounds are wildcards: each rotation is cat([-r[..., h:], r[..., :h]])
+    of one tensor r, h half its last dim (rd when given); with rd, r is the first rd channels of the head
+    ([0, rd)) and the outer cat appends the channels past them ([rd, end)); every other slice is a no-op."""
+    approved: set = set()
+    heads: list = []  # slice nodes r was cut as
+    rests: set = set()  # the heads whose channels past rd were appended
+    for node in match.nodes:
+        if node.op != "call_function" or node.target != aten.cat.default:
+            continue
+        parts = node.args[0]
+        if len(parts) != 2 or not all(isinstance(p, torch.fx.Node) for p in parts):
             return False
-        if size % 2 or start not in (0, size // 2) or not (end == size // 2 or end >= size):
+        first, second = parts
+        if first.target == aten.neg.default:  # a rotate-half cat
+            a, b = first.args[0], second
+            sa, sb = (_slice(a), _slice(b)) if _is_slice(a) and _is_slice(b) else (None, None)
+            if sa is None or sb is None or sa[0] is not sb[0] or sa[1] % 2 or (rd is not None and sa[1] != rd):
+                return False
+            h = sa[1] // 2
+            if (sa[2], sb[2], sb[3]) != (h, 0, h) or sa[3] < sa[1]:
+                return False
+            approved |= {a, b}
+            if _is_slice(sa[0]) and sa[0] in match.nodes:
+                heads.append(sa[0])
+        elif any(_is_slice(p) for p in parts):  # the outer cat of a partial rotation: [rotated, the rest]
+            sr = _slice(second) if rd is not None and _is_slice(second) and not _is_slice(first) else None
+            if sr is None or sr[2] != rd or sr[3] < sr[1]:
+                return False
+            approved.add(second)
+            rests.add(sr[0])
+    for r in heads:  # r = head[..., :rd] with the rest of that head appended (or r is the whole head)
+        sr = _slice(r)
+        full = sr is not None and sr[3] >= sr[1]
+        if sr is None or sr[2] != 0 or not full and (rd is None or sr[3] != rd or sr[0] not in rests):
             return False
+        approved.add(r)
+    for node in match.nodes:
+        if node.op == "call_function" and node.target == aten.slice.Tensor and node not in approved:
+            s = _slice(node)
+            if s is None or s[2] != 0 or s[3] < s[1]:
+                return False
     return True
+
+
+def rotate_half(match: pm.Match) -> bool:
+    """RoPE as ops/rope.py computes it: every rotation cat([-x[..., h:], x[..., :h]]), h = half the head."""
+    return _rotations(match, None)
+
+
+def partial_rotate_half(match: pm.Match) -> bool:
+    """Partial rotary as ops/mrope.py computes it: the first R channels rotate-half, R the width of the cos/sin
+    table (the pattern's `cos` input), the channels past R passed through."""
+    cos = _val(match.kwargs.get("cos"))
+    return cos is not None and type(cos.shape[-1]) is int and _rotations(match, cos.shape[-1])
 
 
 def halves(match: pm.Match) -> bool:

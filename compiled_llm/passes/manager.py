@@ -40,9 +40,10 @@ def all_passes() -> dict[str, type[FusionPass]]:
     from compiled_llm.passes.geglu_moe import GegluMoEPass
     from compiled_llm.passes.qk_norm_rope import QKNormRopeKVWritePass
     from compiled_llm.passes.router_topk import RouterTopKPass
+    from compiled_llm.passes.swiglu_moe import SwigluMoEPass
 
     return {p.name: p for p in (AddRMSNormPass, QKNormRopeKVWritePass, AllReduceRMSNormPass, RouterTopKPass,
-                                GegluMoEPass)}
+                                GegluMoEPass, SwigluMoEPass)}
 
 
 _BUILT: dict[tuple, FusionPass] = {}

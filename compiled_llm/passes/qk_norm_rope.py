@@ -1,15 +1,20 @@
 """QK-norm + RoPE + KV-cache write: per-head RMSNorm of q and k, RoPE with the layer's frequencies, the
 value norm and the kv_cache_write op -> one qk_norm_rope_kv_write op. Three shapes of attention layer:
 q, k and v (the usual), q and v (K=V layers: the cache keeps the value only), and q alone (layers that
-read another layer's cache: norm + RoPE, no write)."""
+read another layer's cache: norm + RoPE, no write). And Qwen3.5's full-attention layers: zero-centred q/k
+norms, then partial M-RoPE from the step's cos/sin table (ops/mrope.py `apply_mrope`, which the model calls),
+then the KV write -> qk_norm_mrope_kv_write. The table is an input (the model builds it once per step from
+[tokens] or [3, tokens] positions), so the fusion holds for text and media positions alike; its layout is
+checked on the match (partial_rotate_half), as is the rotate-half split."""
 
 from __future__ import annotations
 
 import torch
 
+from compiled_llm.ops.mrope import apply_mrope
 from compiled_llm.ops.norm import ref_rms_norm
 from compiled_llm.ops.rope import apply_rope
-from compiled_llm.passes.base import EPS, LAYER, FusionPass, empty, rotate_half
+from compiled_llm.passes.base import EPS, LAYER, OFFSET, FusionPass, empty, partial_rotate_half, rotate_half
 
 
 class QKNormRopeKVWritePass(FusionPass):
@@ -46,6 +51,26 @@ class QKNormRopeKVWritePass(FusionPass):
 
         def replace_q(q, positions, inv_freq, q_weight, eps):
             return op(q, None, None, positions, inv_freq, q_weight, None, eps, False, -1)[0]
+
+        def search_mrope(q, k, v, cos, sin, q_weight, k_weight, eps, weight_offset, layer_idx):
+            n = q.shape[0]
+            q, k = apply_mrope(ref_rms_norm(q, q_weight, eps, weight_offset), ref_rms_norm(k, k_weight, eps, weight_offset),
+                               cos, sin)
+            return torch.ops.compiled_llm.kv_cache_write(k.reshape(n, -1), v, layer_idx), q
+
+        def replace_mrope(q, k, v, cos, sin, q_weight, k_weight, eps, weight_offset, layer_idx):
+            out = torch.ops.compiled_llm.qk_norm_mrope_kv_write(q, k, v, cos, sin, q_weight, k_weight, eps,
+                                                                 weight_offset, layer_idx)
+            return out[1], out[0]
+
+        for dt in self.dtypes:
+            q, k, v = empty(7, 4, 16, dtype=dt), empty(7, 2, 16, dtype=dt), empty(7, 32, dtype=dt)
+            qw, kw = empty(16, dtype=dt), empty(16, dtype=dt)
+            scalars = {"eps": EPS, "weight_offset": OFFSET, "layer_idx": LAYER}
+            for rotary in (8, 16):  # partial rotary (channels past the table pass through), and full
+                cos, sin = empty(7, rotary, dtype=dt), empty(7, rotary, dtype=dt)
+                self.add(search_mrope, replace_mrope, [q, k, v, cos, sin, qw, kw], scalars, check=partial_rotate_half,
+                         tokens=7)
 
         for dt in self.dtypes:
             # distinct tensors: tracing merges an input passed twice

@@ -73,3 +73,18 @@ def test_a_rope_cut_elsewhere_keeps_its_own_result():
 def test_one_token_static_graph_fuses(dtype):
     assert inspect(q_path, lambda: inputs(n=1, dtype=dtype), PASSES, dtype=dtype, dynamic=False)[
         "qk_norm_rope_kv_write"] == 1
+
+
+def inverse_rotation(q, positions, inv_freq, weight):
+    """cat([-x1, x2]) instead of cat([-x2, x1]): the same slices at the same bounds, the other rotation."""
+    x = ref_rms_norm(q, weight, 1e-6)
+    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., :half], x[..., half:]], dim=-1) * sin
+
+
+def test_the_inverse_rotation_is_left_alone():
+    """Its slices cut where RoPE's do (0, half, end), so a check of the bounds alone passed it (and the fused op
+    would have rotated the other way); the check reads which slice is negated."""
+    assert inspect(inverse_rotation, lambda: inputs(), PASSES)["qk_norm_rope_kv_write"] == 0

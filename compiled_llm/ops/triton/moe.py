@@ -1,5 +1,5 @@
-"""Routed experts: Gemma 4's fused router (norm + scale + proj + softmax + top-k + renorm + per-expert scale)
-and a gated-MLP grouped GEMM over tokens sorted by expert: GELU-tanh (GEGLU, Gemma 4) or SiLU (SwiGLU,
+"""Routed experts: the fused routers (Gemma 4's norm + scale + proj + softmax + top-k + renorm + per-expert
+scale; Qwen3.5's proj + softmax + top-k + renorm, the same kernels without the norm and the scales) and a gated-MLP grouped GEMM over tokens sorted by expert: GELU-tanh (GEGLU, Gemma 4) or SiLU (SwiGLU,
 Qwen3.5 MoE), chosen at compile time.
 
 Expert weights are the checkpoint's packed layout: gate_up_proj [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up),
@@ -274,8 +274,10 @@ def _router_logits_kernel(
     T, H, E, eps, root, slice_h,
     stride_xt, stride_we,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     # program (t block, e block, h slice): partial[s, t, e] = sum over the slice of (x * rstd * scale * H^-0.5)[t] * W[e]
+    # (NORM false: of x[t] * W[e], the plain projection)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     s = tl.program_id(2)
@@ -283,19 +285,23 @@ def _router_logits_kernel(
     emask = e < E
     hh = tl.arange(0, BLOCK_H)
     x_row = X + t.to(tl.int64)[:, None] * stride_xt
-    ss = tl.zeros([BLOCK_T], tl.float32)  # the RMS needs the whole row; a decode batch's rows are few and cached
-    for h0 in range(0, H, BLOCK_H):
-        hmask = hh < H - h0
-        xv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-        ss += tl.sum(xv * xv, 1)
-    rstd = tl.rsqrt(ss / H + eps)
+    if NORM:
+        ss = tl.zeros([BLOCK_T], tl.float32)  # the RMS needs the whole row; a decode batch's rows are few and cached
+        for h0 in range(0, H, BLOCK_H):
+            hmask = hh < H - h0
+            xv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xv * xv, 1)
+        rstd = tl.rsqrt(ss / H + eps)
     acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
     lo = s * slice_h
     for h0 in range(lo, lo + slice_h, BLOCK_H):
         hmask = hh < H - h0
-        xv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-        sc = tl.load(Scale + h0 + hh, mask=hmask, other=0.0).to(tl.float32) * root
-        hv = (xv * rstd[:, None] * sc[None, :]).to(X.dtype.element_ty)  # the normed input in the model's dtype
+        if NORM:
+            xv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+            sc = tl.load(Scale + h0 + hh, mask=hmask, other=0.0).to(tl.float32) * root
+            hv = (xv * rstd[:, None] * sc[None, :]).to(X.dtype.element_ty)  # the normed input in the model's dtype
+        else:
+            hv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0)
         wv = tl.load(W + e[None, :] * stride_we + h0 + hh[:, None], mask=hmask[:, None] & emask[None, :], other=0.0)
         acc += tl.dot(hv, wv.to(X.dtype.element_ty), input_precision=PREC)
     out = Partial + (s * T + t.to(tl.int64))[:, None] * E + e[None, :]
@@ -307,6 +313,7 @@ def _router_topk_kernel(
     Partial, ExpertScale, OutW, OutIds,
     T, E, splits,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERT_SCALE: tl.constexpr, LOGITS: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
@@ -316,6 +323,8 @@ def _router_topk_kernel(
     for s in range(0, splits):  # the slices' partial logits, summed in a fixed order
         acc += tl.load(Partial + (s * T + t.to(tl.int64))[:, None] * E + e[None, :],
                        mask=tmask[:, None] & emask[None, :], other=0.0)
+    if LOGITS != tl.float32:  # the logits rounded to the model's dtype, as its projection gives them
+        acc = acc.to(LOGITS).to(tl.float32)
     # softmax over experts (fp32)
     logits = tl.where(emask[None, :], acc, float("-inf"))
     mx = tl.max(logits, 1)
@@ -334,9 +343,10 @@ def _router_topk_kernel(
     kmask = kk < TOP_K
     sel_w = sel_w / tl.sum(sel_w, 1)[:, None]
     omask = tmask[:, None] & kmask[None, :]
-    es = tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
+    if EXPERT_SCALE:
+        sel_w = sel_w * tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
     o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
-    tl.store(OutW + o_off, sel_w * es, mask=omask)
+    tl.store(OutW + o_off, sel_w, mask=omask)
     tl.store(OutIds + o_off, sel_i, mask=omask)
 
 
@@ -356,10 +366,16 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int) -> tuple[int, 
     return block_t, block_e, triton.cdiv(hidden, slice_h), slice_h
 
 
-def fused_router_topk(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.Tensor,
-                      per_expert_scale: torch.Tensor, top_k: int, eps: float):
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: torch.Tensor,
+                      per_expert_scale: torch.Tensor | None, top_k: int, eps: float):
     """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
-    Returns (weights [T, k] fp32, ids [T, k] int32), experts in descending probability."""
+    Returns (weights [T, k] fp32, ids [T, k] int32), experts in descending probability.
+    scale None: Qwen3.5's softmax router (no norm, no scales; the logits rounded to x's dtype first, as
+    its projection gives them)."""
+    norm = scale is not None
     num_tokens, hidden = x.shape
     num_experts = proj_weight.shape[0]
     assert x.stride(1) == 1 and proj_weight.stride(1) == 1 and top_k <= num_experts
@@ -371,15 +387,18 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor, proj_weight: torch.T
     partial = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e), splits)
     _router_logits_kernel[grid](
-        x, scale.contiguous(), proj_weight, partial,
+        x, scale.contiguous() if norm else x, proj_weight, partial,
         num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5), slice_h,
         x.stride(0), proj_weight.stride(0),
-        BLOCK_T=block_t, BLOCK_H=64, BLOCK_E=block_e, PREC=dot_precision(x.dtype), num_warps=4, num_stages=2,
+        BLOCK_T=block_t, BLOCK_H=64, BLOCK_E=block_e, PREC=dot_precision(x.dtype), NORM=norm, num_warps=4,
+        num_stages=2,
     )
+    has_scale = per_expert_scale is not None
     _router_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
-        partial, per_expert_scale.contiguous(), weights, ids, num_tokens, num_experts, splits,
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+        partial, per_expert_scale.contiguous() if has_scale else partial, weights, ids, num_tokens, num_experts,
+        splits, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_K=triton.next_power_of_2(top_k), EXPERT_SCALE=has_scale,
+        LOGITS=tl.float32 if norm else _TL_DTYPE[x.dtype], num_warps=4,
     )
     return weights, ids
 

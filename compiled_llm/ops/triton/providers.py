@@ -99,6 +99,12 @@ def router_topk(x, proj_weight, scale, per_expert_scale, top_k: int, eps: float,
     return weights, ids.long()
 
 
+def softmax_router_topk(x, proj_weight, top_k: int):
+    MONITOR.note("softmax_router_topk", (x.dtype, x.shape[-1], proj_weight.shape[0], top_k))
+    weights, ids = fused_router_topk(x.contiguous(), None, proj_weight.contiguous(), None, top_k, 0.0)
+    return weights, ids.long()
+
+
 def geglu_moe(x, weights, ids, gate_up_proj, down_proj):
     MONITOR.note("geglu_moe", (x.dtype, gate_up_proj.shape, ids.shape[1]))
     return fused_geglu_moe(x.contiguous(), gate_up_proj, down_proj, weights, ids)
@@ -185,13 +191,13 @@ def _swiglu_compile(key, device) -> None:
     dtype, hidden, experts, inter, top_k, max_tokens = key
     gate_up, down = _moe_weights(experts, inter, hidden, dtype, device)
     for tokens in launch_variants(experts, top_k, hidden, inter, max_tokens):
-        ids = torch.arange(tokens * top_k, device=device).remainder(experts).view(tokens, top_k)
-        swiglu_moe(torch.zeros(tokens, hidden, dtype=dtype, device=device),
-                   torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype, device=device), ids, gate_up, down)
+        x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
+        w, ids = softmax_router_topk(x, torch.zeros(experts, hidden, dtype=dtype, device=device), top_k)
+        swiglu_moe(x, w.to(dtype), ids, gate_up, down)
 
 
 register_kernel(JitKernel("paged_attention", "attention", "triton", _attention_keys, _attention_compile))
 register_kernel(JitKernel("geglu_moe", "geglu_moe", "triton", _moe_keys("geglu_moe"), _moe_compile))
 register_kernel(JitKernel("swiglu_moe", "swiglu_moe", "triton", _moe_keys("swiglu_moe"), _swiglu_compile))
 
-__all__ = ["attention", "router_topk", "geglu_moe", "swiglu_moe", "scratch_context", "triton"]
+__all__ = ["attention", "router_topk", "softmax_router_topk", "geglu_moe", "swiglu_moe", "scratch_context", "triton"]

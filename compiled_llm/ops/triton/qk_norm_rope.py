@@ -5,6 +5,11 @@ rounded to the input dtype like the reference), rotate-half RoPE on the two halv
 (angles reduced before cos/sin so large positions stay accurate), and for KV heads the store of k and
 v into the paged cache at the token's slot. Rows past the slot mapping and slots < 0 (CUDA-graph
 padding) write nothing.
+
+qk_norm_mrope_kv_write (Qwen3.5): one program per (token, head) too, the whole head in one block: RMSNorm
+scaled by weight_offset + w (rounded to the input dtype like the reference), then the first ROT channels
+rotated rotate-half with the step's cos/sin table (read, not recomputed: M-RoPE's angles come from the
+model), the other channels passed through; k and v stored for KV heads.
 """
 
 from __future__ import annotations
@@ -79,6 +84,80 @@ def _qk_norm_rope_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
                 v1, v2 = _norm(v1, v2, v1, v2, eps, 2 * HALF, False)
             tl.store(VC + c, v1.to(VC.dtype.element_ty), mask=dm)
             tl.store(VC + c + HALF, v2.to(VC.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _norm_rotate(src, w_ptr, d, dm, partner, rot, sign, cos, sin, eps, offset, D: tl.constexpr):
+    """One head: RMSNorm scaled by offset + w, rounded to the input dtype, then rotate-half on the rotated
+    channels (partner/sign: each channel's rotate-half partner and the sign it enters with)."""
+    x = tl.load(src + d, mask=dm, other=0.0)
+    xf = x.to(tl.float32)
+    xp = tl.load(src + partner, mask=dm, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32) + offset
+    wp = tl.load(w_ptr + partner, mask=dm, other=0.0).to(tl.float32) + offset
+    xn = (xf * rstd * w).to(x.dtype).to(tl.float32)  # the norm's output in the model's dtype, as the reference
+    pn = (xp * rstd * wp).to(x.dtype).to(tl.float32)
+    return tl.where(rot, xn * cos + sign * pn * sin, xn)
+
+
+@triton.jit(do_not_specialize=["n_slots", "H"])  # one build for every batch and head count (warm-up's is tiny)
+def _qk_norm_mrope_kernel(Q, K, V, Cos, Sin, QW, KW, Slots, QOut, KC, VC,
+                          n_slots, eps, offset, H,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_ct, stride_st, stride_ot, stride_oh, stride_cs, stride_ch,
+                          D: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr, HAS_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    dm = d < D
+    half: tl.constexpr = ROT // 2
+    rot = d < ROT
+    partner = tl.where(d < half, d + half, tl.where(rot, d - half, d))
+    sign = tl.where(d < half, -1.0, 1.0)
+    cos = tl.load(Cos + t * stride_ct + d, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(Sin + t * stride_st + d, mask=rot, other=0.0).to(tl.float32)
+    if h < H:
+        y = _norm_rotate(Q + t * stride_qt + h * stride_qh, QW, d, dm, partner, rot, sign, cos, sin, eps, offset, D)
+        tl.store(QOut + t * stride_ot + h * stride_oh + d, y.to(QOut.dtype.element_ty), mask=dm)
+    else:
+        kvh = h - H
+        slot = tl.load(Slots + t, mask=t < n_slots, other=-1)
+        if slot >= 0:
+            c = slot * stride_cs + kvh * stride_ch + d
+            if HAS_K:
+                y = _norm_rotate(K + t * stride_kt + kvh * stride_kh, KW, d, dm, partner, rot, sign, cos, sin, eps,
+                                 offset, D)
+                tl.store(KC + c, y.to(KC.dtype.element_ty), mask=dm)
+            vv = tl.load(V + t * stride_vt + kvh * stride_vh + d, mask=dm, other=0.0)
+            tl.store(VC + c, vv.to(VC.dtype.element_ty), mask=dm)
+
+
+def qk_norm_mrope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, weight_offset: float,
+                           layer_idx: int) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    rot = cos.shape[-1]
+    assert rot % 2 == 0 and rot <= head_dim and q.stride(-1) == 1 and k.stride(-1) == 1
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _, spec, cache, group = layer_cache(layer_idx)
+    kc, vc = _planes(cache, spec)
+    slots = group.slot_mapping
+    kv_heads = k.shape[1]
+    v = v.reshape(v.shape[0], kv_heads, head_dim)
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    has_k = not spec.k_eq_v
+    MONITOR.note("qk_norm_mrope_kv_write", (q.dtype, head_dim, rot, has_k))
+    if n:
+        _qk_norm_mrope_kernel[(n, num_heads + kv_heads)](
+            q, k, v, cos, sin, q_weight, k_weight, slots, q_out, kc, vc,
+            slots.shape[0], float(eps), float(weight_offset), num_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1),
+            D=head_dim, ROT=rot, BLOCK=triton.next_power_of_2(head_dim), HAS_K=has_k,
+            num_warps=1 if head_dim <= 256 else 4)
+    return q_out
 
 
 def _planes(cache: torch.Tensor, spec):
@@ -189,6 +268,29 @@ def _qk_launch(key, device, layer):
 
 
 register_kernel(JitKernel("qk_norm_rope_kv_write", "qk_norm_rope_kv_write", "triton", _qk_keys, _qk_compile))
+
+
+def _mrope_keys(facts: dict) -> list:
+    rot = facts.get("rotary_dim")
+    if not rot:  # models without M-RoPE tables
+        return []
+    return sorted({(facts["dtype"], s.head_dim, rot, not s.k_eq_v) for s in facts.get("layers", {}).values()
+                   if s.writes_cache}, key=repr)
+
+
+def _mrope_compile(key, device) -> None:
+    from compiled_llm.ops.triton.providers import scratch_context
+
+    dtype, head_dim, rot, has_k = key
+    with scratch_context(head_dim, dtype, device, k_eq_v=not has_k):
+        q = torch.zeros(2, 2, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(2, 1, head_dim, dtype=dtype, device=device)
+        table = torch.zeros(2, rot, dtype=dtype, device=device)
+        w = torch.zeros(head_dim, dtype=dtype, device=device)
+        qk_norm_mrope_kv_write(q, kv, kv, table, table, w, w, 1e-6, 1.0, 0)
+
+
+register_kernel(JitKernel("qk_norm_mrope_kv_write", "qk_norm_mrope_kv_write", "triton", _mrope_keys, _mrope_compile))
 
 
 def _kv_keys(facts: dict) -> list:
