@@ -119,13 +119,13 @@ def test_default_is_on_for_one_cuda_process_and_silently_off_elsewhere(caplog):
     from types import SimpleNamespace
 
     from compiled_llm.config import EngineConfig
-    from compiled_llm.runtime.engine import LLMEngine
+    from compiled_llm.runtime.async_scheduling import async_scheduling_possible
 
     assert EngineConfig().async_scheduling is None
 
     def decide(asked, device="cuda", ranks=1, sparse=None):  # the config as resolve_device leaves it
-        fake = SimpleNamespace(executor=SimpleNamespace(supports_async_scheduling=ranks == 1, sparse=sparse))
-        return LLMEngine._async_scheduling_possible(fake, SimpleNamespace(device=device, async_scheduling=asked))
+        executor = SimpleNamespace(supports_async_scheduling=ranks == 1, sparse=sparse)
+        return async_scheduling_possible(SimpleNamespace(device=device, async_scheduling=asked), executor)
 
     caplog.clear()
     assert decide(None) and decide(True) and not decide(False)

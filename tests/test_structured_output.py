@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.runtime import structured_output as so
-from compiled_llm.runtime.engine import needs_host_history
+from compiled_llm.runtime.async_scheduling import needs_host_history
 from compiled_llm.runtime.errors import StructuredOutputError
 
 xgr = pytest.importorskip("xgrammar")

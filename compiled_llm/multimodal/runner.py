@@ -15,6 +15,21 @@ import torch
 from compiled_llm.ops.attention import BIDIR_SPANS_KEY as BIDIR_KEY
 
 
+def mrope_batch_positions(batch, flat: torch.Tensor) -> torch.Tensor:
+    """[3, tokens] positions of a step where some sequence has M-RoPE prompt positions (a prompt with media):
+    its tokens take them (index + delta past the prompt); other sequences' positions repeat on all three."""
+    out, offset = [], 0
+    for item in batch:
+        seq, n = item.seq, item.num_tokens
+        mm = seq.mm
+        if mm is not None and mm.mrope is not None:
+            out.append(mm.positions(seq.num_computed_tokens, seq.num_computed_tokens + n))
+        else:
+            out.append(flat[offset:offset + n].expand(3, -1))
+        offset += n
+    return torch.cat(out, dim=1)
+
+
 def has_media(batch) -> bool:
     return any(getattr(item.seq, "mm", None) is not None and item.seq.num_computed_tokens < item.seq.num_prompt_tokens
                for item in batch)

@@ -10,42 +10,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.outputs import RequestOutput
+from compiled_llm.runtime.async_scheduling import PLACEHOLDER, InFlight, async_scheduling_possible, needs_host_history
 from compiled_llm.runtime.context_len import check_max_model_len
 from compiled_llm.runtime.errors import EngineDeadError
 from compiled_llm.runtime.executor import Executor, make_executor
 from compiled_llm.runtime.input_processor import InputProcessor, load_tokenizer
 from compiled_llm.runtime.kv_plan import build_kv_cache
 from compiled_llm.runtime.output_processor import OutputProcessor, generation_eos_ids
-from compiled_llm.runtime.sampler import PendingTokens, SampledBatch, Sampler
+from compiled_llm.runtime.sampler import PendingTokens, Sampler
 from compiled_llm.runtime.scheduler import ScheduledSeq, Scheduler
 from compiled_llm.runtime.structured_output import GrammarBackend
 from compiled_llm.runtime.sequence import Request, Sequence
 from compiled_llm.sampling_params import SamplingParams
 
 log = logging.getLogger("compiled_llm")
-PLACEHOLDER = -1  # a token sampled on the device and not yet read (async scheduling)
-
-
-def needs_host_history(params: SamplingParams) -> bool:
-    """Penalties read every earlier output token on the host when sampling, and a grammar (structured output)
-    must have accepted the last token before it can mask the next; under async scheduling the last one is still
-    on its way there, so such a request runs the engine synchronously while it lasts."""
-    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0 or params.structured_output is not None)
-
-
-@dataclass
-class InFlight:
-    """A step launched under async scheduling whose sampled tokens have not been read yet."""
-
-    done: list[Sequence]  # the sequences that sample a token, in the sampled rows' order
-    sampled: SampledBatch
-    pending: PendingTokens  # for the next step's inputs: the rows of sequences that continue
 
 
 class LLMEngine:
@@ -81,29 +63,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         # async scheduling: the next step is prepared and launched while the last one runs on the device
-        self.async_scheduling = self._async_scheduling_possible(config)
+        self.async_scheduling = async_scheduling_possible(config, self.executor)
         self._inflight: InFlight | None = None
         self._sync_requests: set[str] = set()  # requests whose sampling reads host-side history (penalties, grammars)
         self.async_steps = 0
         self.sync_steps = 0
-
-    def _async_scheduling_possible(self, config: EngineConfig) -> bool:
-        """Asked for (True): on, or a warning saying why not. Default (None): on where it can overlap the host
-        with the device (one CUDA process, no sparse KV method), silently off elsewhere."""
-        if config.async_scheduling is False:
-            return False
-        why = None
-        if not self.executor.supports_async_scheduling:
-            why = "several ranks (tensor/pipeline parallel) step synchronously"
-        elif self.executor.sparse is not None:
-            why = "sparse KV methods step synchronously"
-        elif config.async_scheduling is None and not str(config.device).startswith("cuda"):
-            return False  # the CPU runs each step as it is launched: nothing to overlap
-        if why:
-            if config.async_scheduling:
-                log.warning("async scheduling is off: %s", why)
-            return False
-        return True
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,

@@ -11,7 +11,8 @@ import time
 import torch
 
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
-from compiled_llm.runtime.block_manager import BlockManager, group_sinks, group_window
+from compiled_llm.runtime.block_manager import BlockManager
+from compiled_llm.runtime.block_pool import group_sinks, group_window
 from compiled_llm.runtime.memory import GPU_MARGIN_BYTES, gib, kv_cache_budget, one_sequence_bytes, sequence_blocks
 
 log = logging.getLogger("compiled_llm")

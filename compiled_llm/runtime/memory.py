@@ -11,7 +11,7 @@ measures the inputs on the GPU.
 
 from __future__ import annotations
 
-from compiled_llm.runtime.block_manager import Group, group_sinks, group_window
+from compiled_llm.runtime.block_pool import Group, group_sinks, group_window
 
 GIB = 1 << 30
 # CUDA-graph memory pools (captured after the KV cache exists), the sampler's float32 work on the logits

@@ -15,7 +15,7 @@ from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.interfaces import recurrent_state_specs
 from compiled_llm.models.loader import init_dummy_weights, load_weights, resolve_dtype
 from compiled_llm.models.registry import resolve_model_class
-from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, prepare_media
+from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, mrope_batch_positions, prepare_media
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
@@ -33,21 +33,6 @@ def read_hf_config(folder: Path) -> dict:
     if not path.exists():
         raise ValueError(f"no config.json in {folder} (is it a Hugging Face checkpoint folder?)")
     return json.loads(path.read_text())
-
-
-def mrope_batch_positions(batch: list[ScheduledSeq], flat: torch.Tensor) -> torch.Tensor:
-    """[3, tokens] positions of a step where some sequence has M-RoPE prompt positions (a prompt with media):
-    its tokens take them (index + delta past the prompt); other sequences' positions repeat on all three."""
-    out, offset = [], 0
-    for item in batch:
-        seq, n = item.seq, item.num_tokens
-        mm = seq.mm
-        if mm is not None and mm.mrope is not None:
-            out.append(mm.positions(seq.num_computed_tokens, seq.num_computed_tokens + n))
-        else:
-            out.append(flat[offset:offset + n].expand(3, -1))
-        offset += n
-    return torch.cat(out, dim=1)
 
 
 def quiet_cpp_extension_import() -> None:

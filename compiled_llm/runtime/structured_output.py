@@ -14,7 +14,7 @@ every other request, and a constrained one is a StructuredOutputError (a ValueEr
   wherever the kernel is missing). No Python loop runs over the vocabulary.
 
 The matcher needs the previous token on the host before it can fill the next mask, so a request with a
-grammar makes the engine step synchronously while it runs (engine.needs_host_history), as penalties do.
+grammar makes the engine step synchronously while it runs (async_scheduling.needs_host_history), as penalties do.
 """
 
 from __future__ import annotations
