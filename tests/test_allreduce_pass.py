@@ -34,7 +34,7 @@ def worker(rank: int, store: str) -> None:
     from torch._inductor.compile_fx import compile_fx
 
     from compiled_llm.distributed.parallel_state import destroy_parallel, init_parallel
-    from compiled_llm.models.gemma4 import RMSNorm
+    from compiled_llm.models.layers import RMSNorm
     from compiled_llm.models.parallel_layers import RowParallelLinear
     from compiled_llm.passes.manager import PassManager
 

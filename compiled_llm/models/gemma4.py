@@ -21,35 +21,14 @@ from torch import nn
 from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.gemma4_config import Gemma4TextConfig, LayerShape
 from compiled_llm.models.interfaces import SupportsEP, SupportsPP, SupportsTP
-from compiled_llm.models.parallel_layers import (ExpertWeights, MergedColumnParallelLinear, ParallelLMHead,
-                                                 PPMissingLayer, RowParallelLinear, VocabParallelEmbedding,
-                                                 head_parallel_segments, local_num_heads, make_layers)
+from compiled_llm.models.layers import GatedExperts, GatedMLP, RMSNorm
+from compiled_llm.models.parallel_layers import (ParallelLMHead, PPMissingLayer, RowParallelLinear,
+                                                 VocabParallelEmbedding, head_parallel_segments, local_num_heads,
+                                                 make_layers)
 from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.attention import AttentionSpec, attention
-from compiled_llm.ops.moe import dense_gated_moe, ref_geglu_moe, ref_router_topk
-from compiled_llm.ops.norm import ref_rms_norm
+from compiled_llm.ops.moe import ref_geglu_moe, ref_router_topk
 from compiled_llm.ops.rope import apply_rope, rope_inv_freq
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, with_scale: bool = True):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ref_rms_norm(x, self.weight, self.eps)  # the function the norm fusions search for
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])  # [gate; up]
-        self.down_proj = RowParallelLinear(intermediate, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.local_sizes, dim=-1)
-        return self.down_proj(gelu_tanh(gate) * up)
 
 
 class Attention(nn.Module):
@@ -121,30 +100,13 @@ class Router(nn.Module):
                                self.root_size)
 
 
-class Experts(ExpertWeights):
-    """Routed experts with packed [gate, up] weights: gate_up_proj [E, 2I, H], down_proj [E, H, I].
-    ExpertWeights holds this rank's part (tensor parallel: a slice of every expert; expert parallel:
-    whole experts) and loads it; ids stay global, `local_expert(e)` says where expert e lives here."""
+class Experts(GatedExperts):
+    """Routed GEGLU experts (models/layers/experts.py): eager through the reference `ref_geglu_moe` over the
+    picked experts, compiled as the dense sum the GEGLU MoE pass replaces with the routed geglu_moe op."""
 
     def __init__(self, cfg: Gemma4TextConfig):
-        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k_experts)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.use_all_to_all(x.shape[0]) and not torch.compiler.is_compiling():
-            return self.dispatch_all_to_all(x, weights, ids, self.routed)
-        return self.combine(self.routed(x, weights, ids))
-
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the weighted expert outputs (summed over ranks by `combine`)."""
-        if torch.compiler.is_compiling():
-            return self.dense(x, weights, ids)
-        return ref_geglu_moe(x, weights, ids - self.first_expert, self.gate_up_proj, self.down_proj)  # picked experts
-
-    def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The same sum with static shapes, which torch.compile can trace (every expert on every token);
-        the GEGLU MoE pass replaces it with the routed geglu_moe op."""
-        return dense_gated_moe(x, weights, ids, self.gate_up_proj, self.down_proj, gelu_tanh, self.num_experts,
-                               self.first_expert).to(x.dtype)
+        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k_experts,
+                         gelu_tanh, ref_geglu_moe)
 
 
 class DecoderLayer(nn.Module):
@@ -152,7 +114,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Attention(cfg, idx)
-        self.mlp = MLP(h, cfg.layers[idx].intermediate_size)
+        self.mlp = GatedMLP(h, cfg.layers[idx].intermediate_size, gelu_tanh)  # GEGLU over gate_up_proj
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)

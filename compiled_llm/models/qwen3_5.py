@@ -25,35 +25,21 @@ from torch import nn
 
 from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.interfaces import HasRecurrentState, SupportsEP, SupportsTP, UsesMRoPE
-from compiled_llm.models.parallel_layers import (ColumnParallelLinear, ExpertWeights, HeadParallelLinear,
-                                                 MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                                 VocabParallelEmbedding, divide, local_num_heads,
-                                                 segment_parameter)
+from compiled_llm.models.layers import GatedExperts, GatedMLP, RMSNorm
+from compiled_llm.models.parallel_layers import (ColumnParallelLinear, HeadParallelLinear, MergedColumnParallelLinear,
+                                                 ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, divide,
+                                                 local_num_heads, segment_parameter)
 from compiled_llm.models.qwen3_5_config import FULL, LINEAR, Qwen3_5TextConfig
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.conv1d import causal_conv1d
 from compiled_llm.ops.delta_rule import gated_delta_rule
-from compiled_llm.ops.moe import dense_gated_moe, ref_softmax_router_topk
+from compiled_llm.ops.moe import ref_softmax_router_topk
 from compiled_llm.ops.mrope import apply_mrope, mrope_cos_sin, mrope_owner, rotary_inv_freq
-from compiled_llm.ops.norm import ref_rms_norm
 from compiled_llm.ops.state import StateSpec
 from compiled_llm.ops.swiglu_moe import swiglu_moe
 
 
-ZERO_CENTRED = 1.0  # the norms' weight offset: they scale by 1 + weight
-
-
-class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: x / rms(x) * (1 + weight), computed in float32 (ops/norm.py `ref_rms_norm` with
-    weight offset 1.0, the function the norm fusions search for; its pow(-0.5) is rsqrt, bit for bit)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ref_rms_norm(x, self.weight, self.eps, ZERO_CENTRED)
+ZERO_CENTRED = 1.0  # the norms' weight offset (models/layers/norm.py): they scale by 1 + weight
 
 
 class GatedRMSNorm(nn.Module):
@@ -70,48 +56,14 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * h * F.silu(gate.float())).to(x.dtype)
 
 
-class MLP(nn.Module):
-    """SwiGLU MLP, split column/row. reduce=False leaves the rank's partial sum to the caller (the shared
-    expert: its partial joins the routed experts' in one all-reduce)."""
-
-    def __init__(self, hidden: int, intermediate: int, reduce: bool = True):
-        super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, intermediate)
-        self.up_proj = ColumnParallelLinear(hidden, intermediate)
-        self.down_proj = RowParallelLinear(intermediate, hidden, reduce=reduce)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Experts(ExpertWeights):
-    """Routed experts, packed: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]. ExpertWeights
-    holds this rank's part (tensor parallel: a slice of every expert; expert parallel: whole experts) and
-    loads it from packed or per-expert checkpoint tensors; ids stay global."""
+class Experts(GatedExperts):
+    """Routed SwiGLU experts (models/layers/experts.py), loaded from packed or per-expert checkpoint tensors:
+    eager through the swiglu_moe op over the picked experts, compiled as the dense sum (`dense_gated_moe`
+    with a SiLU gate) that the SwiGLU MoE pass turns into the same routed op."""
 
     def __init__(self, cfg: Qwen3_5TextConfig):
-        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output plus `shared` (this rank's partial sum of the shared expert), complete
-        on every rank: one all-reduce sums both, unless all-to-all dispatch already completed the routed part."""
-        if self.use_all_to_all(x.shape[0]) and not torch.compiler.is_compiling():
-            return self.dispatch_all_to_all(x, weights, ids, self.routed) + self.combine(shared)
-        return self.combine(self.routed(x, weights, ids) + shared)
-
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the weighted expert outputs; the op skips ids of other ranks' experts.
-        Compiled: the dense sum, which the SwiGLU MoE pass turns into the same routed op."""
-        if torch.compiler.is_compiling():
-            return self.dense(x, weights, ids)
-        local = ids - self.first_expert if self.first_expert else ids
-        return swiglu_moe(x, weights, local, self.gate_up_proj, self.down_proj)
-
-    def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed sum with static shapes, which torch.compile can trace (every expert on every token; ops/moe.py
-        `dense_gated_moe` with a SiLU gate, what the SwiGLU MoE pass searches for)."""
-        return dense_gated_moe(x, weights, ids, self.gate_up_proj, self.down_proj, F.silu, self.num_experts,
-                               self.first_expert).to(x.dtype)
+        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                         F.silu, swiglu_moe)
 
 
 class SparseMoE(nn.Module):
@@ -122,7 +74,8 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, reduce=False)
+        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, F.silu, merged=False,
+                                      reduce=False)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # replicated, like the router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,8 +100,8 @@ class Attention(nn.Module):
         self.k_proj = HeadParallelLinear(h, kv_heads, d, bias=bias)
         self.v_proj = HeadParallelLinear(h, kv_heads, d, bias=bias)
         self.o_proj = RowParallelLinear(heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, eps)
-        self.k_norm = RMSNorm(d, eps)
+        self.q_norm = RMSNorm(d, eps, ZERO_CENTRED)
+        self.k_norm = RMSNorm(d, eps, ZERO_CENTRED)
         self.spec = AttentionSpec(layer_idx=idx, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                   head_dim=d, sliding_window=None, cache_layer=idx, scale=d ** -0.5)
 
@@ -234,9 +187,9 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, idx)
         else:
             self.self_attn = Attention(cfg, idx)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe else MLP(h, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(h, eps)
-        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe else GatedMLP(h, cfg.intermediate_size, F.silu, merged=False)
+        self.input_layernorm = RMSNorm(h, eps, ZERO_CENTRED)
+        self.post_attention_layernorm = RMSNorm(h, eps, ZERO_CENTRED)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -250,7 +203,7 @@ class Qwen3_5Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ZERO_CENTRED)
         inv_freq = rotary_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.register_buffer("mrope_owner", mrope_owner(len(inv_freq), cfg.mrope_section, cfg.mrope_interleaved),
