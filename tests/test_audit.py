@@ -54,8 +54,8 @@ def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
 
 @pytest.mark.skipif(not ALL_CONFIGS, reason="run by make test under torch 2.11 (or set COMPILED_LLM_AUDIT_ALL=1)")
 @pytest.mark.parametrize("name, declared, shape", [
-    ("gemma-4-31b", GEMMA_DENSE, (8192, 21504)),  # the MLP's gate/up (intermediate 21504)
-    ("gemma-4-e4b", GEMMA_DENSE, (8192, 10752)),  # the per-layer-embedding projection (42 layers x 256)
+    ("gemma-4-31b", GEMMA_DENSE, (8192, 43008)),  # the MLP's merged [gate; up] (2 x intermediate 21504)
+    ("gemma-4-e4b", GEMMA_DENSE, (8192, 20480)),  # the MLP's merged [gate; up] (2 x intermediate 10240)
     # every layer: both add + norms, the softmax router and the SwiGLU MoE; layers 3, 7, ..., 39 (full attention)
     # QK-norm + M-RoPE + KV write too. The largest tensor: a linear-attention layer's in_proj_qkv (2 x 16 x 128
     # + 32 x 128), not a [256 experts, tokens, hidden] dense expert sum
