@@ -66,6 +66,7 @@ def test_a_dense_swiglu_fallback_is_an_error_too():
                   num_experts=256) == []
 
 
+@pytest.mark.slow  # 21 s: starts a compiled engine; the refusal rule itself is the fast test above
 def test_a_compiled_moe_engine_without_the_routed_op_refuses_to_start(tiny_ckpt):
     folder, _ = tiny_ckpt("moe16")
     with pytest.raises(FusionCheckError, match=r"layer 0: geglu_moe matched 0 of 1 in the dynamic compile"):
