@@ -72,7 +72,7 @@ def main() -> int:
     for T in (int(t) for t in a.tokens.split(",")):
         x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
         w, ids = new.fused_router_topk(x, scale, w_router, pes, k, 1e-6)
-        row = {"tokens": T, "router_splits": new.router_launch(T, H, E)[2]}
+        row = {"tokens": T, "router_splits": new.router_launch(T, H, E).splits}
         row["router_us"] = graph_time_us(lambda: new.fused_router_topk(x, scale, w_router, pes, k, 1e-6))
         bm = new.moe_launch_policy(T, k, E, H, I).block_m
         row["align_us"] = graph_time_us(lambda: new.moe_align(ids, E, bm))

@@ -4,12 +4,16 @@ Qwen3.5 MoE), chosen at compile time.
 
 Expert weights are the checkpoint's packed layout: gate_up_proj [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up),
 down_proj [E, H, I]. y_t = sum_k w_tk * down_e(gelu_tanh(gate_e(x_t)) * up_e(x_t)).
+The router is one launch at decode sizes (_router_fused_kernel: split-H partial logits, the last program
+of a token block, found by a self-resetting ticket counter, reduces them in a fixed order and picks the
+experts) and two launches past ROUTER_FUSED_MAX_TOKENS tokens (logits, then top-k).
 Everything here avoids host syncs, so it can be captured in a CUDA graph. Token-count arguments are
 do_not_specialize, so the only builds are one per launch-policy tier.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -268,13 +272,24 @@ def fused_swiglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, poli
 # router
 
 
+@triton.jit
+def _router_dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
+    # F32: the Triton interpreter (tests on the CPU) multiplies bfloat16 operands wrongly; float32 copies give
+    # what the GPU's half-precision dot gives (exact products, float32 sums)
+    if F32:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PREC)
+    return r
+
+
 @triton.jit(do_not_specialize=["T", "slice_h"])
 def _router_logits_kernel(
     X, Scale, W, Partial,
     T, H, E, eps, root, slice_h,
     stride_xt, stride_we,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, F32: tl.constexpr,
 ):
     # program (t block, e block, h slice): partial[s, t, e] = sum over the slice of (x * rstd * scale * H^-0.5)[t] * W[e]
     # (NORM false: of x[t] * W[e], the plain projection)
@@ -303,7 +318,7 @@ def _router_logits_kernel(
         else:
             hv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0)
         wv = tl.load(W + e[None, :] * stride_we + h0 + hh[:, None], mask=hmask[:, None] & emask[None, :], other=0.0)
-        acc += tl.dot(hv, wv.to(X.dtype.element_ty), input_precision=PREC)
+        acc += _router_dot(hv, wv.to(X.dtype.element_ty), PREC, F32)
     out = Partial + (s * T + t.to(tl.int64))[:, None] * E + e[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
@@ -350,31 +365,186 @@ def _router_topk_kernel(
     tl.store(OutIds + o_off, sel_i, mask=omask)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _router_fused_kernel(
+    X, Scale, W, ExpertScale, Partial, SumSq, Tickets, OutW, OutIds,
+    T, H, E, eps, root,
+    stride_xt, stride_we,
+    SLICE_H: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_EF: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, EXPERT_SCALE: tl.constexpr, LOGITS: tl.constexpr, HALF: tl.constexpr,
+    PREC: tl.constexpr, F32: tl.constexpr,
+):
+    # One launch for the whole router at decode sizes. Program (t block, e block, h slice) writes
+    #   partial[s, t, e] = sum over its slice of (x * scale * H^-0.5)[t, h] * W[e, h]   (NORM false: x[t, h] * W[e, h])
+    #   sumsq[s, t]      = sum over its slice of x[t, h]^2                               (e block 0 only)
+    # (no program reads the whole row: the RMS factor is constant over h, so it is applied to the summed logit),
+    # then takes a ticket from its t block's counter. The last program of the t block (ticket = e blocks x
+    # slices - 1) sums the partials in slice order (a fixed order: deterministic), applies rstd and does
+    # softmax + top-k + renormalise + per-expert scale, and resets the counter to zero, so the counter is
+    # clean for the next launch (capturable in a CUDA graph: no memset). HALF: the normed row is split into
+    # a half-precision head and tail, two dots with the (exact) half-precision weight: float32-grade products.
+    pid_t = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    s = tl.program_id(2)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    tmask = t < T
+    emask = e < E
+    hh = tl.arange(0, BLOCK_H)
+    x_row = X + t.to(tl.int64)[:, None] * stride_xt
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    ss = tl.zeros([BLOCK_T], tl.float32)
+    lo = s * SLICE_H
+    for h0 in range(lo, lo + SLICE_H, BLOCK_H):
+        hs = h0 + hh
+        hmask = hs < H
+        xv = tl.load(x_row + hs[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0)
+        wv = tl.load(W + e[None, :] * stride_we + hs[:, None], mask=hmask[:, None] & emask[None, :], other=0.0)
+        if NORM:
+            xf = xv.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            sc = tl.load(Scale + hs, mask=hmask, other=0.0).to(tl.float32) * root
+            hv = xf * sc[None, :]
+            if HALF:
+                head = hv.to(X.dtype.element_ty)
+                tail = (hv - head.to(tl.float32)).to(X.dtype.element_ty)
+                acc += _router_dot(head, wv, PREC, F32)
+                acc += _router_dot(tail, wv, PREC, F32)
+            else:
+                acc += _router_dot(hv, wv.to(tl.float32), PREC, F32)
+        else:
+            acc += _router_dot(xv, wv.to(X.dtype.element_ty), PREC, F32)
+    tl.store(Partial + (s * T + t.to(tl.int64))[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+    if NORM:
+        tl.store(SumSq + s * T + t, ss, mask=tmask & (pid_e == 0))
+    tl.debug_barrier()  # every thread's stores precede the (one-thread) release below
+    ticket = tl.atomic_add(Tickets + pid_t, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(1) * SPLITS - 1:
+        tl.atomic_xchg(Tickets + pid_t, 0, sem="relaxed", scope="gpu")
+        ef = tl.arange(0, BLOCK_EF)
+        efmask = ef < E
+        m2 = tmask[:, None] & efmask[None, :]
+        logits = tl.zeros([BLOCK_T, BLOCK_EF], tl.float32)
+        for i in tl.static_range(SPLITS):  # slice order: a fixed summation order
+            logits += tl.load(Partial + (i * T + t.to(tl.int64))[:, None] * E + ef[None, :], mask=m2, other=0.0,
+                              cache_modifier=".cg")
+        if NORM:
+            sq = tl.zeros([BLOCK_T], tl.float32)
+            for i in tl.static_range(SPLITS):
+                sq += tl.load(SumSq + i * T + t, mask=tmask, other=0.0, cache_modifier=".cg")
+            logits = logits * tl.rsqrt(sq / H + eps)[:, None]
+        if LOGITS != tl.float32:  # the logits rounded to the model's dtype, as its projection gives them
+            logits = logits.to(LOGITS).to(tl.float32)
+        logits = tl.where(efmask[None, :], logits, float("-inf"))
+        mx = tl.max(logits, 1)
+        p = tl.exp(logits - mx[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        # top-k: one max-reduction per pick over a packed key (probability bits above, BLOCK_EF - 1 - expert
+        # below: p >= 0, so its bits order as integers; the lowest index wins ties, as in _router_topk_kernel)
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) + (BLOCK_EF - 1 - ef).to(tl.int64)[None, :]
+        key = tl.where(efmask[None, :], key, -1)
+        kk = tl.arange(0, BLOCK_K)
+        sel_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        sel_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+        for i in tl.static_range(TOP_K):
+            best = tl.max(key, 1)
+            hi = best >> 32
+            idx = (BLOCK_EF - 1) - (best - (hi << 32)).to(tl.int32)
+            sel_w = tl.where(kk[None, :] == i, hi.to(tl.int32).to(tl.float32, bitcast=True)[:, None], sel_w)
+            sel_i = tl.where(kk[None, :] == i, idx[:, None], sel_i)
+            key = tl.where(key == best[:, None], -1, key)
+        kmask = kk < TOP_K
+        sel_w = tl.where(kmask[None, :], sel_w, 0.0)
+        sel_w = sel_w / tl.sum(sel_w, 1)[:, None]
+        omask = tmask[:, None] & kmask[None, :]
+        if EXPERT_SCALE:
+            sel_w = sel_w * tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
+        o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
+        tl.store(OutW + o_off, sel_w, mask=omask)
+        tl.store(OutIds + o_off, sel_i, mask=omask)
+
+
 ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
+ROUTER_FUSED_MAX_TOKENS = 64  # up to here the router is one launch (_router_fused_kernel); past it, two kernels
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def router_launch(num_tokens: int, hidden: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(block_t, block_e, splits, slice_h). A decode batch (a few rows) has too little work for one program
-    per row block: the logits are split over expert blocks and hidden slices, so the [E, H] weight is read by
-    many programs at once; the slices' partial sums are added in the top-k kernel."""
-    block_h = 64
+@dataclass(frozen=True)
+class RouterLaunch:
+    """fused: one _router_fused_kernel launch (decode sizes); else _router_logits_kernel + _router_topk_kernel.
+    The grid is (cdiv(T, block_t), cdiv(E, block_e), splits); each program reads a block_e x slice_h tile of
+    the weight, block_h columns at a time. Every field is a compile-time constant of the kernels (or picks
+    the kernel), so launch_variants keys on the whole tuple."""
+    fused: bool
+    block_t: int
+    block_e: int
+    block_h: int
+    splits: int
+    slice_h: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def build_key(self) -> tuple:
+        """What decides the kernel build: the two-kernel path takes splits and slice_h as runtime arguments."""
+        if self.fused:
+            return (self.fused, self.block_t, self.block_e, self.block_h, self.splits, self.slice_h, self.num_warps,
+                    self.num_stages)
+        return (self.fused, self.block_t, self.block_e, self.block_h, self.num_warps, self.num_stages)
+
+
+def _slices(hidden: int, target: int, block_h: int) -> tuple[int, int]:
+    slice_h = triton.cdiv(triton.cdiv(hidden, max(1, target)), block_h) * block_h
+    return triton.cdiv(hidden, slice_h), slice_h
+
+
+def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: int | None = None,
+                  splits: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, fused: bool | None = None) -> RouterLaunch:
+    """The router's launch. Keywords override the policy (benchmarks/moe_kernels.py sweeps them).
+
+    Decode (T <= ROUTER_FUSED_MAX_TOKENS): one kernel; the [E, H] weight is split over 16-expert blocks and
+    ~12 hidden slices (H = 2816: 8 x 11 = 88 programs a 16-token block, each reading an 8 KB tile), the last
+    program of a token block sums the 11 partials and picks the experts. The launch does not depend on T in
+    that range, so it is one build. Larger T: the two-kernel path (a decode batch of a few rows has too
+    little work for one program per row block, so the logits are split over expert blocks and hidden slices,
+    whose partial sums the top-k kernel adds)."""
+    if fused is None:
+        fused = num_tokens <= ROUTER_FUSED_MAX_TOKENS
+    if fused:
+        bh = block_h or 64
+        n, sh = _slices(hidden, splits or 12, bh)
+        return RouterLaunch(True, 16, block_e or 16, bh, n, sh, num_warps or 4, num_stages or 2)
+    bh = block_h or 64
     block_t = 16 if num_tokens <= 1024 else 32
-    block_e = 16 if num_tokens <= 64 else min(64, max(16, triton.next_power_of_2(num_experts)))
-    rows = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e)
-    splits = max(1, min(triton.cdiv(hidden, 2 * block_h), ROUTER_PROGRAMS // rows))
-    slice_h = triton.cdiv(triton.cdiv(hidden, splits), block_h) * block_h
-    return block_t, block_e, triton.cdiv(hidden, slice_h), slice_h
+    be = block_e or (16 if num_tokens <= 64 else min(64, max(16, triton.next_power_of_2(num_experts))))
+    rows = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, be)
+    n, sh = _slices(hidden, splits or max(1, min(triton.cdiv(hidden, 2 * bh), ROUTER_PROGRAMS // rows)), bh)
+    return RouterLaunch(False, block_t, be, bh, n, sh, num_warps or 4, num_stages or 2)
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, blocks: int) -> torch.Tensor:
+    """The fused router's per-token-block counters: zero between launches (the last program of a block resets
+    its counter), allocated once per device. Launches that could run at the same time on two streams of one
+    device would share them: the engine runs one forward at a time per device."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < blocks:
+        buf = torch.zeros(max(64, blocks), dtype=torch.int32, device=device)
+        _TICKETS[device] = buf
+    return buf
 
 
 def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: torch.Tensor,
-                      per_expert_scale: torch.Tensor | None, top_k: int, eps: float):
+                      per_expert_scale: torch.Tensor | None, top_k: int, eps: float,
+                      launch: RouterLaunch | None = None):
     """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
     Returns (weights [T, k] fp32, ids [T, k] int32), experts in descending probability.
     scale None: Qwen3.5's softmax router (no norm, no scales; the logits rounded to x's dtype first, as
-    its projection gives them)."""
+    its projection gives them). launch: override router_launch's choice (benchmarks, tests)."""
     norm = scale is not None
     num_tokens, hidden = x.shape
     num_experts = proj_weight.shape[0]
@@ -383,22 +553,36 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
     if num_tokens == 0:
         return weights, ids
-    block_t, block_e, splits, slice_h = router_launch(num_tokens, hidden, num_experts)
-    partial = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e), splits)
+    lp = launch or router_launch(num_tokens, hidden, num_experts)
+    has_scale = per_expert_scale is not None
+    partial = torch.empty(lp.splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_tokens, lp.block_t), triton.cdiv(num_experts, lp.block_e), lp.splits)
+    logits_dtype = tl.float32 if norm else _TL_DTYPE[x.dtype]
+    if lp.fused:
+        sumsq = torch.empty(lp.splits, num_tokens, dtype=torch.float32, device=x.device) if norm else partial
+        _router_fused_kernel[grid](
+            x, scale.contiguous() if norm else x, proj_weight, per_expert_scale.contiguous() if has_scale else x,
+            partial, sumsq, _tickets(x.device, grid[0]), weights, ids,
+            num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5),
+            x.stride(0), proj_weight.stride(0),
+            SLICE_H=lp.slice_h, SPLITS=lp.splits, BLOCK_T=lp.block_t, BLOCK_H=lp.block_h, BLOCK_E=lp.block_e,
+            BLOCK_EF=max(16, triton.next_power_of_2(num_experts)), TOP_K=top_k,
+            BLOCK_K=triton.next_power_of_2(top_k), NORM=norm, EXPERT_SCALE=has_scale, LOGITS=logits_dtype,
+            HALF=x.dtype != torch.float32, PREC=dot_precision(x.dtype),
+            F32=_INTERPRETED and x.dtype != torch.float32, num_warps=lp.num_warps, num_stages=lp.num_stages,
+        )
+        return weights, ids
     _router_logits_kernel[grid](
         x, scale.contiguous() if norm else x, proj_weight, partial,
-        num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5), slice_h,
+        num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5), lp.slice_h,
         x.stride(0), proj_weight.stride(0),
-        BLOCK_T=block_t, BLOCK_H=64, BLOCK_E=block_e, PREC=dot_precision(x.dtype), NORM=norm, num_warps=4,
-        num_stages=2,
+        BLOCK_T=lp.block_t, BLOCK_H=lp.block_h, BLOCK_E=lp.block_e, PREC=dot_precision(x.dtype), NORM=norm,
+        F32=_INTERPRETED and x.dtype != torch.float32, num_warps=lp.num_warps, num_stages=lp.num_stages,
     )
-    has_scale = per_expert_scale is not None
-    _router_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+    _router_topk_kernel[(grid[0],)](
         partial, per_expert_scale.contiguous() if has_scale else partial, weights, ids, num_tokens, num_experts,
-        splits, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_K=triton.next_power_of_2(top_k), EXPERT_SCALE=has_scale,
-        LOGITS=tl.float32 if norm else _TL_DTYPE[x.dtype], num_warps=4,
+        lp.splits, TOP_K=top_k, BLOCK_T=lp.block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_K=triton.next_power_of_2(top_k), EXPERT_SCALE=has_scale, LOGITS=logits_dtype, num_warps=4,
     )
     return weights, ids
 
@@ -409,9 +593,7 @@ def launch_variants(num_experts: int, top_k: int, hidden: int, inter: int, max_t
     batch size compiles a kernel while serving."""
     seen, out = set(), []
     for tokens in range(1, max(1, max_tokens) + 1):
-        bt, be, _, _ = router_launch(tokens, hidden, num_experts)
-        pol = moe_launch_policy(tokens, top_k, num_experts, hidden, inter)
-        key = (bt, be, pol)
+        key = (router_launch(tokens, hidden, num_experts).build_key(), moe_launch_policy(tokens, top_k, num_experts, hidden, inter))
         if key not in seen:
             seen.add(key)
             out.append(tokens)
