@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
-# Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart
+# Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
+# router sparse qwen_tiny qwen_big big26 env
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
 set -u
@@ -34,7 +35,17 @@ for step in $steps; do
     latency) run latency 240 python3 benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 1024,8192 \
                --out "$OUT/latency.json" ;;
     peers) run peers 540 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256 \
-             --warmup 1 --runs 3 --peer transformers --peer transformers-static --out "$OUT" ;;
+             --async-scheduling --warmup 1 --runs 3 --peer transformers --peer transformers-static \
+             --peer-warmup 1 --peer-runs 2 --out "$OUT" ;;
+    router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 --out "$OUT/router_kernel.json" ;;
+    sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ;;
+    qwen_tiny) run qwen_tiny 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense,qwen_moe --budget 180 \
+                 --out "$OUT/qwen_tiny" ;;
+    qwen_big) run qwen_big 330 python3 benchmarks/throughput.py --config qwen3.5-35b-a3b --shapes 1024x8x256 \
+                --async-scheduling --warmup 1 --runs 3 --peer transformers --peer-warmup 0 --peer-runs 1 --out "$OUT" ;;
+    big26) run big26 260 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --out "$OUT/big26" ;;
+    env) python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in \
+           ('fastapi', 'uvicorn', 'pydantic', 'openai', 'httpx', 'xgrammar', 'flashinfer')})" ;;
     warmstart)  # compile-cache build then hit on the 26B-A4B shapes, static bucket compiles vs none
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
 from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/g26'))"

@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from compiled_llm import LLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -135,3 +138,20 @@ def test_serving_script_against_the_demo_server():
     # both figures are rounded to 3 decimals, so a short run carries ~0.2% error per figure
     assert res["requests_per_s"] * res["seconds"] == pytest.approx(8, rel=0.01)
     assert res["output_tok_per_s"] == pytest.approx(res["requests_per_s"] * 6, rel=0.01)
+
+
+@pytest.mark.parametrize("family,name", [("gemma", "all"), ("gemma", "moe"), ("qwen", "moe")])
+def test_peer_gets_the_checkpoint_weights_back_from_merged_projections(family, name, tiny_ckpt, qwen_ckpt):
+    """transformers' peer runs on our loaded weights: read back under the checkpoint's names (Gemma 4's merged
+    q/k/v and gate/up split into their rows, K=V layers without v, Qwen3.5's packed experts), every tensor
+    equals the checkpoint's own."""
+    import throughput
+
+    folder, hf = (tiny_ckpt if family == "gemma" else qwen_ckpt)(name)
+    llm = LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, skip_tokenizer_init=True)
+    expected = hf.state_dict()
+    got = throughput.ours_as_checkpoint(llm.engine.executor.runner.model, expected)
+    assert got.keys() == expected.keys()
+    assert any("qkv" not in k and "q_proj" in k for k in got) or family == "qwen"
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
