@@ -433,6 +433,32 @@ def run_tune():
                      lambda p=p: M.fused_geglu_moe(x, gu, dn, w, ids, policy=p), ref)
 
 
+@torch.no_grad()
+def run_decode_small():
+    """Split count and tile sweep for decode at the batch sizes serving runs (1 and 8 sequences) and the
+    context lengths of the benchmarks: what attention_launch_policy should pick (issue 14, batch 1)."""
+    log("[decode_small]")
+    R = dataclasses.replace
+    for name, layer in [("global", GLOBAL), ("sliding", SLIDING)]:
+        for S, L in [(1, 1100), (8, 1100), (1, 8300), (8, 4400)]:
+            S, L = (min(S, 3), sz(L)) if ARGS.smoke else (S, L)
+            q, cache, bt, extra = make_attn_case([L] * S, [1] * S, seed=11, **layer)
+            cache = torch.nan_to_num(cache)
+            sl = torch.full((S,), L, dtype=torch.int32, device=DEV)
+            opts = dict(scale=layer["head_dim"] ** -0.5, sliding_window=layer["window"], k_eq_v=layer["k_eq_v"],
+                        num_kv_heads=layer["kv_heads"], head_dim=layer["head_dim"], **extra)
+            p0 = PA.attention_launch_policy(S, bt.shape[1] * PAGE, layer["head_dim"], num_kv_heads=layer["kv_heads"],
+                                            sliding_window=layer["window"], k_eq_v=layer["k_eq_v"])
+            ref = PA.paged_decode(q, cache, bt, sl, policy=p0, **opts)
+            cands = [p0] + [R(p0, num_splits=n) for n in (2, 4, 8, 16, 32, 64) if n != p0.num_splits]
+            cands += [R(p0, num_splits=n, num_warps=w, num_stages=st, block_n=bn) for n in (8, 16, 32)
+                      for bn in {p0.block_n, 2 * p0.block_n} for w in (4, 8) for st in (2, 3)
+                      if (bn, w, st) != (p0.block_n, p0.num_warps, p0.num_stages)]
+            for i, p in enumerate(cands[:3] if ARGS.smoke else cands):
+                tune_row(f"decode {name} S={S} ctx={L}", _pol(p) + (" (default)" if i == 0 else ""),
+                         lambda p=p: PA.paged_decode(q, cache, bt, sl, policy=p, **opts), ref)
+
+
 def main():
     global ARGS
     ap = argparse.ArgumentParser()
@@ -454,7 +480,8 @@ def main():
         assert torch.cuda.is_available(), "needs a GPU"
         log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
-    groups = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "tune": run_tune}
+    groups = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "tune": run_tune,
+              "decode_small": run_decode_small}
     if ARGS.no_time:
         groups.pop("tune")
     for name in ARGS.only.split(","):
@@ -479,6 +506,13 @@ def main():
         log(f"{'policy candidates':<34} {'config':<58} {'ms':>9}  max diff vs default")
         for kernel, cfg, ms, diff in TUNE:
             log(f"{kernel:<34} {cfg:<58} {ms:9.4f}  {diff}")
+        log("")
+        log("best per case (default -> best):")
+        for kernel in dict.fromkeys(k for k, *_ in TUNE):
+            rows = [(ms, cfg) for k, cfg, ms, _ in TUNE if k == kernel and ms == ms]
+            default = next((ms for ms, cfg in rows if cfg.endswith("(default)")), float("nan"))
+            best = min(rows, default=(float("nan"), "-"))
+            log(f"{kernel:<34} {default:8.4f} -> {best[0]:8.4f}  {best[1]}")
     failed = [n for n, ok in RESULTS if not ok]
     log("")
     verdict = "PASS" if not failed else "FAIL"

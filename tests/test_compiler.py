@@ -137,16 +137,18 @@ def test_compile_after_warmup_is_an_error_under_jit_monitor_error(compiled):
         engine.abort_request("late")
 
 
-def test_default_warm_up_covers_a_lone_decode_token():
+def test_default_warm_up_covers_a_lone_decode_token(tiny_ckpt):
     """With the defaults on the CPU (no static batch buckets), a one-sequence decode step has a single
     token; warm-up must compile that case too, or the first request would compile (an error here)."""
     from compiled_llm import LLM, SamplingParams
 
-    llm = LLM(jit_monitor="error")  # the built-in demo model, compiled
-    eager = LLM(enforce_eager=True)
+    folder, _ = tiny_ckpt("dense")
+    llm = LLM(str(folder), jit_monitor="error", skip_tokenizer_init=True)  # compiled, otherwise the defaults
+    eager = LLM(str(folder), enforce_eager=True, skip_tokenizer_init=True)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    assert (llm.generate("Once upon a time", params)[0].outputs[0].token_ids
-            == eager.generate("Once upon a time", params)[0].outputs[0].token_ids)
+    prompt = {"prompt_token_ids": [5, 9, 17, 3, 11]}
+    assert (llm.generate(prompt, params)[0].outputs[0].token_ids
+            == eager.generate(prompt, params)[0].outputs[0].token_ids)
 
 
 def test_compile_sizes_none_pads_buckets_onto_the_dynamic_compile(tiny_ckpt):

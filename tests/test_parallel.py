@@ -287,6 +287,7 @@ def test_killed_worker_fails_fast(tiny_ckpt, parallel_llm):
         llm.engine.step()
 
 
+@pytest.mark.slow  # 28 s; the pass on two ranks: test_allreduce_pass.py; compiled ranks with jit_monitor: PP2
 def test_tp2_allreduce_rms_norm_pass_fires(tiny_ckpt, parallel_llm):
     """Compiled under TP2, each row-parallel all-reduce that an RMSNorm follows becomes one
     allreduce_rms_norm op, on every rank, and the tokens stay the same."""
