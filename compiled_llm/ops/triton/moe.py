@@ -511,10 +511,10 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
     whose partial sums the top-k kernel adds)."""
     if fused is None:
         fused = num_tokens <= ROUTER_FUSED_MAX_TOKENS
-    if fused:
-        bh = block_h or 64
+    if fused:  # H200 sweep (benchmarks/NOTES.md, 2026-12-01): 128-column steps, 8 warps: 6.7 us vs 11.7 at T=1
+        bh = block_h or 128
         n, sh = _slices(hidden, splits or 12, bh)
-        return RouterLaunch(True, 16, block_e or 16, bh, n, sh, num_warps or 4, num_stages or 2)
+        return RouterLaunch(True, 16, block_e or 16, bh, n, sh, num_warps or 8, num_stages or 3)
     bh = block_h or 64
     block_t = 16 if num_tokens <= 1024 else 32
     be = block_e or (16 if num_tokens <= 64 else min(64, max(16, triton.next_power_of_2(num_experts))))

@@ -66,9 +66,13 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
     warps, stages = 4, (2 if head_dim < 512 else 3)  # H200 sweep: 2 stages 18% faster for d=256 decode
     ctx = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     base = max(1, num_seqs * num_kv_heads)
-    want = triton.next_power_of_2(triton.cdiv(2 * num_sms, base))  # ~2 waves of programs
-    by_len = _pow2_floor(triton.cdiv(ctx, 256))  # at least ~256 keys per split
-    splits = max(1, min(want, by_len, 128))
+    # H200 sweep at 26B-A4B shapes, 1 and 8 sequences (benchmarks/NOTES.md, 2026-12-01): short splits win
+    # at small batches (d=512 K=V: 32 splits of ~35 keys took 23 us against 59 us for 4 splits of 256); the
+    # heavier d=512 programs want about one wave, d=256 ones about two
+    waves, min_keys = (1, 32) if head_dim >= 512 else (2, 64)
+    want = triton.next_power_of_2(triton.cdiv(waves * num_sms, base))
+    by_len = _pow2_floor(triton.cdiv(ctx, min_keys))
+    splits = max(1, min(want, by_len, 64))
     return AttnLaunch(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
