@@ -455,3 +455,16 @@ if __name__ == "__main__":
         print(f"[{grp}]", flush=True)
         globals()[f"check_{grp}"]()
         print(f"[{grp}] passed in {time.time() - t0:.1f}s", flush=True)
+
+
+@pytest.mark.parametrize("seqs,ctx,head_dim,kv_heads,window,splits", [
+    (1, 1136, 512, 2, None, 32), (8, 1136, 512, 2, None, 16), (1, 8320, 512, 2, None, 64), (8, 4416, 512, 2, None, 16),
+    (1, 1136, 256, 8, 1024, 16), (8, 1136, 256, 8, 1024, 8), (32, 1136, 256, 8, 1024, 2)])
+def test_decode_split_policy_picks_the_h200_sweeps_best(seqs, ctx, head_dim, kv_heads, window, splits):
+    """The split counts the H200 sweep found fastest at Gemma 4 26B-A4B's decode shapes (benchmarks/NOTES.md,
+    2026-12-01): short splits at batch 1 and 8, fewer as the batch fills the GPU."""
+    from compiled_llm.ops.triton import paged_attention as PA
+
+    pol = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
+                                     k_eq_v=head_dim == 512)
+    assert pol.num_splits == splits
