@@ -85,3 +85,19 @@ def write_config_folder(cfg: dict, folder: Path) -> Path:
 
 def write_checkpoint_folder(name: str, folder: Path) -> Path:
     return write_config_folder(config_dict(name), folder)
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A tokenizer for a dummy-weight checkpoint served over HTTP (the serving benchmark): one word per id
+    ("w17"), so every sampled id, whatever the random weights pick, decodes to text a streaming client sees.
+    Ids 0, 1, 2 are <pad>, <eos>, <bos> as in the presets."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast.save_pretrained(folder)
+    return folder

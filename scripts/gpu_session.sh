@@ -2,15 +2,18 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# router sparse qwen_tiny qwen_big big26 env
+# router sparse qwen_tiny qwen_big big26 serving offline32 env
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+# carried wheels (`bash ../shared/gpu/wheels.sh fastapi uvicorn openai ...`): the server's packages always,
+# FlashInfer only with WITH_FLASHINFER=1 (installed, it becomes a provider candidate and JIT-builds on first use)
+wheels=$(ls .whl/*.whl 2>/dev/null | grep -v -E "$([ "${WITH_FLASHINFER:-0}" = 1 ] && echo '^$' || echo 'flashinfer|tvm_ffi')")
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -44,6 +47,28 @@ for step in $steps; do
     qwen_big) run qwen_big 330 python3 benchmarks/throughput.py --config qwen3.5-35b-a3b --shapes 1024x8x256 \
                 --async-scheduling --warmup 1 --runs 3 --peer transformers --peer-warmup 0 --peer-runs 1 --out "$OUT" ;;
     big26) run big26 260 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --out "$OUT/big26" ;;
+    serving)  # issue 14: the OpenAI server under load (1K in / 256 out, 64 requests at concurrency 8 and 32)
+              # against the offline engine at the same batch; needs the server's wheels in .whl (carry [".whl"])
+      model=${SERVE_MODEL:-gemma-4-26b-a4b}
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from configs import config_dict, write_checkpoint_folder, write_word_tokenizer; \
+write_word_tokenizer(write_checkpoint_folder('$model', Path('/tmp/serve_model')), config_dict('$model')['vocab_size'])"
+      python3 -m compiled_llm serve --model /tmp/serve_model --load-format dummy --max-num-seqs 32 \
+        --max-model-len 2048 --port 8011 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
+      spid=$!
+      python3 -c "import time, urllib.request as u
+for _ in range(400):
+    try: u.urlopen('http://127.0.0.1:8011/health', timeout=2); print('server up'); break
+    except Exception: time.sleep(1)"
+      for c in 8 32; do
+        run serving_c$c 240 python3 benchmarks/serving.py --base-url http://127.0.0.1:8011/v1 --concurrency $c \
+          --requests ${SERVE_REQUESTS:-64} --input-len ${SERVE_IN:-1024} --output-len ${SERVE_OUTPUT:-256} \
+          --vocab ${SERVE_VOCAB:-200000} --out "$OUT/serving_c$c.json"
+      done
+      kill $spid; wait $spid 2>/dev/null
+      tail -5 "$OUT/server.log" ;;
+    offline32) run offline32 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x32x256 \
+                 --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
     env) python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in \
            ('fastapi', 'uvicorn', 'pydantic', 'openai', 'httpx', 'xgrammar', 'flashinfer')})" ;;
     warmstart)  # compile-cache build then hit on the 26B-A4B shapes, static bucket compiles vs none

@@ -164,3 +164,18 @@ def test_host_overhead_script_reports_both_engines_on_the_same_weights():
                               "--new", "4", "--warmup", "0", "--runs", "1", "--enforce-eager"])
     assert res["greedy_rows_equal"] == "2/2"  # the same weights: the same greedy tokens as transformers
     assert res["ours_s"] > 0 and res["transformers_eager_s"] > 0
+
+
+def test_word_tokenizer_decodes_every_id_to_text(tmp_path):
+    """The serving benchmark's tokenizer for dummy checkpoints: any id the random weights sample streams as a
+    non-empty piece of text, and prompts of ids round-trip."""
+    from transformers import AutoTokenizer
+
+    from configs import write_word_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(write_word_tokenizer(tmp_path, 5000))
+    assert len(tok) == 5000 and tok.eos_token_id == 1
+    ids = [3, 4999, 1234, 17]
+    assert tok.decode(ids) == "w3 w4999 w1234 w17"
+    assert all(tok.decode([i]) for i in range(3, 5000, 97))
+    assert tok.encode("w5 w77", add_special_tokens=False) == [5, 77]
