@@ -257,7 +257,32 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     )
     if top_k == 1:
         return y
-    return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return topk_sum(y.view(num_tokens, top_k, hidden))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _topk_sum_kernel(Y, Out, T, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t] = sum_j y[t, j] in float32, stored in the output's dtype: one kernel where a torch sum and a cast
+    # were two (each a launch per MoE layer of a decode step)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = h < H
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(Y + (t * TOP_K + j) * H + h, mask=m, other=0.0).to(tl.float32)
+    tl.store(Out + t * H + h, acc.to(Out.dtype.element_ty), mask=m)
+
+
+def topk_sum(y: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> [T, H]: the weighted expert outputs of each token added in float32."""
+    num_tokens, top_k, hidden = y.shape
+    y = y.contiguous()
+    out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
+    if num_tokens:
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](y, out, num_tokens, hidden, TOP_K=top_k,
+                                                                     BLOCK_H=block_h, num_warps=4)
+    return out
 
 
 def fused_geglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None):
@@ -362,7 +387,7 @@ def _router_topk_kernel(
         sel_w = sel_w * tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
     o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
     tl.store(OutW + o_off, sel_w, mask=omask)
-    tl.store(OutIds + o_off, sel_i, mask=omask)
+    tl.store(OutIds + o_off, sel_i.to(OutIds.dtype.element_ty), mask=omask)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -462,7 +487,7 @@ def _router_fused_kernel(
             sel_w = sel_w * tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
         o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
         tl.store(OutW + o_off, sel_w, mask=omask)
-        tl.store(OutIds + o_off, sel_i, mask=omask)
+        tl.store(OutIds + o_off, sel_i.to(OutIds.dtype.element_ty), mask=omask)
 
 
 ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
@@ -540,7 +565,7 @@ def _tickets(device: torch.device, blocks: int) -> torch.Tensor:
 
 def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: torch.Tensor,
                       per_expert_scale: torch.Tensor | None, top_k: int, eps: float,
-                      launch: RouterLaunch | None = None):
+                      launch: RouterLaunch | None = None, ids_dtype: torch.dtype = torch.int32):
     """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
     Returns (weights [T, k] fp32, ids [T, k] int32), experts in descending probability.
     scale None: Qwen3.5's softmax router (no norm, no scales; the logits rounded to x's dtype first, as
@@ -550,7 +575,7 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     num_experts = proj_weight.shape[0]
     assert x.stride(1) == 1 and proj_weight.stride(1) == 1 and top_k <= num_experts
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=ids_dtype, device=x.device)  # int64: the op's dtype, no cast kernel
     if num_tokens == 0:
         return weights, ids
     lp = launch or router_launch(num_tokens, hidden, num_experts)

@@ -57,7 +57,9 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         policy = attention_launch_policy(num_seqs, max_len, spec.head_dim, num_kv_heads=spec.num_kv_heads,
                                          sliding_window=spec.sliding_window, k_eq_v=source.k_eq_v)
         MONITOR.note("paged_decode", key + (policy.num_splits,))
-        out = torch.zeros(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
+        if q.shape[0] > num_seqs:  # padding rows past the batch come back as zeros (no fill kernel otherwise)
+            out[num_seqs:].zero_()
         paged_decode(q[:num_seqs], cache, tables, seq_lens, policy=policy, out=out[:num_seqs], **kw)
     else:
         MONITOR.note("paged_prefill", key)
@@ -95,14 +97,12 @@ def router_topk(x, proj_weight, scale, per_expert_scale, top_k: int, eps: float,
 
         return ref_router_topk(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
     MONITOR.note("router_topk", (x.dtype, x.shape[-1], proj_weight.shape[0], top_k))
-    weights, ids = fused_router_topk(x.contiguous(), scale, proj_weight, per_expert_scale, top_k, eps)
-    return weights, ids.long()
+    return fused_router_topk(x.contiguous(), scale, proj_weight, per_expert_scale, top_k, eps, ids_dtype=torch.int64)
 
 
 def softmax_router_topk(x, proj_weight, top_k: int):
     MONITOR.note("softmax_router_topk", (x.dtype, x.shape[-1], proj_weight.shape[0], top_k))
-    weights, ids = fused_router_topk(x.contiguous(), None, proj_weight.contiguous(), None, top_k, 0.0)
-    return weights, ids.long()
+    return fused_router_topk(x.contiguous(), None, proj_weight.contiguous(), None, top_k, 0.0, ids_dtype=torch.int64)
 
 
 def geglu_moe(x, weights, ids, gate_up_proj, down_proj):
