@@ -74,8 +74,7 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
-        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, F.silu, merged=False,
-                                      reduce=False)
+        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, F.silu, reduce=False)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # replicated, like the router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +186,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, idx)
         else:
             self.self_attn = Attention(cfg, idx)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe else GatedMLP(h, cfg.intermediate_size, F.silu, merged=False)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe else GatedMLP(h, cfg.intermediate_size, F.silu)
         self.input_layernorm = RMSNorm(h, eps, ZERO_CENTRED)
         self.post_attention_layernorm = RMSNorm(h, eps, ZERO_CENTRED)
 
@@ -218,6 +217,7 @@ class Qwen3_5Model(nn.Module):
         return self.norm(x)
 
 
+_MLP = re.compile(r"(.*\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.weight$")  # dense MLP, shared expert
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -283,6 +283,10 @@ class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE, SupportsTP, Su
             name = "lm_head.weight"
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
             return None
+        m = _MLP.match(name)
+        if m:  # the checkpoint's gate_proj / up_proj: segments of our merged gate_up_proj (one GEMM)
+            merged = f"{m.group(1)}.gate_up_proj"
+            return f"{merged}.weight", self.get_submodule(merged).segment(0 if m.group(2) == "gate_proj" else 1)
         m = _EXPERT.match(name)
         if m:
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)
