@@ -87,7 +87,17 @@ def test_rank_slices_reassemble_checkpoint(qwen_ckpt):
         for name in ("in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight", "dt_bias", "A_log"):
             assert torch.equal(joined(lin + name), f.get_tensor(lin + name)), name
         assert torch.equal(joined(lin + "out_proj.weight", 1), f.get_tensor(lin + "out_proj.weight"))
-        assert torch.equal(joined(full + "q_proj.weight"), f.get_tensor(full + "q_proj.weight"))
+        # the merged [q; k; v]: each rank holds [q_r; k_r; v_r], q by whole [query; gate] heads, KV heads halved
+        # (or replicated: one KV head)
+        nq, d, kvh = cfg.num_attention_heads * 2 * cfg.head_dim, cfg.head_dim, cfg.num_key_value_heads
+        rq, rkv = nq // 2, (kvh // 2 if kvh >= 2 else kvh) * d
+        qkv = [s[full + "qkv_proj.weight"] for s in shards]
+        assert all(p.shape[0] == rq + 2 * rkv for p in qkv)
+        assert torch.equal(torch.cat([p[:rq] for p in qkv]), f.get_tensor(full + "q_proj.weight"))
+        for j, name in ((1, "k_proj.weight"), (2, "v_proj.weight")):
+            rows = [p[rq + (j - 1) * rkv: rq + j * rkv] for p in qkv]
+            want = f.get_tensor(full + name)
+            assert torch.equal(torch.cat(rows), want) if kvh >= 2 else all(torch.equal(r, want) for r in rows)
         assert torch.equal(joined(full + "o_proj.weight", 1), f.get_tensor(full + "o_proj.weight"))
         i = cfg.moe_intermediate_size
         gate_up = [s["model.layers.0.mlp.experts.gate_up_proj"] for s in shards]  # [E, 2 * I/2, H] per rank

@@ -26,9 +26,9 @@ from torch import nn
 from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.interfaces import HasRecurrentState, SupportsEP, SupportsTP, UsesMRoPE
 from compiled_llm.models.layers import GatedExperts, GatedMLP, RMSNorm
-from compiled_llm.models.parallel_layers import (ColumnParallelLinear, HeadParallelLinear, MergedColumnParallelLinear,
+from compiled_llm.models.parallel_layers import (ColumnParallelLinear, MergedColumnParallelLinear,
                                                  ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, divide,
-                                                 local_num_heads, segment_parameter)
+                                                 head_rows, local_num_heads, segment_parameter)
 from compiled_llm.models.qwen3_5_config import FULL, LINEAR, Qwen3_5TextConfig
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.conv1d import causal_conv1d
@@ -95,9 +95,10 @@ class Attention(nn.Module):
         self.num_kv_heads = local_num_heads(kv_heads)
         self.head_dim = d = cfg.head_dim
         h, bias, eps = cfg.hidden_size, cfg.attention_bias, cfg.rms_norm_eps
-        self.q_proj = HeadParallelLinear(h, heads, 2 * d, bias=bias)  # a head's rows: [query; gate]
-        self.k_proj = HeadParallelLinear(h, kv_heads, d, bias=bias)
-        self.v_proj = HeadParallelLinear(h, kv_heads, d, bias=bias)
+        # [q; k; v] in one GEMM, each segment split by whole heads; a q head's rows are [query; gate]
+        self.qkv_proj = MergedColumnParallelLinear(
+            h, [heads * 2 * d, kv_heads * d, kv_heads * d], bias=bias,
+            ranges=[head_rows(heads, 2 * d), head_rows(kv_heads, d), head_rows(kv_heads, d)])
         self.o_proj = RowParallelLinear(heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, eps, ZERO_CENTRED)
         self.k_norm = RMSNorm(d, eps, ZERO_CENTRED)
@@ -106,11 +107,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * d).chunk(2, dim=-1)
+        qg, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        q, gate = qg.view(n, self.num_heads, 2 * d).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, d))
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, d))
         q, k = apply_mrope(q, k, cos, sin)  # with the norms and the KV write: what the QK-norm + M-RoPE fusion takes
-        out = attention(q.reshape(n, -1), k.reshape(n, -1), self.v_proj(x), self.idx)
+        out = attention(q.reshape(n, -1), k.reshape(n, -1), v, self.idx)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
 
@@ -217,6 +219,7 @@ class Qwen3_5Model(nn.Module):
         return self.norm(x)
 
 
+_QKV = re.compile(r"(.*\.self_attn)\.(q_proj|k_proj|v_proj)\.(weight|bias)$")  # full-attention layers
 _MLP = re.compile(r"(.*\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.weight$")  # dense MLP, shared expert
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -283,6 +286,10 @@ class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE, SupportsTP, Su
             name = "lm_head.weight"
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
             return None
+        m = _QKV.match(name)
+        if m:  # segments of our merged qkv_proj
+            merged = f"{m.group(1)}.qkv_proj"
+            return f"{merged}.{m.group(3)}", self.get_submodule(merged).segment(("q_proj", "k_proj", "v_proj").index(m.group(2)))
         m = _MLP.match(name)
         if m:  # the checkpoint's gate_proj / up_proj: segments of our merged gate_up_proj (one GEMM)
             merged = f"{m.group(1)}.gate_up_proj"
