@@ -4,7 +4,7 @@
     python3 scripts/gpu_smoke.py --sections big [--big gemma-4-26b-a4b --shape 1024x8x64]
 
 tiny: every tiny model (Gemma 4 dense, MoE, PLE + shared KV, K=V, mixed head dims, all features; Qwen3.5 dense
-and MoE) runs eager and compiled (CUDA graphs; whole-graph decode forced on, and off for some), in float32
+and MoE, with head_dim 16 and 32: qwen_*32 must get whole-graph decode) runs eager and compiled (CUDA graphs; whole-graph decode forced on, and off for some), in float32
 and bfloat16, 3 prompts x 16 greedy tokens. Compiled engines start with fusion_check=error and
 jit_monitor=error, so a layer that misses a declared fusion or a kernel compiled after warm-up fails the row.
 float32 must equal eager token for token. bfloat16 is judged against float32 eager: teacher-forced steps (each
@@ -42,8 +42,12 @@ from compiled_llm import LLM, SamplingParams  # noqa: E402
 # tokens of 18 steps) as bfloat16 eager's are, within this ratio and slack (nats): token agreement alone cannot
 # tell rounding from a bug, since a random tiny model is full of near-ties
 BF16_ERR_RATIO, BF16_ERR_SLACK = 2.0, 0.02
-TINY = "dense32,moe32,all32,mixed_heads,ple,shared_kv,k_eq_v,qwen_dense,qwen_moe"
-BOTH_DECODE_MODES = {"all32"}  # also compiled with whole-graph decode off (moe32 agreed in both modes, sessions 3-4)
+TINY = "dense32,moe32,all32,mixed_heads,ple,shared_kv,k_eq_v,qwen_dense,qwen_moe,qwen_dense32,qwen_moe32"
+# also compiled with whole-graph decode off (moe32 agreed in both modes, sessions 3-4)
+BOTH_DECODE_MODES = {"all32", "qwen_dense32"}
+# must capture decode whole on a GPU (a row without whole-graph sizes fails): the Qwen3.5 models with head_dim 32,
+# whose attention takes the Triton kernel, and whose state ops read their layout from static buffers
+WHOLE_GRAPH_EXPECTED = {"qwen_dense32", "qwen_moe32"}
 RESULTS: dict = {"tiny": [], "big": {}}
 OUT: Path | None = None
 
@@ -150,6 +154,8 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
                     else:  # as close to float32 eager as bfloat16 eager is (token agreement is reported only)
                         err = logprob_error(probes(llm, prompts, ref32), probe32)
                         good = err <= BF16_ERR_RATIO * err_eager + BF16_ERR_SLACK
+                    if decode == "on" and device == "cuda" and name in WHOLE_GRAPH_EXPECTED:
+                        good &= bool(s["whole_graph_decode_sizes"])
                     ok &= good
                     row = {"model": name, "dtype": dtype, "decode": decode, "agree": agree, "gap_eager": gap_e,
                            "gap_compiled": gap_c, "logprob_err": err, "logprob_err_eager": err_eager,

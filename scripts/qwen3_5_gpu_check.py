@@ -20,6 +20,7 @@ from qwen3_5_tiny import make_qwen_checkpoint  # noqa: E402
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
 from compiled_llm.ops.delta_rule import GATED_DELTA_RULE, gated_delta_rule_with_state  # noqa: E402
+from compiled_llm.ops.state import StateLayout  # noqa: E402
 from compiled_llm.ops.registry import Capabilities  # noqa: E402
 
 
@@ -56,18 +57,17 @@ def check_kernels() -> bool:
         for ln in lens:
             qsl.append(qsl[-1] + ln)
         ref_cache = cache.clone()
-        ref = gated_delta_rule_with_state(q, k, v, decay, beta, ref_cache, slots, init, qsl)
-        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-        args = (qsl, i32(slots), i32([int(b) for b in init]))
+        layout = StateLayout.build(slots, init, qsl, "cuda", chunk=chunk)
+        ref = gated_delta_rule_with_state(q, k, v, decay, beta, ref_cache, layout)
         got_cache = cache.clone()
-        got = gated_delta_rule_varlen(q, k, v, decay, beta, got_cache, *args, chunk=chunk)
+        got = gated_delta_rule_varlen(q, k, v, decay, beta, got_cache, layout)
         err = (got.float() - ref.float()).abs().max().item()
         serr = (got_cache - ref_cache).abs().max().item()
         tol = 1e-3 if dtype == torch.float32 else 3e-2
         good = err < tol and serr < tol
         ok &= good
-        t_ref = timed(lambda: gated_delta_rule_with_state(q, k, v, decay, beta, cache.clone(), slots, init, qsl), 2)
-        t_tri = timed(lambda: gated_delta_rule_varlen(q, k, v, decay, beta, cache.clone(), *args, chunk=chunk))
+        t_ref = timed(lambda: gated_delta_rule_with_state(q, k, v, decay, beta, cache.clone(), layout), 2)
+        t_tri = timed(lambda: gated_delta_rule_varlen(q, k, v, decay, beta, cache.clone(), layout))
         print(f"kernel lens={lens if len(lens) < 8 else f'{len(lens)}x{lens[0]}'} {str(dtype)[6:]} chunk={chunk}: "
               f"out err {err:.2e} state err {serr:.2e} {'ok' if good else 'FAIL'}; "
               f"reference {t_ref:.2f} ms, triton {t_tri:.2f} ms", flush=True)

@@ -24,6 +24,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                     shared_expert_intermediate_size=24, tie_word_embeddings=True)),
 }
 
+# head_dim 32, the smallest the Triton attention kernel takes: with it a GPU run engages whole-graph decode
+# (scripts/gpu_smoke.py qwen_dense32, qwen_moe32); M-RoPE's sections cover the wider rotary part
+_ROPE32 = dict(rope_type="default", rope_theta=10_000.0, partial_rotary_factor=0.5, mrope_section=[4, 2, 2],
+               mrope_interleaved=True)
+WIDE: dict[str, tuple[str, dict]] = {f"{name}32": (CONFIGS[name][0], dict(CONFIGS[name][1], head_dim=32,
+                                                                           rope_parameters=_ROPE32))
+                                     for name in ("dense", "moe")}
+
 VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4, num_position_embeddings=16)
 
 
@@ -50,7 +58,7 @@ def make_qwen_checkpoint(folder: Path, name: str, seed: int = 0, dtype=torch.flo
                          vocab: int | None = None):
     """Saves a random transformers model (norms, A_log, dt_bias, conv and gates randomised too).
     special: vision token ids of a conditional-generation model; vocab: a tokenizer of that size is saved already."""
-    arch, overrides = CONFIGS[name]
+    arch, overrides = CONFIGS[name] if name in CONFIGS else WIDE[name]
     folder.mkdir(parents=True, exist_ok=True)
     vocab = vocab or len(make_tokenizer(folder))
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4,

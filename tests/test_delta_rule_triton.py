@@ -63,14 +63,14 @@ def _check(lens, hk, hv, dk, dv, init, chunk=16, seed=0):
     import torch
 
     from compiled_llm.ops.delta_rule import gated_delta_rule_with_state
+    from compiled_llm.ops.state import StateLayout
     from compiled_llm.ops.triton.delta_rule import gated_delta_rule_varlen
 
     q, k, v, decay, beta, cache, slots, qsl = _case(lens, hk, hv, dk, dv, init, seed)
     ref_cache = cache.clone()
-    ref = gated_delta_rule_with_state(q, k, v, decay, beta, ref_cache, slots, init, qsl)
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    got = gated_delta_rule_varlen(q, k, v, decay, beta, cache, qsl, i32(slots), i32([int(b) for b in init]),
-                                  chunk=chunk)
+    layout = StateLayout.build(slots, init, qsl, "cpu", chunk=chunk)
+    ref = gated_delta_rule_with_state(q, k, v, decay, beta, ref_cache, layout)
+    got = gated_delta_rule_varlen(q, k, v, decay, beta, cache, layout)
     err = (got - ref).abs().max().item()
     serr = (cache[slots] - ref_cache[slots]).abs().max().item()
     print(f"  lens={lens} heads={hk}/{hv} dims={dk}/{dv} chunk={chunk}: out {err:.2e} state {serr:.2e}", flush=True)
@@ -82,6 +82,38 @@ def _check(lens, hk, hv, dk, dv, init, chunk=16, seed=0):
 def group_recurrent():
     _check([1, 1, 3, 1], 2, 4, 16, 16, [True, False, True, True])
     _check([1, 2], 1, 1, 8, 24, [False, True])  # dims below / not a power of two
+    _check_padded_decode()
+
+
+def _check_padded_decode():
+    """A decode step padded as whole-graph decode pads it (StateMetadata.staged: sequences without tokens on
+    slot 0, rows past the real tokens): the real rows equal the unpadded run and slot 0 stays as it was."""
+    import torch
+
+    from compiled_llm.ops.conv1d import causal_conv1d_with_state
+    from compiled_llm.ops.state import StateLayout, StateMetadata
+    from compiled_llm.ops.triton.conv1d import causal_conv1d_varlen
+    from compiled_llm.ops.triton.delta_rule import gated_delta_rule_varlen
+
+    lens, init, size = [1, 1, 1], [True, False, True], 5
+    q, k, v, decay, beta, cache, slots, qsl = _case(lens, 2, 4, 16, 16, init)
+    layout = StateLayout.build(slots, init, qsl, "cpu")
+    staged = StateMetadata({}, layout).staged(size, {}).layout
+    assert staged.decode and staged.num_seqs == size and staged.tensors["query_start_loc"].tolist() == [0, 1, 2, 3, 3, 3]
+    pad = lambda x: torch.cat([x, torch.randn(size - x.shape[0], *x.shape[1:])])  # noqa: E731
+    want_cache = cache.clone()
+    want = gated_delta_rule_varlen(q, k, v, decay, beta, want_cache, layout)
+    got = gated_delta_rule_varlen(pad(q), pad(k), pad(v), -pad(decay).abs(), pad(beta).abs(), cache, staged)
+    assert torch.equal(got[:3], want) and torch.equal(got[3:], torch.zeros_like(got[3:]))
+    assert torch.equal(cache, want_cache)  # slot 0 (the padding's) and the last untouched, the real ones alike
+    x, w = torch.randn(3, 40), torch.randn(40, 4)
+    conv = torch.randn(len(lens) + 2, 40, 3)
+    ref_conv = conv.clone()
+    ref = causal_conv1d_with_state(x, w, ref_conv, layout)
+    got = causal_conv1d_varlen(pad(x), w, conv, staged)
+    assert torch.allclose(got[:3], ref, atol=1e-5) and torch.equal(got[3:], torch.zeros_like(got[3:]))
+    assert torch.equal(conv[0], ref_conv[0]) and torch.allclose(conv, ref_conv, atol=1e-6)
+    print("  padded decode: ok", flush=True)
 
 
 def group_chunk():
@@ -94,6 +126,7 @@ def _check_conv(lens, dim, k, init, dtype="float32", seed=0):
     import torch
 
     from compiled_llm.ops.conv1d import causal_conv1d_with_state
+    from compiled_llm.ops.state import StateLayout
     from compiled_llm.ops.triton.conv1d import causal_conv1d_varlen
 
     dt = getattr(torch, dtype)
@@ -104,9 +137,9 @@ def _check_conv(lens, dim, k, init, dtype="float32", seed=0):
     cache = torch.randn(len(lens) + 2, dim, k - 1, generator=g).to(dt)
     slots, qsl = _slots_and_offsets(cache, lens, init)
     ref_cache = cache.clone()
-    ref = causal_conv1d_with_state(x, w, ref_cache, slots, init, qsl)
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    got = causal_conv1d_varlen(x, w, cache, i32(qsl), i32(slots), i32([int(b) for b in init]))
+    layout = StateLayout.build(slots, init, qsl, "cpu")
+    ref = causal_conv1d_with_state(x, w, ref_cache, layout)
+    got = causal_conv1d_varlen(x, w, cache, layout)
     tol = 1e-5 if dt == torch.float32 else 1e-2 * ref.float().abs().max().item()  # the reference rounds in bf16
     err = (got.float() - ref.float()).abs().max().item()
     serr = (cache[slots].float() - ref_cache[slots].float()).abs().max().item()

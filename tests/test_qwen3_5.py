@@ -225,6 +225,7 @@ def test_state_ops_split_anywhere_equal_one_pass():
     same outputs and final state as in one piece."""
     from compiled_llm.ops.conv1d import causal_conv1d_ref, causal_conv1d_with_state
     from compiled_llm.ops.delta_rule import gated_delta_rule_with_state
+    from compiled_llm.ops.state import StateLayout
 
     g = torch.Generator().manual_seed(0)
     lens = [9, 1, 13]
@@ -241,9 +242,9 @@ def test_state_ops_split_anywhere_equal_one_pass():
         conv = torch.zeros(1, 12, 3)
         ssm = torch.zeros(1, 4, 8, 6)
         sl = slice(s, s + ln)
-        full_x.append(causal_conv1d_with_state(x[sl], w, conv, [0], [False], [0, ln]))
-        full_o.append(gated_delta_rule_with_state(q[sl], k[sl], v[sl], decay[sl], beta[sl], ssm, [0], [False],
-                                                  [0, ln]))
+        one = StateLayout.build([0], [False], [0, ln], "cpu")
+        full_x.append(causal_conv1d_with_state(x[sl], w, conv, one))
+        full_o.append(gated_delta_rule_with_state(q[sl], k[sl], v[sl], decay[sl], beta[sl], ssm, one))
         conv_states.append(conv[0])
         ssm_states.append(ssm[0])
     # pieces: steps that take [4, 1, 6], then [5, 0, 7] tokens of the three sequences (slots 2, 0, 1)
@@ -263,9 +264,9 @@ def test_state_ops_split_anywhere_equal_one_pass():
             keep.append(done[i] > 0)
             sl_ids.append(i)
         rows = torch.tensor(idx)
-        ox = causal_conv1d_with_state(x[rows], w, conv, [slots[i] for i in sl_ids], keep, qsl)
-        oo = gated_delta_rule_with_state(q[rows], k[rows], v[rows], decay[rows], beta[rows], ssm,
-                                         [slots[i] for i in sl_ids], keep, qsl)
+        layout = StateLayout.build([slots[i] for i in sl_ids], keep, qsl, "cpu")
+        ox = causal_conv1d_with_state(x[rows], w, conv, layout)
+        oo = gated_delta_rule_with_state(q[rows], k[rows], v[rows], decay[rows], beta[rows], ssm, layout)
         for j, i in enumerate(sl_ids):
             got_x[i].append(ox[qsl[j]:qsl[j + 1]])
             got_o[i].append(oo[qsl[j]:qsl[j + 1]])

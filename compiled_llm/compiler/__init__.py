@@ -88,10 +88,23 @@ def enable_symm_mem(group_name: str | None) -> None:
         enable_symm_mem_for_group(group_name)
 
 
+def whole_graph_decode_ok(stateful: bool, sparse: bool = False, pipeline: bool = False) -> bool:
+    """Whether decode may be captured as one CUDA graph (with CUDA; CompiledModel adds that and the config):
+    every split op the model runs has a capturable provider chosen (attention; for a model with recurrent
+    state also the state ops, which read the step's layout from static buffers). Sparse KV's ops read
+    per-step host metadata, and a later pipeline stage's inputs have no static buffers: not for them."""
+    if sparse or pipeline:
+        return False
+    ops = [OPS["attention"]] + ([spec for spec in OPS.values() if spec.recurrent_state] if stateful else [])
+    return all(spec.capturable() for spec in ops)
+
+
 class ModelCompiler:
     def __init__(self, model: torch.nn.Module, config, device: torch.device, dtype: torch.dtype, specs: dict,
-                 hf_config: dict, facts: dict | None = None, stateful: bool = False, stage_inputs=None):
-        """stateful: the model has recurrent-state ops (no whole-graph decode capture for it). stage_inputs: on
+                 hf_config: dict, facts: dict | None = None, stateful: bool = False, sparse: bool = False,
+                 stage_inputs=None):
+        """stateful: the model has recurrent-state ops; sparse: sparse KV is on (no whole-graph decode for it,
+        whole_graph_decode_ok). stage_inputs: on
         a pipeline stage after the first, num_tokens -> dummy tensors of what the previous stage hands over
         (for warm-up); the stage's forward takes them as `intermediate`."""
         self.config = config
@@ -110,11 +123,9 @@ class ModelCompiler:
             jit_monitor=config.jit_monitor, symm_mem_allreduce=config.tp_allreduce == "symm-mem")
         if ccfg.symm_mem_allreduce:
             enable_symm_mem(ccfg.tp_group)
-        # whole-graph decode keeps static buffers for token ids and positions only: not under pipeline stages
         pipeline = config.pipeline_parallel_size > 1
         self.stage_inputs = stage_inputs
-        self.compiled = CompiledModel(model, ccfg, self.device, OPS["attention"].capturable(),
-                                      whole_graph=not stateful and not pipeline)
+        self.compiled = CompiledModel(model, ccfg, self.device, whole_graph_decode_ok(stateful, sparse, pipeline))
         self.cache: CompileCache | None = None
         self.startup_seconds = 0.0
         self.warmup_seconds: dict[str, float] = {}  # warm-up item -> seconds (the start-up's phases)
@@ -206,4 +217,5 @@ class ModelCompiler:
         return "\n".join(lines)
 
 
-__all__ = ["ModelCompiler", "CompilerConfig", "CompiledModel", "CompileCache", "FusionCheckError", "parse_sizes"]
+__all__ = ["ModelCompiler", "whole_graph_decode_ok", "CompilerConfig", "CompiledModel", "CompileCache",
+           "FusionCheckError", "parse_sizes"]

@@ -63,6 +63,7 @@ class StaticBatch:
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.qsl = torch.zeros(size + 1, dtype=torch.int32, device=device)
         self.inter: dict[str, torch.Tensor] = {}  # a later pipeline stage's inputs, padded
+        self.extra: dict[str, dict[str, torch.Tensor]] = {}  # forward-context extras' static buffers, by key
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         n = input_ids.shape[0]
@@ -111,7 +112,14 @@ class StaticBatch:
             self.qsl[:s + 1].copy_(qsl[:s + 1], non_blocking=True)
             self.qsl[s + 1:].fill_(meta.query_start_loc[-1])
             meta.seq_lens_tensor, meta.query_start_loc_tensor = self.seq_lens, self.qsl
+            return dataclasses.replace(ctx, attn_metadata=meta, extra=self.stage_extras(ctx.extra))
         return dataclasses.replace(ctx, attn_metadata=meta)
+
+    def stage_extras(self, extra: dict) -> dict:
+        """Extras a whole-graph capture reads (the recurrent state's slots and offsets) padded into static
+        buffers: an extra that a captured op reads says how, with `staged(size, buffers)` (ops/state.py)."""
+        return {k: v.staged(self.size, self.extra.setdefault(k, {})) if hasattr(v, "staged") else v
+                for k, v in extra.items()}
 
 
 class FullGraph:
@@ -130,17 +138,15 @@ class FullGraph:
 
 class CompiledModel:
     def __init__(self, model: torch.nn.Module, config: CompilerConfig, device: torch.device,
-                 capturable: bool = False, max_blocks_per_seq: int = 1, whole_graph: bool = True):
+                 whole_graph: bool = False, max_blocks_per_seq: int = 1):
         self.model = model
         self.config = config
         self.device = torch.device(device)
         self.sizes = sorted(set(config.batch_sizes))
         self.state = RunState(cudagraphs=config.cudagraphs and self.device.type == "cuda")
-        # whole-graph decode needs the attention providers chosen capturable (capturable: what they declare,
-        # ops/registry.py Provider.capturable) and no recurrent-state ops (whole_graph False: they
-        # build their slot lists on the host each step)
-        self.full_graph_ok = (whole_graph and self.state.cudagraphs and config.full_graph_decode != "off"
-                              and capturable)
+        # whole-graph decode needs every split op's chosen provider capturable (what they declare,
+        # ops/registry.py Provider.capturable; compiler/__init__.py whole_graph_decode_ok decides)
+        self.full_graph_ok = whole_graph and self.state.cudagraphs and config.full_graph_decode != "off"
         allow_many_engines()
         # on the CPU every fused op is its PyTorch reference: norms and RoPE are left to Inductor, counted
         self.pass_manager = PassManager(config.passes, config.dtype, self.device, config.tp_group,

@@ -172,11 +172,13 @@ def _ref_attention_each(q: torch.Tensor, spec: AttentionSpec, source: AttentionS
 def _decode_positions(meta, window: int | None, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """Each decode sequence's key positions [seqs, longest] and which are real; padding past a sequence's end
     reads its last real position (masked later: a weight of 0 times an unused slot's contents could still be
-    NaN, 0 * NaN)."""
-    seq_lens = torch.tensor(meta.seq_lens, device=dev)
+    NaN, 0 * NaN). From the runner's seq_lens_tensor when it made one: no host list copied to the device."""
+    n = len(meta.seq_lens)
+    seq_lens = (meta.seq_lens_tensor[:n].to(dev).long() if meta.seq_lens_tensor is not None
+                else torch.tensor(meta.seq_lens, device=dev))
     first = (seq_lens - window).clamp(min=0) if window is not None else seq_lens * 0
     lens = seq_lens - first
-    j = torch.arange(int(lens.max()), device=dev)
+    j = torch.arange(max(min(s, window or s) for s in meta.seq_lens), device=dev)
     valid = j[None, :] < lens[:, None]
     return first[:, None] + torch.minimum(j[None, :], lens[:, None] - 1), valid
 

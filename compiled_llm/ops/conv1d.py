@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_llm.ops.registry import OpSpec, Provider, register
-from compiled_llm.ops.state import decode_rows, get_state_metadata, prefill_spans
+from compiled_llm.ops.state import StateLayout, get_state_metadata
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
@@ -33,18 +33,18 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tenso
     return F.silu(out).to(x.dtype), ext[:, :, 1:]
 
 
-def causal_conv1d_with_state(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, slots: list[int],
-                             has_initial_state: list[bool], query_start_loc: list[int]) -> torch.Tensor:
+def causal_conv1d_with_state(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
+                             layout: StateLayout) -> torch.Tensor:
     """Flat tokens of a batch of sequences; cache [num_slots, dim, K-1] is read and updated in place."""
     out = torch.zeros_like(x)  # rows past the last sequence stay zero
-    single, batched = decode_rows(slots, has_initial_state, query_start_loc, x.device)
+    single, batched = layout.single_rows()
     if batched:  # decode tokens, batched
         rows, slot_t, keep = batched
         state = torch.where(keep[:, None, None], cache.index_select(0, slot_t), 0.0)
         y, new = causal_conv1d_step(x.index_select(0, rows), weight, state)
         out.index_copy_(0, rows, y)
         cache.index_copy_(0, slot_t, new.to(cache.dtype))
-    for slot, start, end, carries in prefill_spans(slots, has_initial_state, query_start_loc, single):
+    for slot, start, end, carries in layout.prefill_spans(single):
         y, new = causal_conv1d_ref(x[start:end], weight, cache[slot] if carries else None)
         out[start:end] = y
         cache[slot] = new.to(cache.dtype)
@@ -53,14 +53,14 @@ def causal_conv1d_with_state(x: torch.Tensor, weight: torch.Tensor, cache: torch
 
 def ref_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, layer_idx: int) -> torch.Tensor:
     meta = get_state_metadata()
-    return causal_conv1d_with_state(x, weight, meta.caches[layer_idx]["conv"], meta.slots, meta.has_initial_state,
-                                    meta.query_start_loc)
+    return causal_conv1d_with_state(x, weight, meta.caches[layer_idx]["conv"], meta.layout)
 
 
 CAUSAL_CONV1D = register(OpSpec("causal_conv1d", "depthwise causal conv1d + SiLU with a per-sequence input window", [
-    Provider("triton", "compiled_llm.ops.triton.conv1d:causal_conv1d", lambda caps, shape: caps.triton_ok()),
+    Provider("triton", "compiled_llm.ops.triton.conv1d:causal_conv1d", lambda caps, shape: caps.triton_ok(),
+             capturable=True),
     Provider("reference", "compiled_llm.ops.conv1d:ref_causal_conv1d"),
-], splits_graph=True))
+], splits_graph=True, recurrent_state=True))
 
 
 @torch.library.custom_op("compiled_llm::causal_conv1d", mutates_args=())

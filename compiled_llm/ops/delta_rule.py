@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from compiled_llm.ops.registry import OpSpec, Provider, register
-from compiled_llm.ops.state import decode_rows, get_state_metadata, prefill_spans
+from compiled_llm.ops.state import StateLayout, get_state_metadata
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -89,14 +89,13 @@ def chunk_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     return o, s
 
 
-def gated_delta_rule_with_state(q, k, v, g, beta, cache: torch.Tensor, slots: list[int],
-                                has_initial_state: list[bool], query_start_loc: list[int]) -> torch.Tensor:
+def gated_delta_rule_with_state(q, k, v, g, beta, cache: torch.Tensor, layout: StateLayout) -> torch.Tensor:
     """Flat tokens of a batch. q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv];
     cache: [num_slots, Hv, Dk, Dv] read and updated in place. Returns o [n, Hv, Dv] in v's dtype."""
     hv = v.shape[1]
     qp, kp = prepare_qk(q, k, hv)
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # rows past the last sequence stay zero
-    single, batched = decode_rows(slots, has_initial_state, query_start_loc, v.device)
+    single, batched = layout.single_rows()
     if batched:  # decode tokens, batched
         rows, slot_t, keep = batched
         state = torch.where(keep[:, None, None, None], cache.index_select(0, slot_t).float(), 0.0)
@@ -104,7 +103,7 @@ def gated_delta_rule_with_state(q, k, v, g, beta, cache: torch.Tensor, slots: li
         o, new = recurrent_delta_rule(pick(qp), pick(kp), pick(v), pick(g), pick(beta), state)
         out.index_copy_(0, rows, o[:, 0])
         cache.index_copy_(0, slot_t, new.to(cache.dtype))
-    for slot, start, end, carries in prefill_spans(slots, has_initial_state, query_start_loc, single):
+    for slot, start, end, carries in layout.prefill_spans(single):
         state = cache[slot].float()[None] if carries else v.new_zeros((1, *cache.shape[1:]), dtype=torch.float32)
         sl = slice(start, end)
         o, new = chunk_delta_rule(qp[None, sl], kp[None, sl], v[None, sl], g[None, sl], beta[None, sl], state)
@@ -115,15 +114,15 @@ def gated_delta_rule_with_state(q, k, v, g, beta, cache: torch.Tensor, slots: li
 
 def ref_gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
     meta = get_state_metadata()
-    return gated_delta_rule_with_state(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.slots,
-                                       meta.has_initial_state, meta.query_start_loc)
+    return gated_delta_rule_with_state(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.layout)
 
 
 GATED_DELTA_RULE = register(OpSpec(
     "gated_delta_rule", "Gated DeltaNet linear attention with per-sequence state: chunked prefill, recurrent decode", [
-        Provider("triton", "compiled_llm.ops.triton.delta_rule:gated_delta_rule", lambda caps, shape: caps.triton_ok()),
+        Provider("triton", "compiled_llm.ops.triton.delta_rule:gated_delta_rule", lambda caps, shape: caps.triton_ok(),
+                 capturable=True),
         Provider("reference", "compiled_llm.ops.delta_rule:ref_gated_delta_rule"),
-    ], splits_graph=True))
+    ], splits_graph=True, recurrent_state=True))
 
 
 @torch.library.custom_op("compiled_llm::gated_delta_rule", mutates_args=())

@@ -82,6 +82,7 @@ class OpSpec:
     providers: list[Provider]  # preference order; the last is the reference
     per_layer: bool = False  # resolved per attention layer (shape limits such as head_dim differ by layer)
     splits_graph: bool = False  # reads per-step metadata from the forward context: the compiler splits at it
+    recurrent_state: bool = False  # reads and updates the per-sequence state slots (ops/state.py)
     applies: Callable[[Any], bool] | None = None  # per-layer ops: the layers it serves (None: every layer)
     chosen: dict[Any, tuple[str, Callable]] = field(default_factory=dict)
     _reference: Callable | None = None

@@ -23,11 +23,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from compiled_llm.compiler.backend import CompilerConfig
 from compiled_llm.compiler.inspect import Tensor, inspect_compile
+from compiled_llm.compiler import whole_graph_decode_ok
 from compiled_llm.compiler.model import CompiledModel
 from compiled_llm.compiler.verify import compare, judged, per_layer
 from compiled_llm.models.interfaces import has_recurrent_state
 from compiled_llm.models.registry import resolve_model_class
-from compiled_llm.ops.registry import OPS, Capabilities, model_facts, preserved_choices, select_providers
+from compiled_llm.ops.registry import Capabilities, model_facts, preserved_choices, select_providers
 
 GPU = Capabilities("cuda", (9, 0), frozenset({"triton"}))  # an H100/H200 with Triton, without FlashInfer
 
@@ -120,7 +121,7 @@ def audit(hf_config: dict, *, device: str = "cuda", dtype: torch.dtype = torch.b
         sizes = sorted(batch_sizes or [])
         ccfg = CompilerConfig(batch_sizes=sizes, cudagraphs=False, full_graph_decode="off", passes=passes,
                               dtype=dtype)
-        compiled = CompiledModel(model, ccfg, device, OPS["attention"].capturable(), whole_graph=not has_recurrent_state(model))
+        compiled = CompiledModel(model, ccfg, device, whole_graph_decode_ok(has_recurrent_state(model)))
         stats: dict = {}
         compiled.backend.compile_fn = inspect_compile(tokens, stats, dedupe)
         compiled.backend.shared_compiles = None  # the audit inspects (or replays, with dedupe) every piece itself

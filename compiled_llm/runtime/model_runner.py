@@ -19,7 +19,7 @@ from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, mrope_batch_pos
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
-from compiled_llm.ops.state import STATE_KEY, StateMetadata, allocate_states, copy_state_slots
+from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, allocate_states, copy_state_slots
 from compiled_llm.runtime.kv_plan import KVCachePlanner
 from compiled_llm.runtime.memory import gib
 from compiled_llm.runtime.sampler import PendingTokens, to_device
@@ -94,9 +94,9 @@ class ModelRunner(KVCachePlanner):
 
             if self.device.type == "cpu":
                 quiet_cpp_extension_import()
-            # sparse KV and recurrent-state ops read per-step host metadata: no whole-graph decode capture
+            # sparse KV reads per-step host metadata: no whole-graph decode capture (compiler whole_graph_decode_ok)
             self.compiler = ModelCompiler(model, config, self.device, self.dtype, self.specs, self.hf_config, facts,
-                                          stateful=bool(self.state_specs) or self.sparse is not None,
+                                          stateful=bool(self.state_specs), sparse=self.sparse is not None,
                                           stage_inputs=self._stage_inputs())
 
     def _stage_inputs(self):
@@ -184,9 +184,9 @@ class ModelRunner(KVCachePlanner):
         metadata."""
         num_seqs = len(ctx.attn_metadata.seq_lens)
         if self.state_specs:
-            ctx.extra[STATE_KEY] = StateMetadata(
-                caches=state_caches, slots=[i % num_slots for i in range(num_seqs)],
-                has_initial_state=[has_state] * num_seqs, query_start_loc=ctx.attn_metadata.query_start_loc)
+            layout = StateLayout.build([i % num_slots for i in range(num_seqs)], [has_state] * num_seqs,
+                                       ctx.attn_metadata.query_start_loc, self.device)
+            ctx.extra[STATE_KEY] = StateMetadata(caches=state_caches, layout=layout)
         if self.sparse is not None:
             ctx.extra[SPARSE_KEY] = self.sparse.decode_metadata([False] * num_seqs)
         return ctx
@@ -222,9 +222,10 @@ class ModelRunner(KVCachePlanner):
             tables = [item.seq.block_tables[g] + [-1] * (width - len(item.seq.block_tables[g])) for item in batch]
             metas[g] = GroupMetadata(to_device(tables, torch.int32, dev), to_device(slots[g], torch.long, dev))
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas)
-        if dev.type == "cuda":  # made here without a stream sync (the attention kernels would make them with one)
-            meta.seq_lens_tensor = to_device(seq_lens, torch.int32, dev)
-            meta.query_start_loc_tensor = to_device(qsl, torch.int32, dev)
+        # made here without a stream sync (the attention kernels would make them with one); on the CPU too, where
+        # they cost nothing and the reference decode attention reads them
+        meta.seq_lens_tensor = to_device(seq_lens, torch.int32, dev)
+        meta.query_start_loc_tensor = to_device(qsl, torch.int32, dev)
         positions = torch.tensor(pos, dtype=torch.long)
         if any(item.seq.mm is not None and item.seq.mm.mrope is not None for item in batch):
             positions = mrope_batch_positions(batch, positions)
@@ -238,13 +239,15 @@ class ModelRunner(KVCachePlanner):
 
     def forward_context(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> ForwardContext:
         """The context the ops read: KV cache and, for hybrid models, each sequence's state slot
-        (a sequence starts from a zero state on its first chunk)."""
+        (a sequence starts from a zero state on its first chunk). The state ops' batch layout is built and
+        uploaded here, once per step (pinned, non-blocking): the ops read its device tensors, never the host."""
         extra = {}
         if self.state_specs:
+            layout = StateLayout.build([item.seq.state_slot for item in batch],
+                                       [item.seq.num_computed_tokens > 0 for item in batch], meta.query_start_loc,
+                                       self.device)
             extra[STATE_KEY] = StateMetadata(
-                caches=self.state_caches, slots=[item.seq.state_slot for item in batch],
-                has_initial_state=[item.seq.num_computed_tokens > 0 for item in batch],
-                query_start_loc=meta.query_start_loc,
+                caches=self.state_caches, layout=layout,
                 copies_before=[(i.load_state, i.seq.state_slot) for i in batch if i.load_state is not None],
                 copies_after=[(i.seq.state_slot, i.save_state) for i in batch if i.save_state is not None])
         if self.sparse is not None:

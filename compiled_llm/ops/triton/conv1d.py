@@ -3,11 +3,13 @@ Gated DeltaNet layers), in two launches and no host sync:
 
 1. `_conv_kernel`: every (token tile, channel tile) program computes out[t] = silu(sum_j w[:, j] * ext[t + j])
    where ext is the sequence's saved window (K-1 inputs; zeros on its first chunk) followed by its tokens.
-   The sequence of each token comes from a searchsorted over the offsets, so decode and prefill share it.
+   The sequence of each token comes from the step's layout (ops/state.py: seq_of, built on the host once per
+   step); at decode, token t is sequence t's, and the kernel needs no map.
 2. `_state_kernel`: one program per (sequence, channel tile) writes the new window, the last K-1 entries of
    ext, over the old one (after launch 1 has read it).
 
-Rows past the last sequence (CUDA-graph padding) come out zero, as in the reference.
+Rows past the last sequence (CUDA-graph padding) come out zero, as in the reference; sequences without tokens
+(whole-graph decode padding) leave their slot alone. Only device tensors are read: a CUDA graph replays both.
 """
 
 from __future__ import annotations
@@ -16,21 +18,26 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled_llm.ops.state import get_state_metadata
+from compiled_llm.ops.state import StateLayout, get_state_metadata
 
 
 @triton.jit
 def _conv_kernel(X, W, Cache, Out, SeqOf, Qsl, Slots, Init,
-                 n_tokens, n_seqs, dim,
+                 n_tokens, n_mapped, n_seqs, dim,
                  stride_xt, stride_ot, stride_cs, stride_cd,
-                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DECODE: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < dim
-    seq = tl.load(SeqOf + t, mask=t < n_tokens, other=n_seqs)
-    live = seq < n_seqs
-    seq_c = tl.where(live, seq, 0)
-    start = tl.load(Qsl + seq_c, mask=live, other=0)
+    if DECODE:  # token t, if any, is sequence t's only token
+        seq = t
+    else:  # n_mapped: the tokens the map covers (the rows after them are padding)
+        seq = tl.load(SeqOf + t, mask=t < n_mapped, other=n_seqs)
+    in_batch = seq < n_seqs
+    seq_c = tl.where(in_batch, seq, 0)
+    start = tl.load(Qsl + seq_c, mask=in_batch, other=0)
+    end = tl.load(Qsl + seq_c + 1, mask=in_batch, other=0)
+    live = in_batch & (t >= start) & (t < end)
     slot = tl.load(Slots + seq_c, mask=live, other=0).to(tl.int64)
     init = tl.load(Init + seq_c, mask=live, other=0) != 0
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
@@ -76,28 +83,29 @@ def _state_kernel(X, Cache, Qsl, Slots, Init, dim,
         tl.store(base + i[:, None], new, mask=wmask[:, None] & dmask[None, :])
 
 
-def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, query_start_loc: torch.Tensor,
-                         slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """x [tokens, dim]; weight [dim, K]; cache [num_slots, dim, K-1] (updated in place); query_start_loc
-    [num_seqs + 1], slots and has_initial_state [num_seqs], int32 on x's device. Returns [tokens, dim]."""
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
+                         layout: StateLayout) -> torch.Tensor:
+    """x [tokens, dim] (rows past the layout's tokens: padding); weight [dim, K]; cache [num_slots, dim, K-1]
+    (updated in place); layout: the step's sequences, its tensors on x's device. Returns [tokens, dim]."""
     n, dim = x.shape
     k = weight.shape[1]
     out = torch.zeros_like(x)
-    num_seqs = slots.numel()
+    num_seqs = layout.num_seqs
     if n == 0 or num_seqs == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
     assert cache.shape[1:] == (dim, k - 1) and cache.stride(2) == 1, (cache.shape, dim, k)
-    seq_of = torch.searchsorted(query_start_loc[1:], torch.arange(n, device=x.device, dtype=torch.int32), right=True)
-    seq_of = seq_of.to(torch.int32)
+    t = layout.tensors
+    qsl, slots, init = t["query_start_loc"], t["slots"], t["has_initial_state"]
+    seq_of = qsl if layout.decode else t["seq_of"]  # not read at decode
     block_t, block_d = 16, 128
     _conv_kernel[(triton.cdiv(n, block_t), triton.cdiv(dim, block_d))](
-        x, weight, cache, out, seq_of, query_start_loc, slots, has_initial_state,
-        n, num_seqs, dim, x.stride(0), out.stride(0), cache.stride(0), cache.stride(1),
-        K=k, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+        x, weight, cache, out, seq_of, qsl, slots, init,
+        n, seq_of.numel(), num_seqs, dim, x.stride(0), out.stride(0), cache.stride(0), cache.stride(1),
+        K=k, BLOCK_T=block_t, BLOCK_D=block_d, DECODE=layout.decode, num_warps=4)
     _state_kernel[(num_seqs, triton.cdiv(dim, block_d))](
-        x, cache, query_start_loc, slots, has_initial_state, dim,
+        x, cache, qsl, slots, init, dim,
         x.stride(0), cache.stride(0), cache.stride(1),
         K=k, BLOCK_W=max(2, triton.next_power_of_2(k - 1)), BLOCK_D=block_d, num_warps=4)
     return out
@@ -106,5 +114,4 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Ten
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """The op's Triton provider: state and batch layout from the forward context."""
     meta = get_state_metadata()
-    qsl, slots, init = meta.device_tensors(x.device)
-    return causal_conv1d_varlen(x, weight, meta.caches[layer_idx]["conv"], qsl, slots, init)
+    return causal_conv1d_varlen(x, weight, meta.caches[layer_idx]["conv"], meta.layout)

@@ -12,6 +12,9 @@ reads key head h // (Hv // Hk); the state [slots, Hv, Dk, Dv] is float32 and upd
   (I - L)(I + L^2)(I + L^4)... (L is nilpotent). A prep kernel computes u, w and the masked scores
   A = tril(exp(c_i - c_j) q_i.k_j) for all chunks in parallel; the state kernel then walks each sequence's
   chunks: o = exp(c) Q S + A d, S <- exp(c_C) S + (exp(c_C - c) K)^T d.
+The batch layout (offsets, slots, initial-state flags, chunk plan) is the step's StateLayout (ops/state.py),
+built and uploaded once per step: the kernels read device tensors only, and sequences without tokens (whole-graph
+decode padding) leave their slot alone, so a CUDA graph replays the decode launch.
 Matmuls run as 3xTF32 (float32-grade) for float32 models, so results track the reference, TF32 otherwise.
 """
 
@@ -21,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled_llm.ops.state import get_state_metadata
+from compiled_llm.ops.state import DELTA_RULE_CHUNK, StateLayout, get_state_metadata
 from compiled_llm.ops.triton._common import dot_precision
 
 RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recurrent kernel
-CHUNK = 64
+CHUNK = DELTA_RULE_CHUNK
 
 
 @triton.jit
@@ -62,7 +65,7 @@ def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT,
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], 0)
         tl.store(O + t64 * so_t + hv * so_h + ov, o.to(O.dtype.element_ty), mask=mv)
-    tl.store(s_ptr, s.to(S.dtype.element_ty), mask=m2)
+    tl.store(s_ptr, s.to(S.dtype.element_ty), mask=m2 & (end > start))  # no tokens: the slot is not ours
 
 
 @triton.jit
@@ -164,27 +167,16 @@ def _gdr_chunk_state_kernel(Q, K, U, W, A, CUM, O, S, QSL, SLOTS, INIT, CH_FIRST
         tl.store(O + t[:, None] * so_t + hv * so_h + ov[None, :], o.to(O.dtype.element_ty), mask=mtv)
         kd = tl.where(mt[:, None], k * tl.exp(c_last - c)[:, None], 0.0)
         s = s * tl.exp(c_last) + tl.dot(tl.trans(kd), d, input_precision=PREC)
-    tl.store(s_ptr, s.to(S.dtype.element_ty), mask=m2)
+    tl.store(s_ptr, s.to(S.dtype.element_ty), mask=m2 & (end > start))  # no tokens: the slot is not ours
 
 
 def _lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _plan_chunks(loc: list[int], chunk: int) -> tuple[list[int], list[int], list[int]]:
-    """Chunk starts and ends (the sequence's end) in token order, and each sequence's first chunk index."""
-    starts, ends, first = [], [], [0]
-    for a, b in zip(loc[:-1], loc[1:]):
-        starts.extend(range(a, b, chunk))
-        ends.extend([b] * len(range(a, b, chunk)))
-        first.append(len(starts))
-    return starts, ends, first
-
-
-def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, loc: list[int], slots: torch.Tensor,
-                            has_initial_state: torch.Tensor, chunk: int = CHUNK,
-                            query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
-    """Tokens of sequence i are loc[i]:loc[i + 1]; slots and has_initial_state are int32 per sequence."""
+def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: StateLayout) -> torch.Tensor:
+    """Flat tokens of the layout's sequences (rows past them: padding, left zero); its tensors on v's device.
+    The chunked path takes layout.chunk tokens a chunk."""
     q, k, v = _lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v)
     g, beta = g.contiguous(), beta.contiguous()
     n, hk, dk = q.shape
@@ -192,38 +184,36 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, loc: list[int
     assert cache.stride(-1) == 1 and cache.shape[1:] == (hv, dk, dv), (cache.shape, (hv, dk, dv))
     dev = v.device
     o = torch.zeros(v.shape, dtype=v.dtype, device=dev)
-    num_seqs = len(loc) - 1
+    num_seqs = layout.num_seqs
     if n == 0 or num_seqs == 0:
         return o
-    if query_start_loc is None:
-        query_start_loc = torch.tensor(loc, dtype=torch.int32, device=dev)
-    max_len = max(b - a for a, b in zip(loc[:-1], loc[1:]))
+    t = layout.tensors
+    query_start_loc, slots, has_initial_state = t["query_start_loc"], t["slots"], t["has_initial_state"]
     bk = max(16, triton.next_power_of_2(dk))
     bv = max(16, min(32, triton.next_power_of_2(dv)))
     prec = dot_precision(v.dtype)
     grid = (num_seqs, hv, triton.cdiv(dv, bv))
     scale, eps = dk ** -0.5, 1e-6
-    if max_len <= RECURRENT_MAX_LEN:
+    if layout.max_query_len <= RECURRENT_MAX_LEN:
         _gdr_recurrent_kernel[grid](
             q, k, v, g, beta, o, cache, query_start_loc, slots, has_initial_state,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
             o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps,
             REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
         return o
-    starts, ends, first = _plan_chunks(loc, chunk)
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+    chunk, num_chunks = layout.chunk, layout.num_chunks
     u = torch.empty((n, hv, dv), dtype=torch.float32, device=dev)
     w = torch.empty((n, hv, dk), dtype=torch.float32, device=dev)
     cum = torch.empty((n, hv), dtype=torch.float32, device=dev)
-    scores = torch.empty((len(starts), hv, chunk, chunk), dtype=torch.float32, device=dev)
-    _gdr_chunk_prep_kernel[(len(starts), hv)](
-        q, k, v, g, beta, u, w, scores, cum, i32(starts), i32(ends),
+    scores = torch.empty((num_chunks, hv, chunk, chunk), dtype=torch.float32, device=dev)
+    _gdr_chunk_prep_kernel[(num_chunks, hv)](
+        q, k, v, g, beta, u, w, scores, cum, t["chunk_starts"], t["chunk_ends"],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         u.stride(0), u.stride(1), w.stride(0), w.stride(1), cum.stride(0), scale, eps,
         REP=hv // hk, DK=dk, DV=dv, BK=bk, BDV=max(16, triton.next_power_of_2(dv)), C=chunk,
         LOG2C=chunk.bit_length() - 1, PREC=prec, num_warps=4)
     _gdr_chunk_state_kernel[grid](
-        q, k, u, w, scores, cum, o, cache, query_start_loc, slots, has_initial_state, i32(first),
+        q, k, u, w, scores, cum, o, cache, query_start_loc, slots, has_initial_state, t["chunk_first"],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), u.stride(0), u.stride(1), w.stride(0), w.stride(1),
         cum.stride(0), o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps,
         REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, PREC=prec, num_warps=4,
@@ -234,6 +224,4 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, loc: list[int
 def gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
     """The op's Triton provider: state and batch layout from the forward context."""
     meta = get_state_metadata()
-    qsl, slots, init = meta.device_tensors(v.device)
-    return gated_delta_rule_varlen(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.query_start_loc, slots,
-                                   init, query_start_loc=qsl)
+    return gated_delta_rule_varlen(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.layout)
