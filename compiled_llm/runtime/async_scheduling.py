@@ -2,7 +2,7 @@
 engine can run that way, which requests make it step synchronously, and what a launched step carries until its
 sampled tokens are read (the engine's `_step_async` drives it).
 
-The sampled tokens stay on the device and feed the next step's inputs there (model_runner.py `fill_pending`).
+The sampled tokens stay on the device and feed the next step's inputs there (sampler.py `fill_pending`).
 Under tensor parallelism every rank needs them in its own inputs: rank 0 alone samples (the draws are the
 one-process engine's, seeded or greedy) and broadcasts the few it needs over the tensor-parallel group on the
 device, at the start of the next step (executor/worker.py `_fill_pending`); the step itself goes to the workers

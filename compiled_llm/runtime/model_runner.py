@@ -22,7 +22,7 @@ from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateMetadata, allocate_states, copy_state_slots
 from compiled_llm.runtime.kv_plan import KVCachePlanner
 from compiled_llm.runtime.memory import gib
-from compiled_llm.runtime.sampler import PendingTokens, to_device
+from compiled_llm.runtime.sampler import PendingTokens, fill_pending, to_device
 from compiled_llm.runtime.scheduler import ScheduledSeq
 from compiled_llm.runtime.sparse_kv import SparseKV, SparseKVConfig
 
@@ -48,12 +48,6 @@ def quiet_cpp_extension_import() -> None:
         import torch.utils.cpp_extension  # noqa: F401
     finally:
         logger.setLevel(level)
-
-
-def fill_pending(input_ids: torch.Tensor, fill: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor) -> None:
-    """Async scheduling: the placeholders in input_ids (rows fill[0]) get the previous step's sampled tokens
-    (rows fill[1] of tokens), on the device, without waiting for them to reach the host."""
-    input_ids[fill[0]] = tokens[fill[1]].to(input_ids.dtype)
 
 
 class ModelRunner(KVCachePlanner):

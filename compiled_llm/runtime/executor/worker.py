@@ -78,6 +78,25 @@ class RankWorker:
                 "layers": model.stage_layers() if supports_pp(model) else (None, None),
                 "device": str(self.runner.device)}
 
+    def sync_debug(self, on: bool) -> list[tuple[str, int]] | None:
+        """GPU tools: on, counts this rank's blocking host syncs (torch's sync debug mode) until called off,
+        which returns the sites, most frequent first. Under async scheduling a worker that blocks on its
+        stream stops the overlap as surely as the driver (scripts/gpu_smoke.py reads every rank)."""
+        import warnings
+        from collections import Counter
+
+        if not torch.cuda.is_available():
+            return None
+        if on:
+            self._sync_catch = warnings.catch_warnings(record=True)
+            self._sync_seen = self._sync_catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            return None
+        torch.cuda.set_sync_debug_mode(0)
+        self._sync_catch.__exit__(None, None, None)
+        return Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in self._sync_seen).most_common(12)
+
     # media of multimodal requests: registered once when admitted, released when they end
     def register_media(self, request_id: str, manifest: transport.Manifest) -> str | None:
         """Copies the request's processor tensors into this rank's registry. Returns None, or the error text:
