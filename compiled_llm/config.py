@@ -50,8 +50,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     load_format: str = "auto"  # auto | dummy
     enforce_eager: bool = False
-    async_scheduling: bool | None = None  # launch step N+1 before step N's tokens reach the host; None: on for
-    # one CUDA process (measured: 697 -> 770 tok/s on the H200), off where it cannot overlap (CPU) or run
+    async_scheduling: bool | None = None  # launch step N+1 before step N's tokens reach the host; None: on on
+    # CUDA, one process or tensor parallel (697 -> 770 tok/s on one H200), off where it cannot overlap (CPU) or
+    # run (pipeline parallel, sparse KV)
     # compiler (docs/compiler.md); ignored with enforce_eager
     compile_cache: str | None = None  # folder of precompiled artefacts (python -m compiled_llm compile-cache)
     jit_monitor: str = "off"  # off | warn | error: what a JIT compile after start-up warm-up does
@@ -127,8 +128,9 @@ _HELP = {
     "load_format": "auto (safetensors) or dummy (random weights of the right shapes)",
     "enforce_eager": "run the model in eager mode: no torch.compile, no CUDA Graphs",
     "async_scheduling": "prepare and launch each step while the previous one still runs on the device; its "
-                        "tokens are read one step later (one process; requests with penalties step synchronously). "
-                        "Default: on for a single-process CUDA engine without a sparse KV method, else off",
+                        "tokens are read one step later (one process or tensor parallel; requests with penalties "
+                        "step synchronously). Default: on for a CUDA engine without pipeline parallel or a sparse "
+                        "KV method, else off",
     "compile_cache": "folder of precompiled compiler artefacts (build it with `compile-cache`); a stale or corrupt "
                      "cache is rebuilt there, with a warning",
     "jit_monitor": "off, warn or error: what a JIT compile after start-up warm-up does (error: raise)",

@@ -253,6 +253,9 @@ def async_run(llm: LLM, prompts: list[dict], params: SamplingParams, out_tokens:
         short = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         llm.generate(prompts, short)
         gpu = torch.cuda.is_available()
+        rpc = getattr(engine.executor, "collective_rpc", None)  # tensor parallel: the workers' syncs too
+        if rpc and gpu:
+            rpc("sync_debug", True)
         if gpu:
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -263,13 +266,15 @@ def async_run(llm: LLM, prompts: list[dict], params: SamplingParams, out_tokens:
             if gpu:
                 torch.cuda.set_sync_debug_mode(0)
         where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
+        workers = rpc("sync_debug", False)[1:] if rpc and gpu else []
     finally:
         engine.async_scheduling = False
     res = {"tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times], "tokens_equal": f"{equal}/{len(ref)}",
            "async_steps": engine.async_steps, "profile": prof, "syncs_in_24_steps": len(caught),
-           "sync_sites": where.most_common(12)}
+           "sync_sites": where.most_common(12), "worker_sync_sites": workers}
     print(f"big async scheduling: {tok_s:.1f} tok/s (runs {res['runs_s']}), tokens equal {res['tokens_equal']}, "
-          f"{len(caught)} host syncs in a 24-token generate: {where.most_common(6)}", flush=True)
+          f"{len(caught)} host syncs in a 24-token generate: {where.most_common(6)}"
+          + (f"; workers' (rank 1..): {workers}" if workers else ""), flush=True)
     return res
 
 
@@ -370,7 +375,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--max-autotune", default="off", help="big: off | static | all (Inductor GEMM autotuning)")
     ap.add_argument("--compile-sizes", default=None, help="big: `none` replays the dynamic compile at every batch size")
-    ap.add_argument("--tp", type=int, default=1, help="big: tensor-parallel size (the profile is rank 0's)")
+    ap.add_argument("--tp", type=int, default=1, help="big: tensor-parallel size (the profile is rank 0's; sync "
+                    "and async scheduling side by side, with every rank's host syncs)")
     ap.add_argument("--tp-allreduce", default="nccl", help="big, --tp 2: nccl or symm-mem")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the tiny section's logic before a GPU call")
     args = ap.parse_args()

@@ -113,9 +113,9 @@ def test_async_scheduling_is_refused_with_a_warning_where_it_cannot_run(caplog):
 
 
 def test_default_is_on_for_one_cuda_process_and_silently_off_elsewhere(caplog):
-    """Unset, async scheduling turns on where it overlaps host and device (one CUDA process without a sparse KV
-    method: 697 -> 770 tok/s on the H200) and stays off without a word elsewhere; asked for where it cannot
-    run, it says why."""
+    """Unset, async scheduling turns on where it overlaps host and device (CUDA, one process or tensor parallel,
+    without a sparse KV method: 697 -> 770 tok/s on one H200) and stays off without a word elsewhere; asked for
+    where it cannot run (pipeline parallel), it says why."""
     from types import SimpleNamespace
 
     from compiled_llm.config import EngineConfig
@@ -123,17 +123,18 @@ def test_default_is_on_for_one_cuda_process_and_silently_off_elsewhere(caplog):
 
     assert EngineConfig().async_scheduling is None
 
-    def decide(asked, device="cuda", ranks=1, sparse=None):  # the config as resolve_device leaves it
-        executor = SimpleNamespace(supports_async_scheduling=ranks == 1, sparse=sparse)
+    def decide(asked, device="cuda", pp=1, sparse=None):  # the config as resolve_device leaves it
+        executor = SimpleNamespace(supports_async_scheduling=pp == 1, sparse=sparse,
+                                   async_refusal="pipeline-parallel stages step synchronously")
         return async_scheduling_possible(SimpleNamespace(device=device, async_scheduling=asked), executor)
 
     caplog.clear()
-    assert decide(None) and decide(True) and not decide(False)
+    assert decide(None) and decide(True) and not decide(False)  # one process or tensor parallel
     assert not decide(None, device="cpu") and decide(True, device="cpu")
-    assert not decide(None, ranks=2) and not decide(None, sparse="streamingllm")
+    assert not decide(None, pp=2) and not decide(None, sparse="streamingllm")
     assert not any("async scheduling" in r.getMessage() for r in caplog.records)
-    assert not decide(True, ranks=2)
-    assert any("async scheduling is off: several ranks" in r.getMessage() for r in caplog.records)
+    assert not decide(True, pp=2)
+    assert any("async scheduling is off: pipeline-parallel" in r.getMessage() for r in caplog.records)
 
 
 def test_server_front_streams_async_steps_like_synchronous_ones(engines):

@@ -244,11 +244,14 @@ def test_expert_parallel_all_to_all_dispatch(tiny_ckpt, parallel_llm, monkeypatc
     assert generate_ids(llm, ps) == ref
 
 
-def test_pp2_greedy_and_stage_weights(tiny_ckpt, parallel_llm):
+def test_pp2_greedy_and_stage_weights(tiny_ckpt, parallel_llm, caplog):
     """PLE per-layer inputs and hidden states cross the stage boundary; the KV-sharing layers (5, 6)
-    stay on the stage of their sources (3, 4); the tied embedding feeds the last stage's head."""
+    stay on the stage of their sources (3, 4); the tied embedding feeds the last stage's head. Async
+    scheduling, asked for, is refused with the reason (pipeline stages step synchronously)."""
     ps, ref, full, _ = reference(tiny_ckpt, "all")
-    llm = parallel_llm("all", pipeline_parallel_size=2)
+    llm = parallel_llm("all", pipeline_parallel_size=2, async_scheduling=True)
+    assert not llm.engine.async_scheduling
+    assert any("async scheduling is off: pipeline-parallel" in r.getMessage() for r in caplog.records)
     assert generate_ids(llm, ps) == ref
     executor = llm.engine.executor
     info = executor.collective_rpc("info")

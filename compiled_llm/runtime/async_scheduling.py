@@ -1,6 +1,14 @@
 """Async scheduling: the next step is scheduled and launched while the last one runs on the device. When an
 engine can run that way, which requests make it step synchronously, and what a launched step carries until its
-sampled tokens are read (the engine's `_step_async` drives it)."""
+sampled tokens are read (the engine's `_step_async` drives it).
+
+The sampled tokens stay on the device and feed the next step's inputs there (sampler.py `fill_pending`).
+Under tensor parallelism every rank needs them in its own inputs: rank 0 alone samples (the draws are the
+one-process engine's, seeded or greedy) and broadcasts the few it needs over the tensor-parallel group on the
+device, at the start of the next step (executor/worker.py `_fill_pending`); the step itself goes to the workers
+prepared on the host, naming the rows the tokens go to. Sampling on every rank instead would need every
+rank's RNG state kept equal and bit-identical logits on all of them. Pipeline-parallel engines still step
+synchronously (not built yet: its stages already run one after another within a step, without micro-batches)."""
 
 from __future__ import annotations
 
@@ -35,12 +43,12 @@ class InFlight:
 
 def async_scheduling_possible(config: EngineConfig, executor) -> bool:
     """Asked for (True): on, or a warning saying why not. Default (None): on where it can overlap the host
-    with the device (one CUDA process, no sparse KV method), silently off elsewhere."""
+    with the device (CUDA, one process or tensor parallel, no sparse KV method), silently off elsewhere."""
     if config.async_scheduling is False:
         return False
     why = None
     if not executor.supports_async_scheduling:
-        why = "several ranks (tensor/pipeline parallel) step synchronously"
+        why = getattr(executor, "async_refusal", "this executor steps synchronously")
     elif executor.sparse is not None:
         why = "sparse KV methods step synchronously"
     elif config.async_scheduling is None and not str(config.device).startswith("cuda"):

@@ -22,7 +22,7 @@ from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, allocate_states, copy_state_slots
 from compiled_llm.runtime.kv_plan import KVCachePlanner
 from compiled_llm.runtime.memory import gib
-from compiled_llm.runtime.sampler import PendingTokens, to_device
+from compiled_llm.runtime.sampler import PendingTokens, fill_pending, to_device
 from compiled_llm.runtime.scheduler import ScheduledSeq
 from compiled_llm.runtime.sparse_kv import SparseKV, SparseKVConfig
 
@@ -195,8 +195,18 @@ class ModelRunner(KVCachePlanner):
     def prepare(self, batch: list[ScheduledSeq], pending: PendingTokens | None = None):
         """The step's device inputs. pending (async scheduling): the previous step's sampled tokens, still on
         the device; a sequence whose last token is a placeholder for one of them gets it copied in there."""
+        rows_of = None if pending is None else pending.rows
+        input_ids, positions, meta, rows, fill = self.prepare_inputs(batch, rows_of, self.device)
+        if fill is not None:
+            fill_pending(input_ids, fill, pending.tokens)
+        return input_ids, positions, meta, rows
+
+    def prepare_inputs(self, batch: list[ScheduledSeq], pending_rows: dict[int, int] | None, dev: torch.device):
+        """(input ids, positions, metadata, logit rows, fill) on dev. The multi-process driver prepares them on
+        the CPU for the wire (every rank then moves them to its own device). fill (async scheduling): None, or
+        (rows of input_ids, rows of the previous step's sampled tokens) that each rank copies on its device;
+        pending_rows: seq_id -> row of the sequences whose last token is a placeholder."""
         bs = self.block_size
-        dev = self.device
         ids, pos, qsl, seq_lens, logit_rows = [], [], [0], [], []
         fill_at, fill_from = [], []
         groups = self.kv_groups
@@ -205,9 +215,9 @@ class ModelRunner(KVCachePlanner):
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
             ids.extend(seq.token_ids[start:end])
-            if pending is not None and end == len(seq) and seq.seq_id in pending.rows:
+            if pending_rows and end == len(seq) and seq.seq_id in pending_rows:
                 fill_at.append(len(ids) - 1)
-                fill_from.append(pending.rows[seq.seq_id])
+                fill_from.append(pending_rows[seq.seq_id])
             pos.extend(range(start, end))
             qsl.append(qsl[-1] + item.num_tokens)
             seq_lens.append(end)
@@ -232,10 +242,9 @@ class ModelRunner(KVCachePlanner):
             if bool((positions == positions[:1]).all()):  # text and decode tokens only: one row says it all,
                 positions = positions[0]  # and the step keeps the compiled path
         input_ids = to_device(ids, torch.long, dev)
-        if fill_at:
-            input_ids[to_device(fill_at, torch.long, dev)] = pending.tokens[to_device(fill_from, torch.long, dev)]
+        fill = (to_device(fill_at, torch.long, dev), to_device(fill_from, torch.long, dev)) if fill_at else None
         positions = positions.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else positions
-        return input_ids, positions, meta, to_device(logit_rows, torch.long, dev)
+        return input_ids, positions, meta, to_device(logit_rows, torch.long, dev), fill
 
     def forward_context(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> ForwardContext:
         """The context the ops read: KV cache and, for hybrid models, each sequence's state slot

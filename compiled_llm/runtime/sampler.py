@@ -157,6 +157,12 @@ class PendingTokens:
     rows: dict[int, int]
 
 
+def fill_pending(input_ids: torch.Tensor, fill: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor) -> None:
+    """Async scheduling: the placeholders in input_ids (rows fill[0]) get the previous step's sampled tokens
+    (rows fill[1] of tokens), on the device, without waiting for them to reach the host."""
+    input_ids[fill[0]] = tokens[fill[1]].to(input_ids.dtype)
+
+
 @dataclass
 class SampledBatch:
     """One step's draws, still on the device (`token_ids` feeds the next step's inputs under async

@@ -73,6 +73,7 @@ class Executor(ABC):
         tokens still on the device, for an executor that supports async scheduling."""
 
     supports_async_scheduling = False  # the next step may launch before the last one's tokens reach the host
+    async_refusal = "this executor steps synchronously"  # why not, when it may not (the warning says it)
 
     def register_media(self, request_id: str, mm) -> None:
         """Makes an admitted request's media available to every rank that runs a tower. One process: the

@@ -8,6 +8,13 @@ then compute the same tokens and meet in their all-reduces. Pipeline stages run 
 micro-batches in this version): a stage receives the previous stage's hidden states (and PLE per-layer
 inputs), runs its layers and sends them on; the last stage's first rank sends the logits back to rank 0.
 
+Under async scheduling (tensor parallel, with or without expert parallel) the driver prepares step N+1 on
+the host and sends it before step N's tokens are read: the step names the input rows that take them, and rank
+0, the only rank that samples, broadcasts those tokens over the tensor-parallel group on the device ahead of
+the step's forward (worker.py `_fill_pending`). Nothing of it waits on the host, on the driver or a worker;
+greedy and seeded draws are the one-process engine's, since they are rank 0's alone. Pipeline stages step
+synchronously.
+
 Ranks 1..N-1 of the engine's node are spawned processes running worker_main.py's `worker_main`
 (supervision.py WorkerProcesses); with several nodes, `run_node` starts a node's ranks, or torchrun
 starts one process per rank (launch.py `torchrun_rank`).
@@ -63,6 +70,10 @@ class MultiProcExecutor(Executor):
             raise ValueError(f"model folder {folder} does not exist")
         check_parallel_config(config, resolve_model_class(read_hf_config(folder)))
         self.config = config
+        # tensor parallel (with or without experts): rank 0 broadcasts the sampled tokens (worker.py)
+        self.supports_async_scheduling = config.pipeline_parallel_size == 1
+        if not self.supports_async_scheduling:
+            self.async_refusal = "pipeline-parallel stages step synchronously (one after another)"
         self.dead: EngineDeadError | None = None
         # all ranks on this node see its /dev/shm; across nodes media bytes travel with the RPC
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size(config)))
@@ -143,20 +154,24 @@ class MultiProcExecutor(Executor):
 
     @torch.inference_mode()  # the step's tensors as warm-up made them: an ordinary tensor fails Dynamo's
     def execute(self, batch: list[ScheduledSeq], pending=None) -> torch.Tensor:  # guard, a recompile each run
-        if pending is not None:
-            raise ValueError("async scheduling is not supported across ranks")
+        """pending (async scheduling, tensor parallel only): the previous step's tokens on rank 0's device. The
+        step goes to the workers before they are read; rank 0 broadcasts the ones it needs on the device."""
+        if pending is not None and not self.supports_async_scheduling:
+            raise ValueError(f"async scheduling is not supported here: {self.async_refusal}")
         self._check()
         try:
-            step = self._step_input(batch)
-            cpu = torch.device("cpu")
-            broadcast_object(("execute", (step if self.device.type == "cpu" else to_device(step, cpu),), False))
-            return self.worker.execute(step)
+            step = self._step_input(batch, pending)
+            broadcast_object(("execute", (step,), False))
+            return self.worker.execute(step, None if pending is None else pending.tokens)
         except Exception as e:
             raise self._fail(e) from e
 
-    def _step_input(self, batch: list[ScheduledSeq]) -> StepInput:
-        """The step as every rank runs it, prepared once here."""
-        input_ids, positions, meta, rows = self.runner.prepare(batch)
+    def _step_input(self, batch: list[ScheduledSeq], pending=None) -> StepInput:
+        """The step as every rank runs it, prepared once here on the host: copying device tensors back for
+        the wire would wait for the step still running (each rank moves them to its device)."""
+        cpu = torch.device("cpu")
+        input_ids, positions, meta, rows, fill = self.runner.prepare_inputs(
+            batch, None if pending is None else pending.rows, cpu)
         ctx = self.runner.forward_context(batch, meta)
         media = None
         if has_media(batch):  # the step names the media; every first-stage rank embeds its own copy
@@ -165,7 +180,8 @@ class MultiProcExecutor(Executor):
             ctx.extra[BIDIR_KEY] = plan.spans
             media = MediaRefs(plan.rows, [(s.request_id, k, lo, hi) for s, k, lo, hi in plan.refs],
                               sorted({s.request_id for s in plan.done}))
-        return StepInput(input_ids, positions, meta, rows, wire_extras(ctx.extra), media)
+        step = StepInput(input_ids, positions, meta, rows, wire_extras(ctx.extra), media, *(fill or (None, None)))
+        return to_device(step, cpu)  # any device tensor an extra holds (sparse KV: synchronous steps only)
 
     def register_media(self, request_id: str, mm) -> None:
         """Hands a multimodal request's processor tensors to every rank once (docs/multimodal.md). If a rank

@@ -1,5 +1,9 @@
 """What the driver sends the other ranks each step: the prepared inputs, built once on rank 0 and run by
-every rank. The wire carries CPU tensors (a gloo broadcast); each rank moves them to its own device."""
+every rank. The wire carries CPU tensors (a gloo broadcast); each rank moves them to its own device.
+
+Under async scheduling the step is sent before the previous step's sampled tokens are known on the host: it
+names where they go (fill_at) and rank 0 broadcasts them over the tensor-parallel group on the device
+(worker.py `RankWorker.execute`), so no rank waits for them on the host."""
 
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ class StepInput:
     rows: torch.Tensor  # token rows whose logits are wanted
     extra: dict  # forward-context extras (no per-rank state in them: see wire_extras)
     media: MediaRefs | None = None
+    # async scheduling: input_ids rows that take the previous step's sampled tokens, and those tokens' rows in
+    # rank 0's sampled batch (rank 0 gathers them and broadcasts them to the group, on the device)
+    fill_at: torch.Tensor | None = None
+    fill_from: torch.Tensor | None = None
 
 
 def wire_extras(extra: dict) -> dict:
@@ -48,8 +56,12 @@ def rank_extras(extra: dict, state_caches: dict) -> dict:
 
 
 def to_device(obj, device: torch.device):
-    """Tensors inside the step's metadata, moved to device (the wire carries CPU tensors)."""
+    """Tensors inside the step's metadata, moved to device (the wire carries CPU tensors). Onto a GPU through
+    pinned memory and non-blocking copies: a plain copy waits for the stream to drain, and under async
+    scheduling the stream still runs the previous step."""
     if isinstance(obj, torch.Tensor):
+        if torch.device(device).type == "cuda" and obj.device.type == "cpu":
+            return obj.pin_memory().to(device, non_blocking=True)
         return obj.to(device)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)

@@ -78,6 +78,25 @@ class RankWorker:
                 "layers": model.stage_layers() if supports_pp(model) else (None, None),
                 "device": str(self.runner.device)}
 
+    def sync_debug(self, on: bool) -> list[tuple[str, int]] | None:
+        """GPU tools: on, counts this rank's blocking host syncs (torch's sync debug mode) until called off,
+        which returns the sites, most frequent first. Under async scheduling a worker that blocks on its
+        stream stops the overlap as surely as the driver (scripts/gpu_smoke.py reads every rank)."""
+        import warnings
+        from collections import Counter
+
+        if not torch.cuda.is_available():
+            return None
+        if on:
+            self._sync_catch = warnings.catch_warnings(record=True)
+            self._sync_seen = self._sync_catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            return None
+        torch.cuda.set_sync_debug_mode(0)
+        self._sync_catch.__exit__(None, None, None)
+        return Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in self._sync_seen).most_common(12)
+
     # media of multimodal requests: registered once when admitted, released when they end
     def register_media(self, request_id: str, manifest: transport.Manifest) -> str | None:
         """Copies the request's processor tensors into this rank's registry. Returns None, or the error text:
@@ -111,13 +130,30 @@ class RankWorker:
         return merge(model, input_ids, media.rows, feats)
 
     # the step
+    def _fill_pending(self, step: StepInput, tokens: torch.Tensor | None) -> None:
+        """Async scheduling: the placeholders of the step's input ids get the previous step's sampled tokens.
+        Only rank 0 samples (so greedy and seeded draws are the one-process engine's); it broadcasts the
+        tokens this step needs over the tensor-parallel group on the device, in the stream order of the
+        step's other collectives, so that no rank waits for them on the host. Pipeline-parallel engines
+        step synchronously (never here)."""
+        ps = self.ps
+        if ps.rank == 0:
+            picked = tokens[step.fill_from].to(torch.long)
+        else:
+            picked = torch.empty(step.fill_at.shape[0], dtype=torch.long, device=self.runner.device)
+        if ps.tp_size > 1:
+            dist.broadcast(picked, src=ps.global_rank(ps.pp_rank, 0), group=ps.tp_group)
+        step.input_ids[step.fill_at] = picked
+
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Runs this rank's part of the step; returns the logits on rank 0, None elsewhere."""
+    def execute(self, step: StepInput, tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Runs this rank's part of the step; returns the logits on rank 0, None elsewhere. tokens (rank 0,
+        async scheduling): the previous step's sampled tokens, on the device."""
         ps, r = self.ps, self.runner
         dev = r.device
-        if ps.rank != 0:
-            step = to_device(step, dev)
+        step = to_device(step, dev)
+        if step.fill_at is not None:
+            self._fill_pending(step, tokens)
         n = step.input_ids.shape[0]
         ctx = ForwardContext(step.meta, r.kv_caches, r.specs, rank_extras(step.extra, r.state_caches))
         intermediate = None
