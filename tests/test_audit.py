@@ -54,12 +54,13 @@ def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
 
 @pytest.mark.skipif(not ALL_CONFIGS, reason="run by make test under torch 2.11 (or set COMPILED_LLM_AUDIT_ALL=1)")
 @pytest.mark.parametrize("name, declared, shape", [
-    ("gemma-4-31b", GEMMA_DENSE, (8192, 43008)),  # the MLP's merged [gate; up] (2 x intermediate 21504)
-    ("gemma-4-e4b", GEMMA_DENSE, (8192, 20480)),  # the MLP's merged [gate; up] (2 x intermediate 10240)
+    pytest.param("gemma-4-31b", GEMMA_DENSE, (8192, 43008), id="gemma-4-31b"),  # merged [gate; up] (2 x 21504)
+    pytest.param("gemma-4-e4b", GEMMA_DENSE, (8192, 20480), id="gemma-4-e4b"),  # merged [gate; up] (2 x 10240)
     # every layer: both add + norms, the softmax router and the SwiGLU MoE; layers 3, 7, ..., 39 (full attention)
-    # QK-norm + M-RoPE + KV write too. The largest tensor: a linear-attention layer's in_proj_qkv (2 x 16 x 128
-    # + 32 x 128), not a [256 experts, tokens, hidden] dense expert sum
-    ("qwen3.5-35b-a3b", lambda i: QWEN_MOE_FULL if i % 4 == 3 else QWEN_MOE, (8192, 8192)),
+    # QK-norm + M-RoPE + KV write too. The largest tensor: a full-attention layer's merged [q (with its gate); k; v]
+    # (16 x 2 x 256 + 2 x 2 x 256), not a [256 experts, tokens, hidden] dense expert sum
+    pytest.param("qwen3.5-35b-a3b", lambda i: QWEN_MOE_FULL if i % 4 == 3 else QWEN_MOE, (8192, 9216),
+                 id="qwen3.5-35b-a3b"),
 ])
 def test_released_configs_fuse_as_declared(name, declared, shape):
     r = audit(config_dict(name), device="cuda", dtype=torch.bfloat16, tokens=8192)
@@ -111,6 +112,7 @@ def test_compile_cache_dry_run_prints_the_audit_and_fails_on_a_missing_fusion(tm
     assert "layer 1: geglu_moe matched 0 of 1 in the dynamic compile" in out
 
 
+@pytest.mark.slow  # suite time: runs in `make test-slow` (9 s)
 def test_inductor_shape_padding_cannot_hide_a_fusion(tiny_ckpt, monkeypatch):
     """On CUDA, Inductor's pad_mm rewrite pads a static graph's matmuls (a mm of 2 tokens becomes
     pad -> mm of 4 -> slice) when a timing run says it pays: the GEGLU MoE and router patterns then miss

@@ -259,6 +259,7 @@ def test_pp2_greedy_and_stage_weights(tiny_ckpt, parallel_llm, caplog):
     check_pp2_counts(executor.collective_rpc("param_counts"), full, info)
 
 
+@pytest.mark.slow  # suite time: runs in `make test-slow` (37 s; compiled PP2 was checked on two H200s, session 6)
 def test_pp2_compiled_equals_eager(tiny_ckpt, parallel_llm):
     """Each stage compiles its own layers with the fusion passes (fusion_check=error: every layer of the stage
     gets its declared fusions); hidden states and PLE per-layer inputs cross as the compiled forward's inputs

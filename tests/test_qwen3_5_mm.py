@@ -92,6 +92,7 @@ def test_image_prompt_matches_transformers(vl_ckpt):
     assert llm.generate({"prompt_token_ids": ids}, PARAMS)[0].outputs[0].token_ids == hf_greedy(hf, ids, N)
 
 
+@pytest.mark.slow  # suite time: runs in `make test-slow` (25 s; the compiled text path: test_qwen3_5.py)
 def test_compiled_engine_image_prompt_matches_transformers(vl_ckpt):
     """Compiled engine: the image prefill runs eager ([3, tokens] positions, merged embeddings); its decode
     steps, whose three position rows are equal, take the compiled pieces with 1-D positions."""

@@ -130,7 +130,7 @@ def test_tp2_moe_greedy(qwen_ckpt, parallel_llm):
     check_halved(llm.engine.executor.runner, specs, states)
 
 
-@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
+@pytest.mark.parametrize("dispatch", [pytest.param("all_reduce", marks=pytest.mark.slow), "all_to_all"])
 def test_tp2_expert_parallel_greedy(qwen_ckpt, parallel_llm, monkeypatch, dispatch):
     monkeypatch.setenv("COMPILED_LLM_MOE_DISPATCH", dispatch)  # the spawned worker inherits it
     ps, ref, _, _ = reference(qwen_ckpt, "moe")

@@ -152,6 +152,7 @@ def test_batched_chunked_and_preempted_requests_match(ckpt, budget, async_):
         assert stats["num_preemptions"] > 0
 
 
+@pytest.mark.slow  # suite time: runs in `make test-slow` (15 s)
 def test_compiled_prefix_hit(ckpt):
     """The compiled path: a prefix hit and a chat turn give the eager engine's tokens."""
     folder, vocab = ckpt("dense")
