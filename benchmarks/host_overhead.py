@@ -16,14 +16,14 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from throughput import timed  # noqa: E402
 from compiled_llm import LLM, SamplingParams  # noqa: E402
 
 
@@ -40,17 +40,6 @@ def build(folder: Path, layers: int, hidden: int, vocab: int):
     model = Gemma4ForCausalLM(cfg).eval()
     model.save_pretrained(folder)
     return model
-
-
-def timed(fn, warmup: int, runs: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def main(argv=None) -> dict:

@@ -377,20 +377,26 @@ def _pol(p):
     return f"splits={p.num_splits} bm={p.block_m} bn={p.block_n} w={p.num_warps} st={p.num_stages}"
 
 
+def decode_case(layer, S, L, seed):
+    """S decode rows at context L for a layer kind: inputs, the kernel's options, the default policy and its
+    output (the reference the tuning candidates are compared with)."""
+    q, cache, bt, extra = make_attn_case([L] * S, [1] * S, seed=seed, **layer)
+    cache = torch.nan_to_num(cache)
+    sl = torch.full((S,), L, dtype=torch.int32, device=DEV)
+    opts = dict(scale=layer["head_dim"] ** -0.5, sliding_window=layer["window"], k_eq_v=layer["k_eq_v"],
+                num_kv_heads=layer["kv_heads"], head_dim=layer["head_dim"], **extra)
+    p0 = PA.attention_launch_policy(S, bt.shape[1] * PAGE, layer["head_dim"], num_kv_heads=layer["kv_heads"],
+                                    sliding_window=layer["window"], k_eq_v=layer["k_eq_v"])
+    return q, cache, bt, sl, opts, p0, PA.paged_decode(q, cache, bt, sl, policy=p0, **opts)
+
+
 @torch.no_grad()
 def run_tune():
     log("[tune]")
     R = dataclasses.replace
     for name, layer, S, L in [("decode global", GLOBAL, 32, 8192), ("decode sliding", SLIDING, 32, 4096)]:
         S, L = (min(S, 3), sz(L)) if ARGS.smoke else (S, L)
-        q, cache, bt, extra = make_attn_case([L] * S, [1] * S, seed=9, **layer)
-        cache = torch.nan_to_num(cache)
-        sl = torch.full((S,), L, dtype=torch.int32, device=DEV)
-        opts = dict(scale=layer["head_dim"] ** -0.5, sliding_window=layer["window"], k_eq_v=layer["k_eq_v"],
-                    num_kv_heads=layer["kv_heads"], head_dim=layer["head_dim"], **extra)
-        p0 = PA.attention_launch_policy(S, bt.shape[1] * PAGE, layer["head_dim"], num_kv_heads=layer["kv_heads"],
-                                        sliding_window=layer["window"], k_eq_v=layer["k_eq_v"])
-        ref = PA.paged_decode(q, cache, bt, sl, policy=p0, **opts)
+        q, cache, bt, sl, opts, p0, ref = decode_case(layer, S, L, seed=9)
         cands = [p0, R(p0, num_splits=p0.num_splits * 2), R(p0, num_stages=2), R(p0, num_warps=8),
                  R(p0, block_n=p0.block_n * 2), R(p0, block_n=p0.block_n * 2, num_warps=8)]
         for i, p in enumerate(cands):
@@ -442,14 +448,7 @@ def run_decode_small():
     for name, layer in [("global", GLOBAL), ("sliding", SLIDING)]:
         for S, L in [(1, 1100), (8, 1100), (1, 8300), (8, 4400)]:
             S, L = (min(S, 3), sz(L)) if ARGS.smoke else (S, L)
-            q, cache, bt, extra = make_attn_case([L] * S, [1] * S, seed=11, **layer)
-            cache = torch.nan_to_num(cache)
-            sl = torch.full((S,), L, dtype=torch.int32, device=DEV)
-            opts = dict(scale=layer["head_dim"] ** -0.5, sliding_window=layer["window"], k_eq_v=layer["k_eq_v"],
-                        num_kv_heads=layer["kv_heads"], head_dim=layer["head_dim"], **extra)
-            p0 = PA.attention_launch_policy(S, bt.shape[1] * PAGE, layer["head_dim"], num_kv_heads=layer["kv_heads"],
-                                            sliding_window=layer["window"], k_eq_v=layer["k_eq_v"])
-            ref = PA.paged_decode(q, cache, bt, sl, policy=p0, **opts)
+            q, cache, bt, sl, opts, p0, ref = decode_case(layer, S, L, seed=11)
             cands = [p0] + [R(p0, num_splits=n) for n in (2, 4, 8, 16, 32, 64) if n != p0.num_splits]
             cands += [R(p0, num_splits=n, num_warps=w, num_stages=st, block_n=bn) for n in (8, 16, 32)
                       for bn in {p0.block_n, 2 * p0.block_n} for w in (4, 8) for st in (2, 3)
