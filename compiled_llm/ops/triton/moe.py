@@ -308,6 +308,22 @@ def _router_dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
     return r
 
 
+@triton.jit
+def _store_picks(sel_w, sel_i, t, tmask, kk, ExpertScale, OutW, OutIds, TOP_K: tl.constexpr,
+                 EXPERT_SCALE: tl.constexpr):
+    # both router paths end here: renormalise the top-k probabilities, apply the per-expert scale, store the
+    # weights (float32) and the ids (in the output's dtype: int64 for the op, no cast kernel after)
+    kmask = kk < TOP_K
+    sel_w = tl.where(kmask[None, :], sel_w, 0.0)
+    sel_w = sel_w / tl.sum(sel_w, 1)[:, None]
+    omask = tmask[:, None] & kmask[None, :]
+    if EXPERT_SCALE:
+        sel_w = sel_w * tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
+    o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
+    tl.store(OutW + o_off, sel_w, mask=omask)
+    tl.store(OutIds + o_off, sel_i.to(OutIds.dtype.element_ty), mask=omask)
+
+
 @triton.jit(do_not_specialize=["T", "slice_h"])
 def _router_logits_kernel(
     X, Scale, W, Partial,
@@ -380,14 +396,7 @@ def _router_topk_kernel(
         sel_w = tl.where(kk[None, :] == i, best[:, None], sel_w)
         sel_i = tl.where(kk[None, :] == i, idx[:, None], sel_i)
         p = tl.where(e[None, :] == idx[:, None], -1.0, p)
-    kmask = kk < TOP_K
-    sel_w = sel_w / tl.sum(sel_w, 1)[:, None]
-    omask = tmask[:, None] & kmask[None, :]
-    if EXPERT_SCALE:
-        sel_w = sel_w * tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
-    o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
-    tl.store(OutW + o_off, sel_w, mask=omask)
-    tl.store(OutIds + o_off, sel_i.to(OutIds.dtype.element_ty), mask=omask)
+    _store_picks(sel_w, sel_i, t, tmask, kk, ExpertScale, OutW, OutIds, TOP_K, EXPERT_SCALE)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -479,15 +488,7 @@ def _router_fused_kernel(
             sel_w = tl.where(kk[None, :] == i, hi.to(tl.int32).to(tl.float32, bitcast=True)[:, None], sel_w)
             sel_i = tl.where(kk[None, :] == i, idx[:, None], sel_i)
             key = tl.where(key == best[:, None], -1, key)
-        kmask = kk < TOP_K
-        sel_w = tl.where(kmask[None, :], sel_w, 0.0)
-        sel_w = sel_w / tl.sum(sel_w, 1)[:, None]
-        omask = tmask[:, None] & kmask[None, :]
-        if EXPERT_SCALE:
-            sel_w = sel_w * tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
-        o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
-        tl.store(OutW + o_off, sel_w, mask=omask)
-        tl.store(OutIds + o_off, sel_i.to(OutIds.dtype.element_ty), mask=omask)
+        _store_picks(sel_w, sel_i, t, tmask, kk, ExpertScale, OutW, OutIds, TOP_K, EXPERT_SCALE)
 
 
 ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
