@@ -89,14 +89,15 @@ from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26
               # it in another folder (the relocated warm start of issue 15); each a fresh process, timed whole
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
 from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/g26'))"
-      args="--model /tmp/g26 --load-format dummy --skip-tokenizer-init --max-num-seqs 8 --report"
+      args="--model /tmp/g26 --load-format dummy --skip-tokenizer-init --max-num-seqs 8 --report ${STARTUP_ARGS:-}"
       run startup_cold 300 python3 -m compiled_llm compile-cache $args --out /tmp/cc_built
       mkdir -p /tmp/elsewhere && cp -r /tmp/cc_built /tmp/elsewhere/cc
       run startup_warm 240 python3 -m compiled_llm compile-cache $args --out /tmp/elsewhere/cc
       # the warm start again under cProfile: where the seconds beyond loading go (issue 15: <= 10 s)
       run startup_warm_profile 240 python3 -m cProfile -o "$OUT/warm.prof" -m compiled_llm compile-cache $args \
         --out /tmp/elsewhere/cc
-      python3 -c "import pstats, sys; pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_stats(60)" \
+      python3 -c "import pstats, sys; pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('tottime').print_stats(40); \
+pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_callers('builtins.compile')" \
         > "$OUT/startup_warm_profile.txt" 2>&1 && rm -f "$OUT/warm.prof" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +15,26 @@ def dot_precision(dtype: torch.dtype) -> str:
     replaces the model's matmuls (a router picking another expert); tf32x3 gives float32-grade products on
     tensor cores. Half-precision operands ignore it."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_f32(dtype: torch.dtype) -> bool:
+    """Whether a kernel's tl.dot should take float32 copies of its operands: only under the Triton interpreter
+    (tests on the CPU), which multiplies half-precision operands wrongly."""
+    return _INTERPRETED and dtype != torch.float32
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
+    # F32 (see dot_f32): float32 copies give what the GPU's half-precision dot gives (exact products, float32
+    # sums); otherwise the operands go to tl.dot as they are
+    if F32:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PREC)
+    return r
 
 
 @triton.jit

@@ -13,14 +13,13 @@ do_not_specialize, so the only builds are one per launch-policy tier.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from compiled_llm.ops.triton._common import _gelu_tanh, dot_precision
+from compiled_llm.ops.triton._common import _dot, _gelu_tanh, dot_f32, dot_precision
 
 # ----------------------------------------------------------------------------------------------------
 # alignment
@@ -298,17 +297,6 @@ def fused_swiglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, poli
 
 
 @triton.jit
-def _router_dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
-    # F32: the Triton interpreter (tests on the CPU) multiplies bfloat16 operands wrongly; float32 copies give
-    # what the GPU's half-precision dot gives (exact products, float32 sums)
-    if F32:
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        r = tl.dot(a, b, input_precision=PREC)
-    return r
-
-
-@triton.jit
 def _store_picks(sel_w, sel_i, t, tmask, kk, ExpertScale, OutW, OutIds, TOP_K: tl.constexpr,
                  EXPERT_SCALE: tl.constexpr):
     # both router paths end here: renormalise the top-k probabilities, apply the per-expert scale, store the
@@ -359,7 +347,7 @@ def _router_logits_kernel(
         else:
             hv = tl.load(x_row + h0 + hh[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0)
         wv = tl.load(W + e[None, :] * stride_we + h0 + hh[:, None], mask=hmask[:, None] & emask[None, :], other=0.0)
-        acc += _router_dot(hv, wv.to(X.dtype.element_ty), PREC, F32)
+        acc += _dot(hv, wv.to(X.dtype.element_ty), PREC, F32)
     out = Partial + (s * T + t.to(tl.int64))[:, None] * E + e[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
@@ -443,12 +431,12 @@ def _router_fused_kernel(
             if HALF:
                 head = hv.to(X.dtype.element_ty)
                 tail = (hv - head.to(tl.float32)).to(X.dtype.element_ty)
-                acc += _router_dot(head, wv, PREC, F32)
-                acc += _router_dot(tail, wv, PREC, F32)
+                acc += _dot(head, wv, PREC, F32)
+                acc += _dot(tail, wv, PREC, F32)
             else:
-                acc += _router_dot(hv, wv.to(tl.float32), PREC, F32)
+                acc += _dot(hv, wv.to(tl.float32), PREC, F32)
         else:
-            acc += _router_dot(xv, wv.to(X.dtype.element_ty), PREC, F32)
+            acc += _dot(xv, wv.to(X.dtype.element_ty), PREC, F32)
     tl.store(Partial + (s * T + t.to(tl.int64))[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
     if NORM:
         tl.store(SumSq + s * T + t, ss, mask=tmask & (pid_e == 0))
@@ -493,7 +481,6 @@ def _router_fused_kernel(
 
 ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
 ROUTER_FUSED_MAX_TOKENS = 64  # up to here the router is one launch (_router_fused_kernel); past it, two kernels
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -595,7 +582,7 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
             BLOCK_EF=max(16, triton.next_power_of_2(num_experts)), TOP_K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k), NORM=norm, EXPERT_SCALE=has_scale, LOGITS=logits_dtype,
             HALF=x.dtype != torch.float32, PREC=dot_precision(x.dtype),
-            F32=_INTERPRETED and x.dtype != torch.float32, num_warps=lp.num_warps, num_stages=lp.num_stages,
+            F32=dot_f32(x.dtype), num_warps=lp.num_warps, num_stages=lp.num_stages,
         )
         return weights, ids
     _router_logits_kernel[grid](
@@ -603,7 +590,7 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
         num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5), lp.slice_h,
         x.stride(0), proj_weight.stride(0),
         BLOCK_T=lp.block_t, BLOCK_H=lp.block_h, BLOCK_E=lp.block_e, PREC=dot_precision(x.dtype), NORM=norm,
-        F32=_INTERPRETED and x.dtype != torch.float32, num_warps=lp.num_warps, num_stages=lp.num_stages,
+        F32=dot_f32(x.dtype), num_warps=lp.num_warps, num_stages=lp.num_stages,
     )
     _router_topk_kernel[(grid[0],)](
         partial, per_expert_scale.contiguous() if has_scale else partial, weights, ids, num_tokens, num_experts,

@@ -23,8 +23,6 @@ the batch size and the fixed key-list width).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,28 +30,10 @@ import triton.language as tl
 from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.sparse import SPARSE_KEY, _streaming_shift, index_buffer, omnikv_select
-from compiled_llm.ops.triton._common import _reduce_angle, dot_precision
+from compiled_llm.ops.triton._common import _dot, _reduce_angle, dot_f32, dot_precision
 from compiled_llm.ops.triton.paged_attention import _scores, attention_launch_policy, paged_prefill
 
 DENSE, INDEX, STREAMING = 0, 1, 2
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _dot_f32(dtype: torch.dtype) -> bool:
-    return _INTERPRETED and dtype != torch.float32
-
-
-@triton.jit
-def _mm(a, b, PREC: tl.constexpr, F32: tl.constexpr):
-    # F32: the Triton interpreter (tests on the CPU) multiplies bfloat16 operands wrongly; float32 copies give
-    # what the GPU's bf16 dot gives (exact products, float32 sums)
-    if F32:
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        r = tl.dot(a, b, input_precision=PREC)
-    return r
-
-
 @triton.jit
 def _keys_at(v1, v2, w1, w2, inv, pos):
     """K=V: rope(v * k_norm_weight) at each key's own position (pos [BLOCK_N]), both halves."""
@@ -169,7 +149,7 @@ def _sparse_decode_kernel(
         if MODE == 2:
             a1 = tl.where(is_sink, z1, q1)
             a2 = tl.where(is_sink, z2, q2)
-        qk = _mm(a1, tl.trans(k1), PREC, DOT_F32) + _mm(a2, tl.trans(k2), PREC, DOT_F32)
+        qk = _dot(a1, tl.trans(k1), PREC, DOT_F32) + _dot(a2, tl.trans(k2), PREC, DOT_F32)
         s = _scores(qk, scale, softcap, SOFTCAP)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -177,8 +157,8 @@ def _sparse_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = p.to(v1.dtype)
-        acc1 = acc1 * alpha[:, None] + _mm(pv, v1, PREC, DOT_F32)
-        acc2 = acc2 * alpha[:, None] + _mm(pv, v2, PREC, DOT_F32)
+        acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, DOT_F32)
+        acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, DOT_F32)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -284,7 +264,7 @@ def _filter_score_kernel(
                 k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
                 k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
                 k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
-            qk = _mm(q1, tl.trans(k1), PREC, DOT_F32) + _mm(q2, tl.trans(k2), PREC, DOT_F32)
+            qk = _dot(q1, tl.trans(k1), PREC, DOT_F32) + _dot(q2, tl.trans(k2), PREC, DOT_F32)
             s = _scores(qk, scale, softcap, SOFTCAP)
             lse = tl.load(Lse + row.to(tl.int64) * stride_es + head, mask=hmask, other=0.0)
             p = tl.exp2(s - lse[:, None])
@@ -366,7 +346,7 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         MODE=mode, ROWMAP=tab_rows is not None, WRITE_LSE=lse is not None,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_D=triton.next_power_of_2(half),
         PAGE=page, BLOCK_N=bn, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
-        PREC=dot_precision(q.dtype), DOT_F32=_dot_f32(q.dtype), num_warps=pol.num_warps, num_stages=pol.num_stages,
+        PREC=dot_precision(q.dtype), DOT_F32=dot_f32(q.dtype), num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:
         _combine_kernel[(rows, num_heads)](
@@ -412,7 +392,7 @@ def filter_scores(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         KV_HEADS=num_kv_heads, ROWMAP=tab_rows is not None,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_D=triton.next_power_of_2(half),
         PAGE=page, BLOCK_N=block_n, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, PREC=dot_precision(q.dtype),
-        DOT_F32=_dot_f32(q.dtype), num_warps=4, num_stages=2,
+        DOT_F32=dot_f32(q.dtype), num_warps=4, num_stages=2,
     )
     return score[:, :width]
 
