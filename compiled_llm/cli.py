@@ -48,7 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _audit(config, target: str) -> int:
+def _audit(config, target: str, tokens: int | None) -> int:
     """compile-cache --dry-run: the graph audit (runtime/audit.py) of the checkpoint's config, no weights,
     no GPU; exit status 1 when some layer misses a fusion its model declares. target: the --device flag as
     given, naming the graph to audit (auto: the GPU's), not a device this machine must have."""
@@ -57,6 +57,7 @@ def _audit(config, target: str) -> int:
     import torch
 
     from compiled_llm.compiler import parse_passes, parse_sizes
+    from compiled_llm.config import default_batched_tokens
     from compiled_llm.models.loader import resolve_dtype
     from compiled_llm.models.registry import resolve_model_class
     from compiled_llm.runtime.audit import audit
@@ -66,7 +67,8 @@ def _audit(config, target: str) -> int:
     device = torch.device("cuda" if target in ("auto", "cuda") else target)  # the GPU's graph by default
     dtype = resolve_dtype(config.dtype, resolve_model_class(hf).config_from_hf(hf).torch_dtype)
     sizes = parse_sizes(config.cudagraph_batch_sizes, device, config.max_num_seqs)
-    report = audit(hf, device=device, dtype=dtype, tokens=config.max_num_batched_tokens, batch_sizes=sizes,
+    tokens = tokens or default_batched_tokens(device.type)  # the target's default when not given
+    report = audit(hf, device=device, dtype=dtype, tokens=tokens, batch_sizes=sizes,
                    passes=parse_passes(config.compile_passes), block_size=config.block_size)
     print(report.text())
     return 1 if report.mismatches else 0
@@ -77,7 +79,7 @@ def _compile_cache(args: argparse.Namespace) -> int:
     from compiled_llm.runtime.engine import LLMEngine
 
     if args.dry_run:  # fake tensors: the config is not resolved against this machine's devices
-        return _audit(config_from_args(args, device="cpu"), args.device)
+        return _audit(config_from_args(args, device="cpu"), args.device, args.max_num_batched_tokens)
     config = config_from_args(args)
     if not args.out:
         print("error: compile-cache needs --out DIR (or --dry-run)", file=sys.stderr)

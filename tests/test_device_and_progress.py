@@ -94,15 +94,18 @@ def test_compile_cache_dry_run_audits_the_gpu_graph_by_default_without_a_gpu(tin
     folder, _ = tiny_ckpt("dense")
     seen = []
 
-    def fake_audit(hf, *, device, **kw):
-        seen.append(device.type)
+    def fake_audit(hf, *, device, tokens, **kw):
+        seen.append((device.type, tokens))
         return type("Report", (), {"mismatches": [], "text": lambda self: "audit"})()
 
     monkeypatch.setattr(audit_module, "audit", fake_audit)
     _gpus(monkeypatch, 0)
     for device in ("auto", "cuda", "cpu"):
         assert main(["compile-cache", "--dry-run", "--model", str(folder), "--device", device]) == 0
-    assert seen == ["cuda", "cuda", "cpu"]
+    assert main(["compile-cache", "--dry-run", "--model", str(folder), "--max-num-batched-tokens", "512"]) == 0
+    # the per-step token budget is the target's default (a GPU server's 8192, as vLLM and SGLang on an H200),
+    # not this CPU machine's 2048, unless given
+    assert seen == [("cuda", 8192), ("cuda", 8192), ("cpu", 2048), ("cuda", 512)]
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "compile-cache"])
