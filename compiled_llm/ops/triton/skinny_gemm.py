@@ -30,12 +30,14 @@ import triton.language as tl
 from compiled_llm.ops.triton._common import _dot, dot_f32, dot_precision
 
 
-@triton.jit(do_not_specialize=["M"])
+# M, N and y's row stride are not specialised (N = 1 would be a build of its own): one build per tile shape,
+# K alignment (EVEN_K) and PARTIAL
+@triton.jit(do_not_specialize=["M", "N", "stride_ym"])
 def _skinny_kernel(
     X, W, Y, Part,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -70,20 +72,20 @@ def _skinny_kernel(
                 part = tl.sum(wf * xi.to(tl.float32)[None, :], 1)  # [BLOCK_N]
                 acc = tl.where(cols[None, :] == i, acc + part[:, None], acc)
     out_mask = nmask[:, None] & mmask[None, :]
-    if SPLIT == 1:
+    if not PARTIAL:  # one K slice: the result itself
         tl.store(Y + m.to(tl.int64)[None, :] * stride_ym + n[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
-    else:
+    else:  # slice s's float32 partial, summed by _split_reduce_kernel
         tl.store(Part + (s * M + m.to(tl.int64))[None, :] * N + n[:, None], acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _split_reduce_kernel(Part, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    # y[m, n] = sum over s = 0..SPLIT-1 of part[s, m, n], in that order (deterministic), cast to y's dtype
+@triton.jit(do_not_specialize=["M", "N", "split", "stride_ym"])
+def _split_reduce_kernel(Part, Y, M, N, split, stride_ym, BLOCK: tl.constexpr):
+    # y[m, n] = sum over s = 0..split-1 of part[s, m, n], in that order (deterministic), cast to y's dtype
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     total = M * N
     mask = offs < total
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT):
+    for s in range(split):  # slice order
         acc += tl.load(Part + s * total + offs, mask=mask, other=0.0)
     m = offs // N
     n = offs - m * N
@@ -174,11 +176,11 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = No
     grid = (triton.cdiv(N, lp.block_n), triton.cdiv(M, block_m), split)
     _skinny_kernel[grid](
         x, w, y, part, M, N, K, kps, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT=split, EVEN_K=K % lp.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, PARTIAL=split > 1, EVEN_K=K % lp.block_k == 0,
         DOT=lp.dot, PREC=dot_precision(x.dtype), F32=dot_f32(x.dtype),
         num_warps=lp.num_warps, num_stages=lp.num_stages,
     )
     if split > 1:
         _split_reduce_kernel[(triton.cdiv(M * N, _WORKSPACE_BLOCK),)](
-            part, y, M, N, y.stride(0), SPLIT=split, BLOCK=_WORKSPACE_BLOCK, num_warps=4)
+            part, y, M, N, split, y.stride(0), BLOCK=_WORKSPACE_BLOCK, num_warps=4)
     return y
