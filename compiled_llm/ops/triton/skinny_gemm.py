@@ -123,9 +123,10 @@ TARGET_PROGRAMS_PER_SM = 4  # resident programs per SM that keep enough loads in
 
 def skinny_launch(M: int, N: int, K: int, sms: int = 132, itemsize: int = 2) -> SkinnyLaunch:
     """The default launch. Columns per step: 512 bytes of a weight row (256 bf16, 128 fp32). Rows per program:
-    64, halved (down to 16) while the N blocks alone give fewer than TARGET_PROGRAMS_PER_SM programs per SM;
-    then K is split (up to 8 ways, each slice at least two steps long) until the programs reach that target.
-    The tensor-core path (M padded to 16) throughout; more than 16 rows take several M blocks."""
+    64, halved (down to 16) while the N blocks alone give fewer than TARGET_PROGRAMS_PER_SM programs per SM.
+    K is split only where those blocks are fewer than half the target (the split costs a second launch and a
+    float32 round trip), then up to 8 ways (each slice at least two steps long) until the programs reach the
+    target. The tensor-core path (M padded to 16) throughout; more than 16 rows take several M blocks."""
     block_k = max(16, min(512 // itemsize, triton.next_power_of_2(K)))
     target = TARGET_PROGRAMS_PER_SM * sms
     block_n = 64
@@ -134,7 +135,7 @@ def skinny_launch(M: int, N: int, K: int, sms: int = 132, itemsize: int = 2) -> 
     n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, 16)
     split = 1
     steps = triton.cdiv(K, block_k)
-    while split < 8 and n_blocks * split < target and steps // (2 * split) >= 2:
+    while split < 8 and 2 * n_blocks < target and n_blocks * split < target and steps // (2 * split) >= 2:
         split *= 2
     split = _effective_split(K, block_k, split)
     return SkinnyLaunch(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3, dot=True)
