@@ -179,3 +179,29 @@ def test_word_tokenizer_decodes_every_id_to_text(tmp_path):
     assert tok.decode(ids) == "w3 w4999 w1234 w17"
     assert all(tok.decode([i]) for i in range(3, 5000, 97))
     assert tok.encode("w5 w77", add_special_tokens=False) == [5, 77]
+
+
+def test_skinny_gemm_shapes_and_dry_run(tmp_path):
+    """benchmarks/skinny_gemm.py: the decode projection shapes match a hand count of the released configs, and
+    the whole benchmark path (checks, timings, table, step totals, JSON) runs at tiny sizes on the CPU."""
+    import subprocess
+
+    import skinny_gemm
+
+    g = {s.name: (s.N, s.K, s.per_step) for s in skinny_gemm.gemma_shapes()}
+    assert g == {"sliding qkv": ((16 + 2 * 8) * 256, 2816, 25), "sliding o_proj": (2816, 16 * 256, 25),
+                 "global qkv": ((16 + 2) * 512, 2816, 5), "global o_proj": (2816, 16 * 512, 5),
+                 "mlp gate_up": (2 * 2112, 2816, 30), "mlp down": (2816, 2112, 30), "lm_head": (262144, 2816, 1)}
+    # the dense projections stream ~3.3 GB a step: ~0.78 ms at 4.2 TB/s
+    assert sum(s.per_step * s.weight_bytes() for s in skinny_gemm.gemma_shapes() if s.name != "lm_head") == 3_290_890_240
+    q = {s.name: (s.N, s.K, s.per_step) for s in skinny_gemm.qwen_shapes()}
+    assert q["linear in_proj_qkv"] == (2 * 16 * 128 + 32 * 128, 2048, 30)
+    assert q["linear in_proj [qkv;z;b;a] merged"] == (8192 + 4096 + 32 + 32, 2048, 0)
+    assert q["full qkv (q+gate)"] == (16 * 2 * 256 + 2 * 2 * 256, 2048, 10)
+    assert q["shared_expert down"] == (2048, 512, 40) and q["lm_head"] == (248320, 2048, 1)
+    out = tmp_path / "skinny.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "skinny_gemm.py"), "--device", "cpu", "--dry-run",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["default_us"] and r["best_us"] and not r["skipped"] for r in rows)

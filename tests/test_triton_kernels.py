@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST = ["gelu", "decode", "prefill", "moe", "swiglu_moe", "router"]
+FAST = ["gelu", "decode", "prefill", "moe", "swiglu_moe", "router", "skinny_gemm"]
 SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
 
 
@@ -442,6 +442,65 @@ def _check_router_paths():
     keys = {M.router_launch(t, 2816, 128).build_key() for t in range(1, 201)}
     assert keys == {M.router_launch(t, 2816, 128).build_key() for t in tokens}, tokens
     assert len({M.router_launch(t, 2816, 128).build_key() for t in range(1, 65)}) == 1
+
+
+def _check_skinny(M, N, K, dtype, launch=None, x_view=None, seed=0):
+    """skinny_mm against torch's float32 matmul of the same (rounded) inputs. float32: tight. Half precision:
+    the kernel sums in float32 and rounds once, and the Triton interpreter's float32 -> bfloat16 / float16 cast
+    truncates (the GPU rounds to nearest), so the bound is one unit in the last place of the output."""
+    import torch
+
+    from compiled_llm.ops.triton.skinny_gemm import skinny_mm
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    if x_view is None:
+        x = torch.randn(M, K, generator=g).to(dtype)
+    else:  # a strided view of a larger buffer: rows `step` apart, `offset` columns in
+        step, offset = x_view
+        x = torch.randn(M * step, K + offset + 3, generator=g).to(dtype)[::step, offset:offset + K]
+        assert x.stride(0) != K and x.stride(1) == 1 and not x.is_contiguous()
+    ref = x.float() @ w.float().t()
+    got = skinny_mm(x, w, launch)
+    assert got.dtype == dtype and got.shape == (M, N) and got.is_contiguous()
+    ulp = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (ulp * 1.01, 1e-4)
+    _close(f"skinny {str(dtype)[6:]} M={M} N={N} K={K} {launch} view={x_view}", got, ref, rtol=rtol, atol=atol)
+    return got
+
+
+def check_skinny_gemm():
+    import torch
+
+    from compiled_llm.ops.triton.skinny_gemm import SkinnyLaunch, skinny_launch
+
+    launches = [None,  # the default rule
+                SkinnyLaunch(block_n=32, block_k=64, split_k=1, num_stages=2),
+                SkinnyLaunch(block_n=16, block_k=32, split_k=3, num_stages=2),  # 3 slices of 96 columns (200)
+                SkinnyLaunch(block_n=16, block_k=64, split_k=2, dot=False)]  # multiply-and-sum, 2 slices
+    for dtype in (torch.float32, torch.bfloat16):
+        for M in (1, 3, 8, 16):
+            for lp in launches:  # N, K multiples of no block
+                _check_skinny(M, 75, 200, dtype, lp, seed=M)
+    _check_skinny(5, 75, 200, torch.float16, launches[2], seed=1)
+    _check_skinny(19, 40, 96, torch.float32, launches[1], seed=2)  # past 16 rows: two M blocks
+    _check_skinny(19, 40, 96, torch.bfloat16, launches[3], seed=2)
+    for lp in launches:  # strided x (rows 3 apart, 5 columns in: no alignment)
+        _check_skinny(4, 50, 130, torch.bfloat16, lp, x_view=(3, 5), seed=3)
+    _check_skinny(8, 33, 256, torch.float32, SkinnyLaunch(block_n=16, block_k=64, split_k=4), x_view=(2, 0))
+    _check_skinny(2, 1, 48, torch.bfloat16, seed=4)  # N = 1 (Qwen's shared expert gate), K below one block
+    _check_skinny(3, 20, 7, torch.float32, seed=5)  # K below the smallest block
+    _check_skinny(1, 64, 512, torch.bfloat16, SkinnyLaunch(block_n=32, block_k=128, split_k=2), seed=6)  # even K
+    # split-K sums in a fixed order: two runs are bitwise equal
+    a = _check_skinny(8, 75, 200, torch.bfloat16, launches[2], seed=7)
+    b = _check_skinny(8, 75, 200, torch.bfloat16, launches[2], seed=7)
+    assert torch.equal(a, b)
+    # the default rule at decode shapes on 132 SMs
+    assert skinny_launch(8, 262144, 2816) == SkinnyLaunch(64, 256, 1)  # LM head: plenty of N blocks
+    lp = skinny_launch(8, 2816, 4096)  # o_proj: narrow N, long K: 16-row blocks and K split
+    assert lp.block_n == 16 and lp.split_k > 1, lp
+    assert skinny_launch(1, 32, 2048).split_k >= 2 and skinny_launch(4, 100, 100).split_k == 1
+    assert skinny_launch(8, 1024, 2048, itemsize=4).block_k == 128
 
 
 if __name__ == "__main__":

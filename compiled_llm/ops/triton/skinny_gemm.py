@@ -1,0 +1,187 @@
+"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T with few token rows (M = 1..16) and a large weight.
+
+At decode sizes the product is a weight stream: W is read once, x (a few rows) stays in cache, and the time is
+N * K * itemsize / bandwidth plus a launch. The kernel is shaped for that:
+
+- the grid is (N blocks, M blocks, K splits); program (n, m, s) reads W[n * block_n : +block_n, its K slice]
+  once, in block_k columns per step, and keeps the whole [block_n, BLOCK_M] result in registers;
+- the product is computed with W as the left operand ("swap AB"): acc[block_n, BLOCK_M] = W_tile @ x_tile^T,
+  so the wide dimension (block_n) is the MMA's M and the token rows, padded to BLOCK_M = 16, its N
+  (launch.dot; under the interpreter through _common._dot's float32 copies), or, for tiny M, a
+  broadcast multiply of the W tile by each x row and a sum over K (launch.dot False, BLOCK_M = next power of
+  two of M);
+- split_k > 1 gives each of split_k programs a K slice; they write float32 partials to a workspace
+  [split_k, M, N], and a second small kernel sums them in slice order (a fixed order: the result is the
+  same run to run) and casts to the output dtype. split_k == 1 stores directly, one launch.
+
+Accumulation is float32; the output has x's dtype. x may have a row stride (its columns contiguous); W is
+[N, K] with contiguous rows. `skinny_launch` picks the tile shape from (M, N, K, SM count); the benchmark
+(benchmarks/skinny_gemm.py) sweeps the alternatives on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.ops.triton._common import _dot, dot_f32, dot_precision
+
+
+# M, N and y's row stride are not specialised (N = 1 would be a build of its own): one build per tile shape,
+# K alignment (EVEN_K) and PARTIAL
+@triton.jit(do_not_specialize=["M", "N", "stride_ym"])
+def _skinny_kernel(
+    X, W, Y, Part,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    s = tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    nmask = n < N
+    mmask = m < M
+    w_rows = W + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_rows = X + m.to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]: x^T tiles are [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    k_lo = s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    cols = tl.arange(0, BLOCK_M)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + kk
+        kmask = ks < k_hi
+        if EVEN_K:  # every block is whole: no column mask on the weight stream
+            wv = tl.load(w_rows + ks[None, :], mask=nmask[:, None], other=0.0)
+        else:
+            wv = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if DOT:
+            xv = tl.load(x_rows + ks[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+            acc += _dot(wv, xv, PREC, F32)  # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
+        else:
+            wf = wv.to(tl.float32)
+            for i in tl.static_range(BLOCK_M):  # one row of x at a time: sum_k W[n, k] * x[i, k]
+                row = pid_m * BLOCK_M + i
+                xi = tl.load(X + row.to(tl.int64) * stride_xm + ks, mask=kmask & (row < M), other=0.0)
+                part = tl.sum(wf * xi.to(tl.float32)[None, :], 1)  # [BLOCK_N]
+                acc = tl.where(cols[None, :] == i, acc + part[:, None], acc)
+    out_mask = nmask[:, None] & mmask[None, :]
+    if not PARTIAL:  # one K slice: the result itself
+        tl.store(Y + m.to(tl.int64)[None, :] * stride_ym + n[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
+    else:  # slice s's float32 partial, summed by _split_reduce_kernel
+        tl.store(Part + (s * M + m.to(tl.int64))[None, :] * N + n[:, None], acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M", "N", "split", "stride_ym"])
+def _split_reduce_kernel(Part, Y, M, N, split, stride_ym, BLOCK: tl.constexpr):
+    # y[m, n] = sum over s = 0..split-1 of part[s, m, n], in that order (deterministic), cast to y's dtype
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = M * N
+    mask = offs < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(split):  # slice order
+        acc += tl.load(Part + s * total + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs - m * N
+    tl.store(Y + m.to(tl.int64) * stride_ym + n, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class SkinnyLaunch:
+    """block_n weight rows per program, block_k columns per step, split_k K slices (a float32 workspace and a
+    reduce kernel past 1), warps and pipeline stages; dot: tensor-core product with M padded to 16, else a
+    multiply-and-sum per x row (tiny M)."""
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = True
+
+
+_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H200); 132 for the CPU (interpreter tests)."""
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+TARGET_PROGRAMS_PER_SM = 4  # resident programs per SM that keep enough loads in flight to stream the weight
+
+
+def skinny_launch(M: int, N: int, K: int, sms: int = 132, itemsize: int = 2) -> SkinnyLaunch:
+    """The default launch. Columns per step: 512 bytes of a weight row (256 bf16, 128 fp32). Rows per program:
+    64, halved (down to 16) while the N blocks alone give fewer than TARGET_PROGRAMS_PER_SM programs per SM.
+    K is split only where those blocks are fewer than half the target (the split costs a second launch and a
+    float32 round trip), then up to 8 ways (each slice at least two steps long) until the programs reach the
+    target. The tensor-core path (M padded to 16) throughout; more than 16 rows take several M blocks."""
+    block_k = max(16, min(512 // itemsize, triton.next_power_of_2(K)))
+    target = TARGET_PROGRAMS_PER_SM * sms
+    block_n = 64
+    while block_n > 16 and triton.cdiv(N, block_n) < target:
+        block_n //= 2
+    n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, 16)
+    split = 1
+    steps = triton.cdiv(K, block_k)
+    while split < 8 and 2 * n_blocks < target and n_blocks * split < target and steps // (2 * split) >= 2:
+        split *= 2
+    split = _effective_split(K, block_k, split)
+    return SkinnyLaunch(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3, dot=True)
+
+
+def _k_per_split(K: int, block_k: int, split_k: int) -> int:
+    return triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+
+
+def _effective_split(K: int, block_k: int, split_k: int) -> int:
+    """Slices that are not empty once each is rounded up to whole block_k steps (split_k may shrink)."""
+    return triton.cdiv(K, _k_per_split(K, block_k, max(1, split_k)))
+
+
+_WORKSPACE_BLOCK = 1024
+
+
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = None) -> torch.Tensor:
+    """x [M, K] (rows may be strided, columns contiguous) @ w[N, K]^T -> [M, N] in x's dtype, float32 sums.
+    launch: override skinny_launch's choice (benchmarks, tests)."""
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
+    assert x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16), (x.dtype, w.dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    lp = launch or skinny_launch(M, N, K, num_sms(x.device), x.element_size())
+    block_m = 16 if lp.dot else max(1, triton.next_power_of_2(min(M, 16)))
+    kps = _k_per_split(K, lp.block_k, lp.split_k)
+    split = triton.cdiv(K, kps)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (triton.cdiv(N, lp.block_n), triton.cdiv(M, block_m), split)
+    _skinny_kernel[grid](
+        x, w, y, part, M, N, K, kps, x.stride(0), w.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, PARTIAL=split > 1, EVEN_K=K % lp.block_k == 0,
+        DOT=lp.dot, PREC=dot_precision(x.dtype), F32=dot_f32(x.dtype),
+        num_warps=lp.num_warps, num_stages=lp.num_stages,
+    )
+    if split > 1:
+        _split_reduce_kernel[(triton.cdiv(M * N, _WORKSPACE_BLOCK),)](
+            part, y, M, N, split, y.stride(0), BLOCK=_WORKSPACE_BLOCK, num_warps=4)
+    return y
