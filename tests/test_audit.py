@@ -57,9 +57,9 @@ def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
     pytest.param("gemma-4-31b", GEMMA_DENSE, (8192, 43008), id="gemma-4-31b"),  # merged [gate; up] (2 x 21504)
     pytest.param("gemma-4-e4b", GEMMA_DENSE, (8192, 20480), id="gemma-4-e4b"),  # merged [gate; up] (2 x 10240)
     # every layer: both add + norms, the softmax router and the SwiGLU MoE; layers 3, 7, ..., 39 (full attention)
-    # QK-norm + M-RoPE + KV write too. The largest tensor: a full-attention layer's merged [q (with its gate); k; v]
-    # (16 x 2 x 256 + 2 x 2 x 256), not a [256 experts, tokens, hidden] dense expert sum
-    pytest.param("qwen3.5-35b-a3b", lambda i: QWEN_MOE_FULL if i % 4 == 3 else QWEN_MOE, (8192, 9216),
+    # QK-norm + M-RoPE + KV write too. The largest tensor: a linear-attention layer's merged [q; k; v; z; b; a]
+    # (2 x 16 x 128 + 32 x 128, 32 x 128, 32, 32), not a [256 experts, tokens, hidden] dense expert sum
+    pytest.param("qwen3.5-35b-a3b", lambda i: QWEN_MOE_FULL if i % 4 == 3 else QWEN_MOE, (8192, 12352),
                  id="qwen3.5-35b-a3b"),
 ])
 def test_released_configs_fuse_as_declared(name, declared, shape):

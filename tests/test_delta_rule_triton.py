@@ -122,7 +122,10 @@ def group_chunk():
     _check([20], 2, 2, 12, 20, [True], chunk=16)
 
 
-def _check_conv(lens, dim, k, init, dtype="float32", seed=0):
+def _check_conv(lens, dim, k, init, dtype="float32", seed=0, extra=0):
+    """extra: x is the first `dim` columns of a [tokens, dim + extra] tensor (row stride dim + extra), as the
+    [q; k; v] columns of Qwen3.5's merged [q; k; v; z; b; a] projection reach the conv; both providers read
+    it in place."""
     import torch
 
     from compiled_llm.ops.conv1d import causal_conv1d_with_state
@@ -132,14 +135,16 @@ def _check_conv(lens, dim, k, init, dtype="float32", seed=0):
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(seed)
     pad = 3  # rows past the last sequence, as under a CUDA-graph bucket
-    x = torch.randn(sum(lens) + pad, dim, generator=g).to(dt)
+    x = torch.randn(sum(lens) + pad, dim + extra, generator=g).to(dt)[:, :dim]
     w = torch.randn(dim, k, generator=g).to(dt)
     cache = torch.randn(len(lens) + 2, dim, k - 1, generator=g).to(dt)
     slots, qsl = _slots_and_offsets(cache, lens, init)
-    ref_cache = cache.clone()
+    ref_cache, start = cache.clone(), cache.clone()
     layout = StateLayout.build(slots, init, qsl, "cpu")
     ref = causal_conv1d_with_state(x, w, ref_cache, layout)
     got = causal_conv1d_varlen(x, w, cache, layout)
+    if extra:
+        assert torch.equal(ref, causal_conv1d_with_state(x.contiguous(), w, start, layout))  # the reference too
     tol = 1e-5 if dt == torch.float32 else 1e-2 * ref.float().abs().max().item()  # the reference rounds in bf16
     err = (got.float() - ref.float()).abs().max().item()
     serr = (cache[slots].float() - ref_cache[slots].float()).abs().max().item()
@@ -154,6 +159,8 @@ def group_conv1d():
     _check_conv([1, 1, 1], 40, 4, [True, False, True])  # decode; dim not a multiple of the tile
     _check_conv([5, 1, 2, 19], 130, 4, [False, True, True, False])  # prefill chunks shorter than K-1 too
     _check_conv([3, 1], 24, 3, [True, True], dtype="bfloat16")
+    _check_conv([1, 1, 1], 40, 4, [True, False, True], extra=24)  # row-strided x: decode, prefill
+    _check_conv([5, 1, 2, 19], 130, 4, [False, True, True, False], extra=7)
 
 
 def group_engine():

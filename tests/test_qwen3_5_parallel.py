@@ -64,8 +64,9 @@ def check_halved(runner, ref_specs, ref_states) -> None:
 # ---- no processes: what each rank loads --------------------------------------------------------------
 def test_rank_slices_reassemble_checkpoint(qwen_ckpt):
     """Built as rank 0 and rank 1 of TP2, the slices put back together give the checkpoint's tensors: the
-    [q; k; v] blocks of in_proj_qkv and the conv channels per block, per-head vectors, the gated q_proj by
-    whole [query; gate] heads, per-expert gate and up projections into the packed experts."""
+    [q; k; v] blocks of in_proj_qkv and the conv channels per block, z, b and a after them in the merged input
+    projection, per-head vectors, the gated q_proj by whole [query; gate] heads, per-expert gate and up
+    projections into the packed experts."""
     from safetensors import safe_open
 
     from compiled_llm.models.qwen3_5 import Qwen3_5MoeForCausalLM
@@ -79,12 +80,21 @@ def test_rank_slices_reassemble_checkpoint(qwen_ckpt):
     lin, full = "model.layers.0.linear_attn.", "model.layers.2.self_attn."
     kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for name in ("in_proj_qkv.weight", "conv1d.weight"):  # [q; k; v]: each rank holds [q_r; k_r; v_r]
+        # the merged [q; k; v; z; b; a] input projection: each rank holds [q_r; k_r; v_r; z_r; b_r; a_r], the
+        # checkpoint's in_proj_qkv (whose [q; k; v] the conv channels follow), in_proj_z, in_proj_b, in_proj_a
+        vh = cfg.linear_num_value_heads
+        merged = [s[lin + "in_proj.weight"] for s in shards]
+        assert all(p.shape[0] == (2 * kd + 2 * vd + 2 * vh) // 2 for p in merged)
+        conv = [s[lin + "conv1d.weight"] for s in shards]
+        for name, parts in (("in_proj_qkv.weight", merged), ("conv1d.weight", conv)):
             w = f.get_tensor(lin + name)
-            parts = [s[lin + name] for s in shards]
             for a, b, n in ((0, 0, kd), (kd, kd // 2, kd), (2 * kd, kd, vd)):
                 assert torch.equal(torch.cat([p[b:b + n // 2] for p in parts]), w[a:a + n]), (name, a)
-        for name in ("in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight", "dt_bias", "A_log"):
+        at = kd + vd // 2  # this rank's rows of the merged projection after [q_r; k_r; v_r]
+        for name, n in (("in_proj_z.weight", vd), ("in_proj_b.weight", vh), ("in_proj_a.weight", vh)):
+            assert torch.equal(torch.cat([p[at:at + n // 2] for p in merged]), f.get_tensor(lin + name)), name
+            at += n // 2
+        for name in ("dt_bias", "A_log"):
             assert torch.equal(joined(lin + name), f.get_tensor(lin + name)), name
         assert torch.equal(joined(lin + "out_proj.weight", 1), f.get_tensor(lin + "out_proj.weight"))
         # the merged [q; k; v]: each rank holds [q_r; k_r; v_r], q by whole [query; gate] heads, KV heads halved
@@ -107,8 +117,16 @@ def test_rank_slices_reassemble_checkpoint(qwen_ckpt):
                            f.get_tensor("model.layers.0.mlp.experts.3.up_proj.weight"))
         assert torch.equal(joined("model.layers.0.mlp.experts.down_proj", 2)[3],
                            f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight"))
-        for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight"):
-            assert all(torch.equal(s[name], f.get_tensor(name)) for s in shards)  # replicated
+        name = "model.layers.0.mlp.gate.weight"
+        assert all(torch.equal(s[name], f.get_tensor(name)) for s in shards)  # replicated
+        # the shared expert's [gate; up; expert gate]: halves of gate and up, the gate's one row on both ranks
+        si = cfg.shared_expert_intermediate_size
+        shared = [s["model.layers.0.mlp.shared_expert.gate_up_proj.weight"] for s in shards]
+        for j, name in enumerate(("gate_proj", "up_proj")):
+            want = f.get_tensor(f"model.layers.0.mlp.shared_expert.{name}.weight")
+            assert torch.equal(torch.cat([p[j * si // 2:(j + 1) * si // 2] for p in shared]), want), name
+        want = f.get_tensor("model.layers.0.mlp.shared_expert_gate.weight")
+        assert all(p.shape[0] == si + 1 and torch.equal(p[si:], want) for p in shared)
 
 
 # ---- two processes -------------------------------------------------------------------------------

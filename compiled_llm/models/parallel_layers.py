@@ -10,9 +10,9 @@ check). At tensor-parallel size 1 each layer is exactly the plain PyTorch layer 
 - head parallel (q/k/v projections): split by whole heads; with fewer heads than ranks (Gemma 4's global
   layers have 1 or 2 KV heads) each rank holds the one head its query heads read, so KV heads are
   replicated tp / num_heads times.
-- merged column parallel: an output that concatenates segments ([q; k; v] of a linear-attention layer);
-  each segment is split evenly, a rank holds its slice of each (`segment_parameter` does the same for the
-  conv weights and per-head vectors that must follow the same split).
+- merged column parallel: an output that concatenates segments ([q; k; v; z; b; a] of a linear-attention
+  layer); each segment is split evenly (or by `ranges`), a rank holds its slice of each
+  (`segment_parameter` does the same for the conv weights and per-head vectors that must follow the split).
 - row parallel: the input features are split; the partial products are summed with an all-reduce.
 - vocabulary parallel: each rank holds a contiguous block of ceil(vocab / tp) rows (zero padded);
   embedding lookups are summed over the group, logits gathered.
@@ -142,8 +142,8 @@ def segment_parameter(full_shape: tuple[int, ...], sizes: list[int], what: str,
     segment i (rows relative to the segment; default: an even split of every segment), in the same order.
     One call per tensor that must agree on which rows a rank holds: a merged projection's weight, and the
     per-channel conv weights or per-head vectors that read its output. It loads from the checkpoint's merged
-    tensor, or from one segment's own tensor (index: that segment's rows of the merged shape, as
-    `MergedColumnParallelLinear.segment` names them) for checkpoints that keep the segments apart."""
+    tensor, or from a tensor that holds one segment or a run of consecutive ones (index: their rows of the
+    merged shape, as `MergedColumnParallelLinear.segment` names them) for checkpoints that keep them apart."""
     if ranges is None:
         ranges = [range(a - o, a - o + n) for (a, n), o in zip(rank_segments(sizes, what), _offsets(sizes))]
     offsets = _offsets(sizes)
@@ -152,11 +152,13 @@ def segment_parameter(full_shape: tuple[int, ...], sizes: list[int], what: str,
     def load(param: nn.Parameter, full: torch.Tensor, index: slice | None = None) -> int:
         if index is None:
             return _copy(param, torch.cat([full[o + r.start:o + r.stop] for o, r in zip(offsets, ranges)]))
-        i = offsets.index(index.start)
-        at = sum(len(r) for r in ranges[:i])
-        with torch.no_grad():
-            param[at:at + len(ranges[i])].copy_(full[ranges[i].start:ranges[i].stop].to(param.dtype))
-        return full[ranges[i].start:ranges[i].stop].numel()
+        written = 0
+        for i in range(offsets.index(index.start), len(sizes)):
+            if offsets[i] >= index.stop:
+                break
+            at, rows = sum(len(r) for r in ranges[:i]), full[offsets[i] - index.start:]  # `full` starts at index
+            written += _copy(param[at:at + len(ranges[i])], rows[ranges[i].start:ranges[i].stop])
+        return written
 
     return _parameter(local, full_shape, load)
 
@@ -170,11 +172,12 @@ def _offsets(sizes: list[int]) -> list[int]:
 
 
 class MergedColumnParallelLinear(nn.Module):
-    """Several column-parallel projections of one input in one matrix: the checkpoint's [q; k; v] of a
-    linear-attention layer, or projections a checkpoint keeps apart and one GEMM computes ([q; k; v] of an
-    attention layer, [gate; up] of an MLP: at decode sizes one wide GEMM reads the weights faster than two or
-    three narrow ones, and launches once). Each segment is split evenly, or by `ranges` (whole heads); a
-    rank's output is its slices in order ([q_r; k_r; v_r]) and `local_sizes` separates them."""
+    """Several column-parallel projections of one input in one matrix, which one GEMM computes: [q; k; v] of
+    an attention layer, [gate; up] of an MLP, [q; k; v; z; b; a] of a linear-attention layer (whose checkpoint
+    holds [q; k; v] in one tensor and z, b, a in three). At decode sizes one wide GEMM reads the weights faster
+    than several narrow ones, and launches once (a small GEMM costs its launch latency however small).
+    Each segment is split evenly, or by `ranges` (whole heads, or all rows of a segment every rank holds);
+    a rank's output is its slices in order ([q_r; k_r; v_r]) and `local_sizes` separates them."""
 
     def __init__(self, in_features: int, sizes: list[int], bias: bool = False, ranges: list[range] | None = None):
         super().__init__()
@@ -185,10 +188,11 @@ class MergedColumnParallelLinear(nn.Module):
         self.local_sizes = [len(r) for r in ranges] if ranges is not None else \
             [n for _, n in rank_segments(sizes, "output features")]
 
-    def segment(self, i: int) -> slice:
-        """Segment i's rows of the merged (checkpoint-shaped) weight: the loader's index for its own tensor."""
+    def segment(self, i: int, count: int = 1) -> slice:
+        """The rows of segments i, ..., i + count - 1 of the merged (checkpoint-shaped) weight: the loader's
+        index for a checkpoint tensor that holds those segments."""
         start = sum(self.sizes[:i])
-        return slice(start, start + self.sizes[i])
+        return slice(start, start + sum(self.sizes[i:i + count]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -10,9 +10,10 @@ of the linear layers. Parameter names follow the Hugging Face checkpoint.
 Tensor parallel (models/parallel_layers.py; at size 1 every layer is the plain one): full attention is split
 by heads (the gated q_proj by whole [query, gate] heads, KV heads replicated where there are fewer than
 ranks), a linear-attention layer by key-head groups (a rank holds K/tp key heads and the V/tp value heads
-they serve, the matching rows of in_proj_qkv, z, b, a, conv channels, dt_bias and A_log, so its conv and
-delta-rule state are per rank too), the MLPs column/row, the routed experts by intermediate size or (expert
-parallel) whole experts, the vocabulary across ranks; norms and the router are replicated.
+they serve, the matching rows of each segment of the merged [q; k; v; z; b; a] input projection, conv
+channels, dt_bias and A_log, so its conv and delta-rule state are per rank too), the MLPs column/row, the
+routed experts by intermediate size or (expert parallel) whole experts, the vocabulary across ranks; norms,
+the router and the shared expert's sigmoid gate are replicated.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from torch import nn
 from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.interfaces import HasRecurrentState, SupportsEP, SupportsTP, UsesMRoPE
 from compiled_llm.models.layers import GatedExperts, GatedMLP, RMSNorm
-from compiled_llm.models.parallel_layers import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                                 ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, divide,
-                                                 head_rows, local_num_heads, segment_parameter)
+from compiled_llm.models.parallel_layers import (MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                                 VocabParallelEmbedding, divide, head_rows, local_num_heads,
+                                                 segment_parameter)
 from compiled_llm.models.qwen3_5_config import FULL, LINEAR, Qwen3_5TextConfig
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.conv1d import causal_conv1d
@@ -66,22 +67,41 @@ class Experts(GatedExperts):
                          F.silu, swiglu_moe)
 
 
+class SharedExpert(nn.Module):
+    """The shared SwiGLU expert behind its sigmoid gate: sigmoid(x g^T) * down(silu(x W_gate^T) * x W_up^T).
+    The gate's one row (the checkpoint's mlp.shared_expert_gate) is a third segment of gate_up_proj, so one
+    GEMM computes [gate; up; expert gate] instead of a second, one-column GEMM each MoE layer. Tensor parallel:
+    gate and up split evenly as in GatedMLP, the expert gate's row on every rank (it scales this rank's partial
+    sum, which the routed experts' all-reduce completes); down_proj leaves that partial sum to the caller."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        ps = get_parallel_state()
+        n = divide(intermediate, ps.tp_size, "shared expert intermediate size")
+        rows = range(ps.tp_rank * n, (ps.tp_rank + 1) * n)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate, 1],
+                                                       ranges=[rows, rows, range(1)])
+        self.down_proj = RowParallelLinear(intermediate, hidden, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, expert_gate = self.gate_up_proj(x).split(self.gate_up_proj.local_sizes, dim=-1)
+        return torch.sigmoid(expert_gate) * self.down_proj(F.silu(gate) * up)
+
+
 class SparseMoE(nn.Module):
     """Softmax top-k router (renormalised), routed experts, plus a shared expert behind a sigmoid gate."""
 
     def __init__(self, cfg: Qwen3_5TextConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated
         self.experts = Experts(cfg)
-        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, F.silu, reduce=False)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # replicated, like the router
+        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ref_softmax_router_topk(x, self.gate.weight, self.top_k)  # what the router fusion searches for
         weights = weights.to(x.dtype)  # the router's logits' dtype, as transformers casts
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # this rank's partial sum
-        return self.experts(x, weights, ids, shared)
+        return self.experts(x, weights, ids, self.shared_expert(x))  # the shared expert: this rank's partial sum
 
 
 class Attention(nn.Module):
@@ -127,13 +147,19 @@ class DepthwiseConvWeight(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear attention: in_proj_qkv -> causal conv1d (SiLU) -> q, k, v; gated delta rule with
+    """Linear attention: in_proj -> [q; k; v] through causal conv1d (SiLU), z, b, a; gated delta rule with
     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); gated RMSNorm with z; out_proj.
+
+    The checkpoint's four projections of the input (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) are the
+    segments of one merged projection, `in_proj` ([q; k; v; z; b; a], loaded by `hf_to_ours`): one GEMM a
+    layer instead of four small ones, each of which costs a launch at decode. The conv reads the [q; k; v]
+    columns of its output in place (a row-strided view: both conv providers take a row stride).
 
     Key head j serves the value heads [j * V/K, (j + 1) * V/K) (the delta rule repeats each k head over
     consecutive v heads), so an even split of both head counts gives every rank whole groups: K/tp key
     heads and the V/tp value heads they serve. in_proj_qkv holds [q (K heads); k (K heads); v (V heads)]
-    as three blocks (not interleaved per group as in Qwen3-Next's fused in_proj_qkvz), each split evenly."""
+    as three blocks (not interleaved per group as in Qwen3-Next's fused in_proj_qkvz), each split evenly, as
+    are z (V heads), b and a (one per value head)."""
 
     def __init__(self, cfg: Qwen3_5TextConfig, idx: int):
         super().__init__()
@@ -148,11 +174,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
         h = cfg.hidden_size
-        qkv = [k_heads * self.head_k_dim] * 2 + [v_heads * self.head_v_dim]  # the checkpoint's segments
-        self.in_proj_qkv = MergedColumnParallelLinear(h, qkv)
-        self.in_proj_z = ColumnParallelLinear(h, v_heads * self.head_v_dim)
-        self.in_proj_b = ColumnParallelLinear(h, v_heads)
-        self.in_proj_a = ColumnParallelLinear(h, v_heads)
+        qkv = [k_heads * self.head_k_dim] * 2 + [v_heads * self.head_v_dim]  # in_proj_qkv's segments
+        self.in_proj = MergedColumnParallelLinear(h, qkv + [v_heads * self.head_v_dim, v_heads, v_heads])
         self.conv1d = DepthwiseConvWeight(qkv, self.kernel)
         self.dt_bias = segment_parameter((v_heads,), [v_heads], "linear-attention value heads")
         self.A_log = segment_parameter((v_heads,), [v_heads], "linear-attention value heads")
@@ -168,14 +191,15 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        mixed = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), self.idx)
+        qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
+        mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.idx)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = gated_delta_rule(q.reshape(n, self.num_k_heads, self.head_k_dim),
                                k.reshape(n, self.num_k_heads, self.head_k_dim),
                                v.reshape(n, self.num_v_heads, self.head_v_dim), g, beta, self.idx)
-        z = self.in_proj_z(x).view(n, self.num_v_heads, self.head_v_dim)
+        z = z.view(n, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(out, z).reshape(n, -1))
 
 
@@ -221,6 +245,8 @@ class Qwen3_5Model(nn.Module):
 
 _QKV = re.compile(r"(.*\.self_attn)\.(q_proj|k_proj|v_proj)\.(weight|bias)$")  # full-attention layers
 _MLP = re.compile(r"(.*\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.weight$")  # dense MLP, shared expert
+_SHARED_GATE = re.compile(r"(.*\.mlp)\.shared_expert_gate\.weight$")  # the shared expert's sigmoid gate
+_LINEAR = re.compile(r"(.*\.linear_attn)\.in_proj_(qkv|z|b|a)\.weight$")  # linear-attention layers
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -290,10 +316,19 @@ class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE, SupportsTP, Su
         if m:  # segments of our merged qkv_proj
             merged = f"{m.group(1)}.qkv_proj"
             return f"{merged}.{m.group(3)}", self.get_submodule(merged).segment(("q_proj", "k_proj", "v_proj").index(m.group(2)))
+        m = _LINEAR.match(name)
+        if m:  # in_proj_qkv (segments q, k, v), in_proj_z, in_proj_b, in_proj_a: segments of our merged in_proj
+            merged = f"{m.group(1)}.in_proj"
+            first, count = {"qkv": (0, 3), "z": (3, 1), "b": (4, 1), "a": (5, 1)}[m.group(2)]
+            return f"{merged}.weight", self.get_submodule(merged).segment(first, count)
         m = _MLP.match(name)
         if m:  # the checkpoint's gate_proj / up_proj: segments of our merged gate_up_proj (one GEMM)
             merged = f"{m.group(1)}.gate_up_proj"
             return f"{merged}.weight", self.get_submodule(merged).segment(0 if m.group(2) == "gate_proj" else 1)
+        m = _SHARED_GATE.match(name)
+        if m:  # the third segment of the shared expert's gate_up_proj
+            merged = f"{m.group(1)}.shared_expert.gate_up_proj"
+            return f"{merged}.weight", self.get_submodule(merged).segment(2)
         m = _EXPERT.match(name)
         if m:
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)

@@ -74,5 +74,6 @@ def _(x, weight, layer_idx):
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    """x: [tokens, dim]; weight: [dim, K]. Uses and updates the layer's "conv" state in the forward context."""
+    """x: [tokens, dim], rows possibly strided (columns of a wider projection's output: both providers read it in
+    place); weight: [dim, K]. Uses and updates the layer's "conv" state in the forward context."""
     return torch.ops.compiled_llm.causal_conv1d(x, weight, layer_idx)

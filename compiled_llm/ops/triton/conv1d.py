@@ -85,7 +85,8 @@ def _state_kernel(X, Cache, Qsl, Slots, Init, dim,
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
                          layout: StateLayout) -> torch.Tensor:
-    """x [tokens, dim] (rows past the layout's tokens: padding); weight [dim, K]; cache [num_slots, dim, K-1]
+    """x [tokens, dim] (rows past the layout's tokens: padding; any row stride, e.g. the [q; k; v] columns of
+    a wider projection's output, read in place); weight [dim, K]; cache [num_slots, dim, K-1]
     (updated in place); layout: the step's sequences, its tensors on x's device. Returns [tokens, dim]."""
     n, dim = x.shape
     k = weight.shape[1]
