@@ -12,8 +12,8 @@ by heads (the gated q_proj by whole [query, gate] heads, KV heads replicated whe
 ranks), a linear-attention layer by key-head groups (a rank holds K/tp key heads and the V/tp value heads
 they serve, the matching rows of each segment of the merged [q; k; v; z; b; a] input projection, conv
 channels, dt_bias and A_log, so its conv and delta-rule state are per rank too), the MLPs column/row, the
-routed experts by intermediate size or (expert parallel) whole experts, the vocabulary across ranks; norms,
-the router and the shared expert's sigmoid gate are replicated.
+routed experts by intermediate size or (expert parallel) whole experts, the vocabulary across ranks; norms
+and the router are replicated.
 """
 
 from __future__ import annotations
@@ -67,41 +67,22 @@ class Experts(GatedExperts):
                          F.silu, swiglu_moe)
 
 
-class SharedExpert(nn.Module):
-    """The shared SwiGLU expert behind its sigmoid gate: sigmoid(x g^T) * down(silu(x W_gate^T) * x W_up^T).
-    The gate's one row (the checkpoint's mlp.shared_expert_gate) is a third segment of gate_up_proj, so one
-    GEMM computes [gate; up; expert gate] instead of a second, one-column GEMM each MoE layer. Tensor parallel:
-    gate and up split evenly as in GatedMLP, the expert gate's row on every rank (it scales this rank's partial
-    sum, which the routed experts' all-reduce completes); down_proj leaves that partial sum to the caller."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        ps = get_parallel_state()
-        n = divide(intermediate, ps.tp_size, "shared expert intermediate size")
-        rows = range(ps.tp_rank * n, (ps.tp_rank + 1) * n)
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate, 1],
-                                                       ranges=[rows, rows, range(1)])
-        self.down_proj = RowParallelLinear(intermediate, hidden, reduce=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, expert_gate = self.gate_up_proj(x).split(self.gate_up_proj.local_sizes, dim=-1)
-        return torch.sigmoid(expert_gate) * self.down_proj(F.silu(gate) * up)
-
-
 class SparseMoE(nn.Module):
     """Softmax top-k router (renormalised), routed experts, plus a shared expert behind a sigmoid gate."""
 
     def __init__(self, cfg: Qwen3_5TextConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
-        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, F.silu, reduce=False)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # replicated, like the router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ref_softmax_router_topk(x, self.gate.weight, self.top_k)  # what the router fusion searches for
         weights = weights.to(x.dtype)  # the router's logits' dtype, as transformers casts
-        return self.experts(x, weights, ids, self.shared_expert(x))  # the shared expert: this rank's partial sum
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # this rank's partial sum
+        return self.experts(x, weights, ids, shared)
 
 
 class Attention(nn.Module):
@@ -245,7 +226,6 @@ class Qwen3_5Model(nn.Module):
 
 _QKV = re.compile(r"(.*\.self_attn)\.(q_proj|k_proj|v_proj)\.(weight|bias)$")  # full-attention layers
 _MLP = re.compile(r"(.*\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.weight$")  # dense MLP, shared expert
-_SHARED_GATE = re.compile(r"(.*\.mlp)\.shared_expert_gate\.weight$")  # the shared expert's sigmoid gate
 _LINEAR = re.compile(r"(.*\.linear_attn)\.in_proj_(qkv|z|b|a)\.weight$")  # linear-attention layers
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -325,10 +305,6 @@ class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE, SupportsTP, Su
         if m:  # the checkpoint's gate_proj / up_proj: segments of our merged gate_up_proj (one GEMM)
             merged = f"{m.group(1)}.gate_up_proj"
             return f"{merged}.weight", self.get_submodule(merged).segment(0 if m.group(2) == "gate_proj" else 1)
-        m = _SHARED_GATE.match(name)
-        if m:  # the third segment of the shared expert's gate_up_proj
-            merged = f"{m.group(1)}.shared_expert.gate_up_proj"
-            return f"{merged}.weight", self.get_submodule(merged).segment(2)
         m = _EXPERT.match(name)
         if m:
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)
