@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 serving offline32 env
+# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 env
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
 set -u
@@ -50,6 +50,9 @@ for step in $steps; do
                    --budget 170 --out "$OUT/qwen_tiny32" ;;  # whole-graph decode for stateful models (head_dim 32)
     qwen_smoke) run qwen_smoke 260 python3 scripts/gpu_smoke.py --sections big --big qwen3.5-35b-a3b --shape 1024x8x256 \
                   --out "$OUT/qwen_smoke" ;;
+    big26_none) run big26_none 240 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --compile-sizes none \
+                  --out "$OUT/big26_none" ;;  # issue 15: the buckets replay the dynamic compile (fewer compiles)
+    skinny) run skinny 150 python3 benchmarks/skinny_gemm.py --out "$OUT/skinny_gemm.json" ;;
     big26) run big26 260 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --out "$OUT/big26" ;;
     serving)  # issue 14: the OpenAI server under load (1K in / 256 out, 64 requests at concurrency 8 and 32)
               # against the offline engine at the same batch; needs the server's wheels in .whl (carry [".whl"])
