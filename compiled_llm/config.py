@@ -64,7 +64,9 @@ class EngineConfig:
     compile_cache: str | None = None  # folder of precompiled artefacts (python -m compiled_llm compile-cache)
     jit_monitor: str = "off"  # off | warn | error: what a JIT compile after start-up warm-up does
     cudagraph_batch_sizes: str | None = None  # "1,2,4,8"; None: powers of two up to max_num_seqs on CUDA, none on CPU
-    compile_sizes: str | None = None  # buckets with their own static compile; None: all; "none": dynamic compile
+    compile_sizes: str | None = None  # buckets with their own static compile; None or "none": none (every bucket
+    # replays the dynamic compile: on the H200 cold start 99 -> 59 s, warm 23.5 -> 18.6 s, decode no slower);
+    # "all": every bucket; "1,8": those
     full_graph_decode: str = "auto"  # auto | on | off: capture decode whole (attention included) where faster
     max_autotune: str = "off"  # off | static | all: Inductor times Triton GEMM templates against cuBLAS per shape
     compile_passes: str | None = None  # comma-separated fusion passes; None: all that apply; "none": no fusion
@@ -151,8 +153,8 @@ _HELP = {
                     "(the dynamic compile too); slower start-up, kept in the compile cache",
     "compile_sizes": "comma-separated batch sizes (of --cudagraph-batch-sizes) that get their own static "
                      "Inductor compile; the other sizes replay the dynamic-token-count compile, padded (and "
-                     "captured as CUDA Graphs). Default: all of them; 'none': only the dynamic compile, the "
-                     "fastest warm start",
+                     "captured as CUDA Graphs). Default 'none': every size replays the dynamic compile (the fastest "
+                     "start, and on the H200 no slower a decode step); 'all': each size its own compile",
     "full_graph_decode": "auto, on or off: capture decode steps as one CUDA Graph, attention included, when the "
                          "attention kernels allow it (auto: only where measured faster than piecewise graphs)",
     "compile_passes": "comma-separated fusion passes to run (add_rms_norm, qk_norm_rope_kv_write, "

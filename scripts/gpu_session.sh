@@ -9,6 +9,10 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
+# the GPU image's site-packages has no bytecode caches: every fresh process compiled ~2,400 modules (torch,
+# sympy, ...) from source, ~5-7 s of each start-up (session 9's warm-start profile); a pip-installed
+# deployment has them, so keep them here too, in a writable folder the first process fills
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 # carried wheels (`bash ../shared/gpu/wheels.sh fastapi uvicorn openai ...`): the server's packages always,
 # FlashInfer only with WITH_FLASHINFER=1 (installed, it becomes a provider candidate and JIT-builds on first use)
 wheels=$(ls .whl/*.whl 2>/dev/null | grep -v -E "$([ "${WITH_FLASHINFER:-0}" = 1 ] && echo '^$' || echo 'flashinfer|tvm_ffi')")

@@ -374,7 +374,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=480, help="seconds for the tiny section before it skips the rest")
     ap.add_argument("--out", default=None)
     ap.add_argument("--max-autotune", default="off", help="big: off | static | all (Inductor GEMM autotuning)")
-    ap.add_argument("--compile-sizes", default=None, help="big: `none` replays the dynamic compile at every batch size")
+    ap.add_argument("--compile-sizes", default=None, help="big: `all` gives each batch size its own static compile (default: none, every size replays the dynamic compile)")
     ap.add_argument("--tp", type=int, default=1, help="big: tensor-parallel size (the profile is rank 0's; sync "
                     "and async scheduling side by side, with every rank's host syncs)")
     ap.add_argument("--tp-allreduce", default="nccl", help="big, --tp 2: nccl or symm-mem")

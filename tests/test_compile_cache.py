@@ -22,7 +22,7 @@ def run_cache(model: Path, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     r = subprocess.run([sys.executable, "-m", "compiled_llm", "compile-cache", "--model", str(model), "--out", str(out),
                         "--report", "--block-size", "4", "--max-model-len", "64", "--num-kv-blocks", "64",
-                        "--dtype", "float32", "--cudagraph-batch-sizes", "2"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        "--dtype", "float32", "--cudagraph-batch-sizes", "2", "--compile-sizes", "all"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = re.search(r"compile cache (\S+): (\w+).*start-up ([\d.]+)s", r.stdout)
     counters = dict((k, int(v)) for k, v in re.findall(r"(\w+)=(\d+)", r.stdout.split("compiles this run:")[1]))

@@ -32,7 +32,8 @@ def compiled(tiny_ckpt):
             folder, hf = tiny_ckpt(name)
             sizes = "4" if name == "dense" else "none"
             llm = LLM(str(folder), enforce_eager=False, block_size=4, max_model_len=128, num_kv_blocks=96,
-                      cudagraph_batch_sizes=sizes, jit_monitor="error", dtype="float32", fusion_check="error")
+                      cudagraph_batch_sizes=sizes, compile_sizes="all", jit_monitor="error", dtype="float32",
+                      fusion_check="error")
             _LLMS[name] = (llm, hf)
         return _LLMS[name]
 
@@ -83,7 +84,7 @@ def test_moe_in_bfloat16_gets_every_fusion_in_every_compile(tiny_ckpt):
     (fusion_check='error' raises at start-up on any layer that misses a declared fusion)."""
     folder, _ = tiny_ckpt("moe")
     kw = dict(block_size=4, max_model_len=128, num_kv_blocks=96, dtype="bfloat16")
-    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="1", fusion_check="error",
+    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="1", compile_sizes="all", fusion_check="error",
               jit_monitor="error", **kw)  # the one-token static graph: the one that differs most from the dynamic one
     shapes = llm.engine.executor.runner.compiler.compiled.matches_by_shape()
     assert sorted(shapes) == ["1", "dynamic"]
@@ -151,14 +152,14 @@ def test_default_warm_up_covers_a_lone_decode_token(tiny_ckpt):
             == eager.generate(prompt, params)[0].outputs[0].token_ids)
 
 
-def test_compile_sizes_none_pads_buckets_onto_the_dynamic_compile(tiny_ckpt):
-    """compile_sizes='none': the batch buckets (padding; CUDA graphs on the GPU) replay the one dynamic
-    compile per piece instead of a static compile each, the warm-start saving; tokens equal eager's."""
+def test_by_default_buckets_pad_onto_the_dynamic_compile(tiny_ckpt):
+    """The default (compile_sizes None, as 'none'): the batch buckets (padding; CUDA graphs on the GPU) replay
+    the one dynamic compile per piece instead of a static compile each, the start-up saving measured on the
+    H200; tokens equal eager's."""
     folder, _ = tiny_ckpt("dense")
     kw = dict(block_size=4, max_model_len=128, num_kv_blocks=96, dtype="float32")
     before = MONITOR.compiles["inductor"]
-    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="none",
-              jit_monitor="error", **kw)
+    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", jit_monitor="error", **kw)
     backend = llm.engine.executor.runner.compiler.compiled.backend
     pieces = backend.pieces
     assert MONITOR.compiles["inductor"] - before == len(pieces) - backend.shared_hits  # the dynamic compiles only
@@ -180,7 +181,8 @@ def test_look_alike_pieces_compile_once_and_keep_their_own_layers(tiny_ckpt):
     folder, _ = tiny_ckpt("dense")
     kw = dict(block_size=4, max_model_len=128, num_kv_blocks=96, dtype="float32")
     before = MONITOR.compiles["inductor"]
-    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", jit_monitor="error", **kw)
+    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="all", jit_monitor="error",
+              **kw)
     compiler = llm.engine.executor.runner.compiler
     pieces = compiler.compiled.backend.pieces
     assert [p.base for p in pieces] == [0, 0, 1, 2, 3]

@@ -266,7 +266,7 @@ def test_pp2_compiled_equals_eager(tiny_ckpt, parallel_llm):
     and outputs; greedy tokens equal one eager process."""
     ps, ref, _, _ = reference(tiny_ckpt, "ple")
     llm = parallel_llm("ple", pipeline_parallel_size=2, enforce_eager=False, fusion_check="error", jit_monitor="error",
-                       cudagraph_batch_sizes="2")
+                       cudagraph_batch_sizes="2", compile_sizes="all")
     assert generate_ids(llm, ps) == ref
     summaries = llm.engine.executor.collective_rpc("compiler_summary")
     assert len(summaries) == 2

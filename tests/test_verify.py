@@ -109,7 +109,7 @@ def test_a_static_compile_that_misses_a_fusion_replays_the_dynamic_compile(tiny_
     folder, _ = tiny_ckpt("moe")
     kw = dict(block_size=4, max_model_len=64, num_kv_blocks=32, dtype="float32")
     with caplog.at_level(logging.WARNING, logger="compiled_llm"):
-        llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2", fusion_check="error",
+        llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2", compile_sizes="all", fusion_check="error",
                   jit_monitor="error", **kw)
     assert "the static compile for 2 tokens missed geglu_moe" in caplog.text
     pieces = llm.engine.executor.runner.compiler.compiled.backend.pieces

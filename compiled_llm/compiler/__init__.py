@@ -46,11 +46,13 @@ def parse_autotune(text: str | None) -> str:
 
 
 def parse_compile_sizes(text: str | None, sizes: list[int]) -> list[int] | None:
-    """None: every bucket compiles statically; 'none' or '': none does; '1,8': those (each must be a bucket)."""
-    if text is None:
-        return None
-    if text.strip().lower() in ("", "none"):
+    """None, 'none' or '': no bucket compiles statically (each replays the dynamic compile, padded); 'all':
+    every bucket does (returns None); '1,8': those (each must be a bucket)."""
+    value = (text or "").strip().lower()
+    if value in ("", "none"):
         return []
+    if value == "all":
+        return None
     chosen = sorted({int(s) for s in text.split(",") if s.strip()})
     missing = [s for s in chosen if s not in sizes]
     if missing:
