@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 import torch._inductor.pattern_matcher as pm
 from torch._dynamo.utils import counters
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 aten = torch.ops.aten
 _REGISTER_PARAMS = inspect.signature(pm.register_replacement).parameters  # differs across torch versions
@@ -237,9 +238,21 @@ class FusionPass:
         self.stages = [pm.PatternMatcherPass(pass_name=f"compiled_llm.{self.name}") for _ in range(2)]
         self._layers: list[int | None] = []  # layer of each match accepted in the current apply
         self.count_only = False  # set per graph by the pass manager
-        # example inputs on the model's device: some canonicalisations Inductor applies first are device-specific
-        with torch._guards.tracing(None), FakeTensorMode(), torch.device(self.device):
+        self._registered = False  # patterns are traced on the first graph: a warm start (every compile an
+        # FX-cache hit) never runs a pass, so it need not trace them (a few seconds at start-up)
+
+    def _register_once(self) -> None:
+        if self._registered:
+            return
+        self._registered = True
+        # example inputs on the model's device: some canonicalisations Inductor applies first are device-specific.
+        # Traced outside the running compile's fake mode, tracing context and counters (as Inductor's own lazily
+        # built patterns are): the canonicalisations trace_fn applies would otherwise count as this compile's
+        kept = counters["inductor"].copy()
+        with unset_fake_temporarily(), torch._guards.tracing(None), FakeTensorMode() as mode, V.set_fake_mode(mode), \
+                torch.device(self.device):
             self.register()
+        counters["inductor"] = kept
 
     def register(self) -> None:
         raise NotImplementedError
@@ -279,6 +292,7 @@ class FusionPass:
                                 scalar_workaround=scalars, search_fn_pattern=pattern, **extra)
 
     def __call__(self, graph: torch.fx.Graph) -> int:
+        self._register_once()
         self._layers, self._seen = [], set()
         base = first_layer(graph)
         n = sum(stage.apply(graph) for stage in self.stages)
