@@ -50,8 +50,8 @@ _BUILT: dict[tuple, FusionPass] = {}
 
 
 def _fusion_pass(cls: type[FusionPass], dtypes: tuple, device: str, tp_group: str | None) -> FusionPass:
-    """One instance per (pass, dtypes, device, TP group) in a process: tracing the patterns takes a second or
-    two per engine, and a pass holds no state between graphs."""
+    """One instance per (pass, dtypes, device, TP group) in a process: tracing the patterns (on a pass's first
+    graph) takes a second or two, and a pass holds no state between graphs."""
     key = (cls, dtypes, device, tp_group if cls.name == "allreduce_rms_norm" else None)
     if key not in _BUILT:
         _BUILT[key] = cls(dtypes, device, tp_group) if cls.name == "allreduce_rms_norm" else cls(dtypes, device)
