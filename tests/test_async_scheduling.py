@@ -9,6 +9,8 @@ import pytest
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.config import DEMO_MODEL_DIR
 
+from async_utils import abort_while_in_flight
+
 PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4", "Once upon a time", "abc", "zzz qqq www"]
 
 
@@ -87,20 +89,7 @@ def test_abort_while_a_step_is_in_flight(engines):
     params = SamplingParams(temperature=0, max_tokens=15)
     want = outputs(sync, PROMPTS[:3], params)
     engine = fast.engine
-    for i, p in enumerate(PROMPTS[:3]):
-        engine.add_request(f"r{i}", p, params)
-    finals = {}
-    for _ in range(4):
-        for out in engine.step():
-            finals[out.request_id] = out
-    assert engine._inflight is not None
-    aborted = engine.abort_request("r1")
-    assert aborted.finished and -1 not in aborted.outputs[0].token_ids  # the unread placeholder is not output
-    assert aborted.outputs[0].token_ids == want[1][0][:len(aborted.outputs[0].token_ids)]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            finals[out.request_id] = out
-    assert "r1" not in engine.requests
+    finals = abort_while_in_flight(engine, PROMPTS[:3], params, want)
     for i in (0, 2):
         assert finals[f"r{i}"].outputs[0].token_ids == want[i][0]
     assert engine.block_manager.usage() == 0.0

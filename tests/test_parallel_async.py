@@ -17,6 +17,8 @@ import pytest
 
 from compiled_llm import SamplingParams
 from compiled_llm.runtime.errors import EngineDeadError
+
+from async_utils import abort_while_in_flight
 from test_parallel import GREEDY, generate_ids, make_llm, parallel_llm, reference  # noqa: F401 (fixture)
 
 
@@ -111,20 +113,7 @@ def test_tp2_abort_while_a_step_is_in_flight(tiny_ckpt, tp2):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = run(tp2, ps, params, False)
     engine = tp2.engine
-    for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", p, params)
-    finals = {}
-    for _ in range(4):
-        for out in engine.step():
-            finals[out.request_id] = out
-    assert engine._inflight is not None
-    aborted = engine.abort_request("r1")
-    got = aborted.outputs[0].token_ids
-    assert aborted.finished and -1 not in got and got == want[1][0][:len(got)]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            finals[out.request_id] = out
-    assert "r1" not in engine.requests
+    finals = abort_while_in_flight(engine, ps, params, want)
     assert [finals[f"r{i}"].outputs[0].token_ids for i in (0, 2)] == [want[0][0], want[2][0]]
     assert_idle(engine)
     assert run(tp2, ps, params, True) == want  # the ranks still agree after the abort
