@@ -58,7 +58,7 @@ def run_ours(folder: str, shapes, args) -> tuple[dict, LLM]:
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
               enable_expert_parallel=args.enable_expert_parallel, async_scheduling=args.async_scheduling,
-              max_autotune=args.max_autotune, tp_allreduce=args.tp_allreduce)
+              max_autotune=args.max_autotune, tp_allreduce=args.tp_allreduce, op_providers=args.op_providers)
     vocab = llm.engine.executor.model_config.vocab_size
     out = {}
     for p, b, o in shapes:
@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
     ap.add_argument("--tp-allreduce", default="nccl", choices=["nccl", "symm-mem"])
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: the engine's (on for CUDA, one process or TP)")
+    ap.add_argument("--op-providers", default=None, help="e.g. allreduce_rms_norm=reference (A/B of a fused op)")
     ap.add_argument("--max-autotune", default="off", choices=["off", "static", "all"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--runs", type=int, default=5)
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
               "copy_bandwidth_TBps": bw / 1e12 if bw else None, "matmul_TFLOPs": rate / 1e12 if rate else None,
               "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
               "enable_expert_parallel": args.enable_expert_parallel, "async_scheduling": args.async_scheduling,
-              "max_autotune": args.max_autotune, "tp_allreduce": args.tp_allreduce, "rows": rows, "ours_total_seconds": startup_and_runs,
+              "max_autotune": args.max_autotune, "tp_allreduce": args.tp_allreduce, "op_providers": args.op_providers, "rows": rows, "ours_total_seconds": startup_and_runs,
               "date": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

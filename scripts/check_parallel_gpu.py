@@ -8,7 +8,7 @@ gives EngineDeadError, and the compiled TP2 run (CUDA Graphs, allreduce_rms_norm
 CKPT: a tiny float32 checkpoint, e.g. `python -c "import sys; sys.path.insert(0, 'tests'); from pathlib import
 Path; from tiny_models import make_checkpoint; make_checkpoint(Path('/tmp/ckpt_all'), 'all')"`.
 """
-import gc, os, sys, time, signal
+import gc, os, sys, time, signal, threading
 import torch
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.runtime.errors import EngineDeadError
@@ -46,13 +46,18 @@ def main():
             print("MATCH" if got == ref else f"DIFF {got} vs {ref}", kw, flush=True)
         llm, got = run(keep=True, enforce_eager=True, tensor_parallel_size=2)
         pid = llm.engine.executor.worker_pids()[1]
-        os.kill(pid, signal.SIGKILL)
-        t = time.time()
+        killed = []
+        def kill():  # during a decode: the generate below is well past its prefill when this fires
+            killed.append(time.time())
+            os.kill(pid, signal.SIGKILL)
+        threading.Timer(1.0, kill).start()
+        long = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)  # prompt + 90 < max_model_len 128
         try:
-            llm.generate([{"prompt_token_ids": p} for p in ps], G)
+            for _ in range(30):  # generates back to back until the kill lands in one
+                llm.generate([{"prompt_token_ids": p} for p in ps], long)
             print("NO ERROR after kill")
         except EngineDeadError as e:
-            print("dead after %.1fs: %s" % (time.time() - t, e), flush=True)
+            print("killed during decode: EngineDeadError %.1fs after the kill: %s" % (time.time() - killed[0], e), flush=True)
         print("healthy", llm.engine.is_healthy())
         llm.engine.shutdown()
     if phase == "compiled":

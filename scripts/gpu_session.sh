@@ -2,7 +2,8 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 env
+# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 env;
+# two GPUs: par_modes par_compiled (PAR_MODES) arnorm tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
 set -u
@@ -13,6 +14,7 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=16
 # sympy, ...) from source, ~5-7 s of each start-up (session 9's warm-start profile); a pip-installed
 # deployment has them, so keep them here too, in a writable folder the first process fills
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
+unset PYTHONDONTWRITEBYTECODE  # (session 10: the caches were not written; this variable is the usual cause)
 # carried wheels (`bash ../shared/gpu/wheels.sh fastapi uvicorn openai ...`): the server's packages always,
 # FlashInfer only with WITH_FLASHINFER=1 (installed, it becomes a provider candidate and JIT-builds on first use)
 wheels=$(ls .whl/*.whl 2>/dev/null | grep -v -E "$([ "${WITH_FLASHINFER:-0}" = 1 ] && echo '^$' || echo 'flashinfer|tvm_ffi')")
@@ -31,6 +33,11 @@ run() {  # name, seconds, command...
   local rc=$?
   grep -v -i warning "$OUT/$name.log" | tail -15
   echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s"
+}
+
+tiny_all() {  # the tiny float32 Gemma 4 with every feature, for the parallel checks
+  [ -d /tmp/ckpt_all ] || python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; \
+from tiny_models import make_checkpoint; make_checkpoint(Path('/tmp/ckpt_all'), 'all')"
 }
 
 for step in $steps; do
@@ -80,7 +87,17 @@ for _ in range(400):
       tail -5 "$OUT/server.log" ;;
     offline32) run offline32 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x32x256 \
                  --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
-    env) python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in \
+    par_modes)  # issue 16, two GPUs: eager TP2 / PP2 / TP2+EP tokens vs one GPU on a tiny model, a worker killed mid-decode
+      tiny_all; run par_modes 240 python3 scripts/check_parallel_gpu.py /tmp/ckpt_all modes ;;
+    par_compiled) tiny_all; run par_compiled 400 python3 scripts/check_parallel_gpu.py /tmp/ckpt_all compiled ${PAR_MODES:-tp2,tp2ep,pp2} ;;
+    arnorm) run arnorm 150 python3 benchmarks/allreduce_norm.py --out "$OUT/allreduce_norm.json" ;;  # fused vs NCCL + norm
+    tp2_big) run tp2_big 330 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --tp 2 \
+               --tp-allreduce ${TP_ALLREDUCE:-nccl} --out "$OUT/tp2_big" ;;  # sync vs async under TP, rank 0's profile
+    tp2_tput) run tp2_tput 330 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256,1024x32x256 \
+                --tensor-parallel-size 2 --tp-allreduce ${TP_ALLREDUCE:-nccl} ${TP_ARGS:-} --warmup 1 --runs 2 --out "$OUT" ;;
+    one_tput) run one_tput 330 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256,1024x32x256 \
+                --warmup 1 --runs 2 --out "$OUT" ;;  # the one-GPU side of tp2_tput, same call
+    env) env | grep -E '^PYTHON' ; python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in \
            ('fastapi', 'uvicorn', 'pydantic', 'openai', 'httpx', 'xgrammar', 'flashinfer')})" ;;
     warmstart)  # compile-cache build then hit on the 26B-A4B shapes, static bucket compiles vs none
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \

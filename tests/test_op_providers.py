@@ -67,6 +67,30 @@ def test_resolver_shape_limits_and_overrides():
     select_providers("cpu", torch.float32, _specs(), {})  # leave the process on the reference
 
 
+
+def test_fused_allreduce_norm_is_chosen_under_tensor_parallel_cuda_and_its_pass_then_rewrites():
+    """The symmetric-memory kernel serves allreduce_rms_norm on CUDA with 2, 4 or 8 TP ranks (the runner puts
+    tp_size in the facts); elsewhere the reference stays and the pass only counts; with the kernel chosen the
+    pass rewrites the graph (it is no longer in the manager's count-only list)."""
+    from compiled_llm.ops.registry import OPS, Capabilities, preserved_choices
+    from compiled_llm.passes.manager import PassManager
+
+    spec = OPS["allreduce_rms_norm"]
+    cuda = Capabilities("cuda", (9, 0), frozenset({"triton"}))
+    assert spec.resolve(cuda, {"tp_size": 2})[0].name == "triton"
+    assert spec.resolve(cuda, {"tp_size": 8})[0].name == "triton"
+    for caps, facts, why in [(cuda, {"tp_size": 1}, "no tensor parallelism"), (cuda, {}, "no tensor parallelism"),
+                             (cuda, {"tp_size": 3}, "not 3"),
+                             (Capabilities("cpu", None, frozenset({"triton"})), {"tp_size": 2}, "CUDA"),
+                             (Capabilities("cpu", None, frozenset({"triton"}), True), {"tp_size": 2}, "CUDA")]:
+        provider, skipped = spec.resolve(caps, facts)
+        assert provider.name == "reference" and any(why in s for s in skipped), (facts, skipped)
+    with preserved_choices():
+        spec.select(cuda, {"tp_size": 2})
+        assert PassManager(("allreduce_rms_norm",), torch.float32, "cpu", tp_group="0").unfused == ()
+        spec.chosen.clear()
+        assert PassManager(("allreduce_rms_norm",), torch.float32, "cpu", tp_group="0").unfused == ("allreduce_rms_norm",)
+
 # ---------------------------------------------------------------------------------------------------
 # kernel groups (run under TRITON_INTERPRET=1 in a subprocess)
 

@@ -16,6 +16,7 @@ from compiled_llm.models.interfaces import recurrent_state_specs
 from compiled_llm.models.loader import init_dummy_weights, load_weights, resolve_dtype
 from compiled_llm.models.registry import resolve_model_class
 from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, mrope_batch_positions, prepare_media
+from compiled_llm.ops import collective
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
@@ -84,10 +85,13 @@ class ModelRunner(KVCachePlanner):
         # GPU only, filled by plan_blocks: what the KV-cache budget was taken from (the smoke script prints it)
         self.memory_profile: dict = {}
         # op providers, resolved once for this device and model; then the compiler (docs/compiler.md)
+        ps = get_parallel_state()
         facts = model_facts(self.model_config, block_size=config.block_size,
-                            max_num_batched_tokens=config.max_num_batched_tokens)
+                            max_num_batched_tokens=config.max_num_batched_tokens, tp_size=ps.tp_size)
         self.op_providers = select_providers(self.device, self.dtype, self.specs, facts, config.op_providers)
         log.info("op providers: %s", describe(self.op_providers))
+        if ps.tp_size > 1 and not config.enforce_eager:  # collective: every rank of the stage's TP group is here
+            collective.prepare(ps.tp_group_name, ps.tp_size, self.model_config.hidden_size, self.dtype, self.device)
         self.compiler = None
         if not config.enforce_eager:
             from compiled_llm.compiler import ModelCompiler
@@ -153,6 +157,7 @@ class ModelRunner(KVCachePlanner):
         left, and the KV cache with them, so that another engine in this process finds the memory free."""
         if self.compiler is not None:
             self.compiler.release_graphs()
+        collective.release()
         self.kv_caches = {}
         if self.device.type == "cuda":
             torch.cuda.synchronize()

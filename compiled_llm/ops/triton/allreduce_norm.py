@@ -1,0 +1,209 @@
+"""All-reduce + RMSNorm in one Triton kernel over symmetric memory (tensor parallel, one host, NVLink).
+
+At decode sizes an all-reduce is latency, not bytes: NCCL's ring kernel, then a norm kernel, then the
+next layer's input. Here each row is one program on every rank: it copies its row of x into this rank's
+symmetric buffer, signals the same program on every peer and waits for theirs (a block-wise barrier in
+the symmetric signal pads, system scope), reads the row from every rank's buffer over NVLink, sums in
+float32 in rank order (so every rank gets the same bits), rounds the sum to the input dtype as an
+all-reduce in that dtype would, and normalises. One launch instead of two or three, no host involvement,
+capturable. So that no rank overwrites a buffer a peer still reads, either a second barrier closes the
+call (the default, measured), or the buffer has two halves used in turn by each row's call count, kept on
+the device and equal on every rank, since every rank makes the same calls (one barrier a call).
+
+Each signal slot is a flag a sender sets 0 -> 1 and the receiver takes back 1 -> 0 (compare-and-swap),
+so the pads are clean after every call; slot = (phase * capacity + row) * world + sender.
+
+Rows beyond the workspace's capacity (MAX_ROWS: where the H200 measurement stopped favouring this kernel;
+prefill) take NCCL's all-reduce and the Triton norm: bigger messages are NCCL's strength. `setup` allocates the workspace collectively: every rank calls it with the same
+arguments before the first call (the model runner does, when this provider is chosen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
+from compiled_llm.ops.triton.norm import rms_norm
+
+MAX_BYTES = 1 << 20  # one rank's buffer; beyond this NCCL's ring is the better algorithm anyway
+# measured on two H200s at hidden 2816 (benchmarks/allreduce_norm.py, NOTES 2026-12-01 session 10): against
+# NCCL then the norm, 1.40x at 1 row, 1.36x at 8, 1.25x at 16, 1.09x at 32, 0.90x at 64
+MAX_ROWS = 32
+
+
+@triton.jit
+def _send(pads, slot, rank, WS: tl.constexpr):
+    """Sets this rank's flag `slot` on every rank (itself too), release: the writes before it are seen first."""
+    ranks = tl.arange(0, WS)
+    pad = tl.load(pads + ranks).to(tl.pointer_type(tl.int32))
+    addr = pad + slot * WS + rank
+    done = tl.zeros([WS], dtype=tl.int32)
+    while tl.min(done, 0) == 0:
+        cmp = tl.where(done == 0, 0, 2)  # done lanes compare with 2, which no flag holds: no second write
+        old = tl.atomic_cas(addr, cmp, tl.full([WS], 1, tl.int32), sem="release", scope="sys")
+        done = tl.where(old == cmp, 1, done)
+
+
+@triton.jit
+def _wait(pads, slot, rank, WS: tl.constexpr):
+    """Waits until every rank has set its flag `slot` here, and takes the flags back (acquire)."""
+    ranks = tl.arange(0, WS)
+    pad = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
+    addr = pad + slot * WS + ranks
+    done = tl.zeros([WS], dtype=tl.int32)
+    while tl.min(done, 0) == 0:
+        cmp = tl.where(done == 0, 1, 2)
+        old = tl.atomic_cas(addr, cmp, tl.zeros([WS], tl.int32), sem="acquire", scope="sys")
+        done = tl.where(old == cmp, 1, done)
+
+
+@triton.jit(do_not_specialize=["rank", "capacity"])  # one compile for every rank (Triton specialises 1)
+def _allreduce_rms_norm_kernel(X, W, Y, BUFS, PADS, EPOCHS, D, eps, offset, stride_x, stride_y, rank, capacity,
+                               WS: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, DOUBLE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    dtype = Y.dtype.element_ty
+    slot = row
+    if DOUBLE:  # two buffer halves by the row's call count (the same on every rank): no closing barrier
+        epoch = tl.load(EPOCHS + row)
+        slot = (epoch % 2) * capacity + row
+    own = tl.load(BUFS + rank).to(tl.pointer_type(dtype))
+    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+    tl.store(own + slot * D + cols, x, mask=mask)
+    tl.debug_barrier()  # every thread's part of the row is written before the flag goes out
+    _send(PADS, row, rank, WS)
+    _wait(PADS, row, rank, WS)
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WS):  # rank order on every rank: the same sum everywhere
+        buf = tl.load(BUFS + r).to(tl.pointer_type(dtype))
+        acc += tl.load(buf + slot * D + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    s = acc.to(dtype).to(tl.float32)  # an all-reduce in the input dtype returns this
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, 0) / D + eps)
+    y = s * rstd
+    if HAS_W:
+        y = y * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset)
+    tl.store(Y + row.to(tl.int64) * stride_y + cols, y.to(dtype), mask=mask)
+    if DOUBLE:
+        # a peer writes this half again two calls on, after it has passed the next call's barrier, which this
+        # rank enters only once this kernel (and every read in it) is done: stream order
+        tl.store(EPOCHS + row, epoch + 1)
+    else:
+        tl.debug_barrier()  # every read of the peers' buffers is done before they may write them again
+        _send(PADS, capacity + row, rank, WS)
+        _wait(PADS, capacity + row, rank, WS)
+
+
+@dataclass
+class Workspace:
+    """One rank's symmetric buffer [capacity, hidden] and the device tables of every rank's buffer and
+    signal-pad addresses (int64), as the kernel reads them."""
+    group_name: str
+    rank: int
+    world: int
+    capacity: int
+    hidden: int
+    dtype: torch.dtype
+    bufs: torch.Tensor
+    pads: torch.Tensor
+    epochs: torch.Tensor  # int32 [capacity]: calls each row has taken part in (DOUBLE: the buffer half)
+    # two buffer halves and one barrier a call, or one buffer and two barriers (the measured one; the halves
+    # pass the interpreter test and wait for benchmarks/allreduce_norm.py on GPUs)
+    double: bool = False
+    num_warps: int | None = None  # None: by the row width
+    keep: tuple = ()  # the symmetric tensor and its handle, alive as long as the workspace
+
+
+WORKSPACES: dict[str, Workspace] = {}
+
+
+def capacity_for(hidden: int, dtype: torch.dtype, world: int, pad_bytes: int) -> int:
+    """Rows one call can take: bounded by the buffer size, and by the signal pad (two phases of one int32
+    flag per row and sender)."""
+    by_bytes = MAX_BYTES // (hidden * torch.empty((), dtype=dtype).element_size())
+    by_pad = pad_bytes // (2 * world * 4)
+    return max(0, min(MAX_ROWS, by_bytes, by_pad))
+
+
+def setup(group_name: str, world: int, hidden: int, dtype: torch.dtype, device: torch.device) -> Workspace:
+    """Allocates and exchanges the symmetric workspace (collective: every rank of the group, same arguments)."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    if world & (world - 1) or world > 8:
+        raise ValueError(f"the fused all-reduce + RMSNorm takes 2, 4 or 8 ranks, not {world}")
+    capacity = capacity_for(hidden, dtype, world, _SymmetricMemory.signal_pad_size)
+    buf = symm_mem.empty(2 * capacity, hidden, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buf, group_name)
+    if handle.world_size != world:
+        raise ValueError(f"group {group_name} has {handle.world_size} ranks, not {world}")
+    bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+    epochs = torch.zeros(capacity, dtype=torch.int32, device=device)
+    ws = Workspace(group_name, handle.rank, handle.world_size, capacity, hidden, dtype, bufs, pads, epochs,
+                   keep=(buf, handle))
+    WORKSPACES[group_name] = ws
+    return ws
+
+
+def release(group_name: str | None = None) -> None:
+    for name in [group_name] if group_name else list(WORKSPACES):
+        WORKSPACES.pop(name, None)
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, ws: Workspace, offset: float = 0.0) -> torch.Tensor:
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    MONITOR.note("allreduce_rms_norm", (x.dtype, d, ws.world, weight is not None, ws.double, ws.num_warps or _warps(block)))
+    if x2.shape[0]:
+        _allreduce_rms_norm_kernel[(x2.shape[0],)](
+            x2, weight if weight is not None else x2, y, ws.bufs, ws.pads, ws.epochs, d, float(eps), float(offset),
+            x2.stride(0), y.stride(0), ws.rank, ws.capacity,
+            WS=ws.world, HAS_W=weight is not None, BLOCK=block, DOUBLE=ws.double, num_warps=ws.num_warps or _warps(block))
+    return y.view(x.shape)
+
+
+def allreduce_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, group_name: str) -> torch.Tensor:
+    ws = WORKSPACES.get(group_name)
+    if ws is None:
+        raise RuntimeError(f"allreduce_rms_norm (triton): no symmetric workspace for group {group_name}; "
+                           "every rank must call compiled_llm.ops.collective.prepare first")
+    rows = x.numel() // x.shape[-1]
+    if rows <= ws.capacity and x.shape[-1] == ws.hidden and x.dtype == ws.dtype:
+        return launch(x, weight, eps, ws)
+    # prefill-sized (or another width): NCCL's all-reduce, then the Triton norm
+    y = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", group_name))
+    return rms_norm(y, weight, eps)
+
+
+def _keys(facts: dict) -> list:
+    dtype, hidden, world = facts["dtype"], facts.get("hidden_size"), facts.get("tp_size", 1)
+    if not hidden or world < 2:
+        return []
+    return [(dtype, hidden, world, True, Workspace.double, _warps(triton.next_power_of_2(hidden)))]
+
+
+def _compile(key, device) -> None:
+    """Compiles without launching (a launch is a collective: every rank would have to be in it)."""
+    dtype, d, world, has_w, double, warps = key
+    x = torch.zeros(1, d, dtype=dtype, device=device)
+    ptrs = torch.zeros(world, dtype=torch.int64, device=device)
+    epochs = torch.zeros(1, dtype=torch.int32, device=device)
+    _allreduce_rms_norm_kernel.warmup(x, x, x, ptrs, ptrs, epochs, d, 1e-6, 0.0, d, d, 0, 1, WS=world, HAS_W=has_w,
+                                      BLOCK=triton.next_power_of_2(d), DOUBLE=double, num_warps=warps, grid=(1,))
+    MONITOR.note("allreduce_rms_norm", key)
+
+
+register_kernel(JitKernel("allreduce_rms_norm", "allreduce_rms_norm", "triton", _keys, _compile))
