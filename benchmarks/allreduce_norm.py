@@ -19,32 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from graph_timing import graph_time_us  # noqa: E402
 
 
 def timed_graph(fn, calls: int, replays: int) -> float:
-    """Microseconds per call of fn, from a CUDA graph of `calls` calls replayed `replays` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
+    return graph_time_us(fn, replays, calls, before=dist.barrier)
 
 
 def worker(rank: int, args) -> None:
@@ -69,7 +50,7 @@ def worker(rank: int, args) -> None:
     rendezvous(sym, group)
     w = (1 + 0.3 * torch.randn(d, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))).to(dtype)
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)  # each rank its own partial sums
-    variants = [(double, warps) for double, warps in (v.split(":") for v in args.variants.split(","))]
+    variants = [(v.split(":") + ["1"])[:3] for v in args.variants.split(",")]  # barriers, warps, rows a program
     out = {"world": args.world, "hidden": d, "dtype": str(dtype), "capacity": ws.capacity, "rows": {}}
     for m in rows_list:
         x = torch.randn(m, d, device="cuda", generator=g).to(dtype)
@@ -91,9 +72,9 @@ def worker(rank: int, args) -> None:
             row["one_shot_then_norm_us"] = round(timed_graph(one_shot, args.calls, args.replays), 2)
         except Exception as e:  # noqa: BLE001 (reported, the others still run)
             row["one_shot_then_norm_us"] = f"failed: {type(e).__name__}: {e}"[:200]
-        for double, warps in variants:
-            ws.double, ws.num_warps = double == "double", int(warps)
-            name = f"fused_{double}_w{warps}"
+        for double, warps, per_program in variants:
+            ws.double, ws.num_warps, ws.rows_per_program = double == "double", int(warps), int(per_program)
+            name = f"fused_{double}_w{warps}_r{per_program}"
             got = fused()
             for _ in range(200):  # many calls back to back: the flags and halves must stay in step
                 again = fused()
@@ -123,8 +104,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--port", type=int, default=29533)
-    ap.add_argument("--variants", default="single:16,double:16,double:8,double:4",
-                    help="fused kernel variants, barriers:warps (single: two barriers a call; double: two halves)")
+    ap.add_argument("--variants", default="single:16,double:16,double:8,double:4,double:8:4,single:8:4",
+                    help="fused kernel variants, barriers:warps[:rows a program] (single: two barriers a call; "
+                         "double: two buffer halves, one barrier)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if torch.cuda.device_count() < args.world:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from compiled_llm.ops.attention import AttentionSpec  # noqa: E402
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context  # noqa: E402
 from compiled_llm.ops.rope import rope_inv_freq  # noqa: E402
+from graph_timing import graph_time_us  # noqa: E402
 from compiled_llm.ops.sparse import SPARSE_KEY, SparseMetadata  # noqa: E402
 from compiled_llm.ops.sparse import sparse_attention as reference  # noqa: E402
 from compiled_llm.ops.triton import sparse_attention as T  # noqa: E402
@@ -114,20 +115,7 @@ def timing(rows, ctx, budget, reps=50):
     with set_forward_context(c):
         for name, fn in [("dense", dense), ("omnikv_filter", lambda: T.attention(q, 0)),
                          ("omnikv_sparse", lambda: T.attention(q, 1)), ("streamingllm", lambda: T.attention(q, 2))]:
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            res[name + "_ms"] = round(start.elapsed_time(end) / reps, 4)
+            res[name + "_ms"] = round(graph_time_us(fn, reps, calls=1) / 1e3, 4)
     return dict(rows=rows, ctx=ctx, budget=budget, **res)
 
 

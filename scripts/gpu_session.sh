@@ -3,7 +3,7 @@
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
 # router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 env;
-# two GPUs: par_modes par_compiled (PAR_MODES) arnorm tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
+# two GPUs: par_modes par_compiled (PAR_MODES) arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
 set -u
@@ -91,6 +91,22 @@ for _ in range(400):
       tiny_all; run par_modes 240 python3 scripts/check_parallel_gpu.py /tmp/ckpt_all modes ;;
     par_compiled) tiny_all; run par_compiled 400 python3 scripts/check_parallel_gpu.py /tmp/ckpt_all compiled ${PAR_MODES:-tp2,tp2ep,pp2} ;;
     arnorm) run arnorm 150 python3 benchmarks/allreduce_norm.py --out "$OUT/allreduce_norm.json" ;;  # fused vs NCCL + norm
+    arnorm_e2e)  # after arnorm: TP2 end to end with whichever all-reduce + norm the microbenchmark favoured at 8-32 rows
+      pick=$(python3 -c "import json; d=json.load(open('$OUT/allreduce_norm.json'))['rows']
+rows=[r for r in d if int(r) in (8, 16, 32)]
+tot=lambda k: sum(d[r][k]['us'] if isinstance(d[r][k], dict) else d[r][k] for r in rows)
+fused={k: tot(k) for k in d[rows[0]] if k.startswith('fused_')}
+best=min(fused, key=fused.get)
+print(best.split('_')[1] + ':' + best.split('_')[2][1:] + ':' + best.split('_')[3][1:] if fused[best] < tot('one_shot_then_norm_us') else 'symm-mem')")
+      echo "arnorm_e2e: $pick"
+      if [ "$pick" = symm-mem ]; then
+        run tp2_tput_symm 330 python3 \
+          benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256,1024x32x256 --tensor-parallel-size 2 \
+          --tp-allreduce symm-mem --op-providers allreduce_rms_norm=reference --warmup 1 --runs 2 --out "$OUT"
+      else
+        COMPILED_LLM_ALLREDUCE_NORM=$pick run tp2_tput_fused 330 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
+          --shapes 1024x8x256,1024x32x256 --tensor-parallel-size 2 --warmup 1 --runs 2 --out "$OUT"
+      fi ;;
     tp2_big) run tp2_big 330 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --tp 2 \
                --tp-allreduce ${TP_ALLREDUCE:-nccl} --out "$OUT/tp2_big" ;;  # sync vs async under TP, rank 0's profile
     tp2_tput) run tp2_tput 330 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256,1024x32x256 \
@@ -121,7 +137,8 @@ from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26
       run startup_warm_profile 240 python3 -m cProfile -o "$OUT/warm.prof" -m compiled_llm compile-cache $args \
         --out /tmp/elsewhere/cc
       python3 -c "import pstats, sys; pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('tottime').print_stats(40); \
-pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_callers('builtins.compile')" \
+pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_callers('builtins.compile'); \
+pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_stats('compiled_llm|_inductor|_dynamo/(eval_frame|convert_frame)|triton/compiler', 60)" \
         > "$OUT/startup_warm_profile.txt" 2>&1 && rm -f "$OUT/warm.prof" ;;
     *) echo "unknown step $step" ;;
   esac

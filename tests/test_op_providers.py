@@ -313,3 +313,21 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     globals()[f"group_{sys.argv[1]}"]()
     print("ok")
+
+
+def test_fused_allreduce_norm_variant_comes_from_the_environment(monkeypatch):
+    """COMPILED_LLM_ALLREDUCE_NORM picks the kernel variant a benchmark favoured; the JIT warm-up keys follow it
+    (a key it did not warm would be a compile after warm-up), and a malformed value is refused by name."""
+    from compiled_llm.ops.triton import allreduce_norm as arn
+
+    facts = {"dtype": torch.bfloat16, "hidden_size": 2816, "tp_size": 2}
+    monkeypatch.delenv("COMPILED_LLM_ALLREDUCE_NORM", raising=False)
+    assert arn.variant() == (False, None, 1)
+    assert arn._keys(facts) == [(torch.bfloat16, 2816, 2, True, False, 16, 1)]
+    monkeypatch.setenv("COMPILED_LLM_ALLREDUCE_NORM", "double:8:4")
+    assert arn.variant() == (True, 8, 4)
+    assert arn._keys(facts) == [(torch.bfloat16, 2816, 2, True, True, 8, 4)]
+    assert arn._keys(dict(facts, tp_size=1)) == []
+    monkeypatch.setenv("COMPILED_LLM_ALLREDUCE_NORM", "triple:8")
+    with pytest.raises(ValueError, match="COMPILED_LLM_ALLREDUCE_NORM"):
+        arn.variant()

@@ -503,12 +503,13 @@ def check_skinny_gemm():
     assert skinny_launch(8, 1024, 2048, itemsize=4).block_k == 128
 
 
-def _check_allreduce_norm(world, rows, hidden, dtype, double, seed=0):
+def _check_allreduce_norm(world, rows, hidden, dtype, double, per_program=1, seed=0):
     """One rank's launches of the fused all-reduce + RMSNorm with its peers simulated in host memory: before
     each call the peers' rows are in their buffers (the half the call count picks, or the one buffer) and
     their flags are set in this rank's pad (the interpreter runs one rank at a time). Each output is the norm
-    of the sum in rank order rounded to the dtype; this rank's flags reach every peer's pad, its own pad ends
-    clean, and with two halves each row's call count moves on by one a call."""
+    of the sum in rank order rounded to the dtype; this rank's flags (one per program of `per_program` rows)
+    reach every peer's pad, its own pad ends clean, and with two halves each program's call count moves on by
+    one a call."""
     import torch
     from compiled_llm.ops.norm import ref_rms_norm
     from compiled_llm.ops.triton.allreduce_norm import Workspace, launch
@@ -516,11 +517,12 @@ def _check_allreduce_norm(world, rows, hidden, dtype, double, seed=0):
     g = torch.Generator().manual_seed(seed)
     rank, capacity = world - 1, rows + 3  # the last rank: its id is neither 0 nor 1
     phases = 1 if double else 2
+    programs = -(-rows // per_program)
     bufs = [torch.zeros(2 * capacity, hidden, dtype=dtype) for _ in range(world)]
     pads = [torch.zeros(2 * capacity * world, dtype=torch.int32) for _ in range(world)]
     epochs = torch.zeros(capacity, dtype=torch.int32)
     ws = Workspace("g", rank, world, capacity, hidden, dtype, torch.tensor([b.data_ptr() for b in bufs]),
-                   torch.tensor([p.data_ptr() for p in pads]), epochs, double=double)
+                   torch.tensor([p.data_ptr() for p in pads]), epochs, double=double, rows_per_program=per_program)
     w = (1 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
     for call in range(2):
         xs = [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(world)]
@@ -530,7 +532,7 @@ def _check_allreduce_norm(world, rows, hidden, dtype, double, seed=0):
                 bufs[r][half:half + rows] = xs[r]
                 pads[r].zero_()
                 for phase in range(phases):
-                    pads[rank][(phase * capacity + torch.arange(rows)) * world + r] = 1
+                    pads[rank][(phase * capacity + torch.arange(programs)) * world + r] = 1
         y = launch(xs[rank], w, 1e-6, ws)
         total = xs[0].float()
         for x in xs[1:]:
@@ -543,18 +545,19 @@ def _check_allreduce_norm(world, rows, hidden, dtype, double, seed=0):
         for r in range(world):
             if r != rank:
                 sent = pads[r].view(2, capacity, world)
-                assert bool((sent[:phases, :rows, rank] == 1).all()), f"rank {r} did not get every flag"
-                assert int(sent.sum()) == phases * rows, "flags where none belong"
-        want = [call + 1 if double else 0] * rows + [0] * (capacity - rows)
+                assert bool((sent[:phases, :programs, rank] == 1).all()), f"rank {r} did not get every flag"
+                assert int(sent.sum()) == phases * programs, "flags where none belong"
+        want = [call + 1 if double else 0] * programs + [0] * (capacity - programs)
         assert epochs.tolist() == want, (epochs.tolist(), want)
 
 
 def check_allreduce_norm():
     import torch
-    for world, rows, hidden, dtype, double in [(2, 3, 96, torch.float32, True), (2, 3, 96, torch.float32, False),
-                                               (4, 2, 80, torch.float32, True), (2, 5, 64, torch.bfloat16, True),
-                                               (8, 1, 32, torch.float32, False)]:
-        _check_allreduce_norm(world, rows, hidden, dtype, double)
+    for world, rows, hidden, dtype, double, per_program in [
+            (2, 3, 96, torch.float32, True, 1), (2, 3, 96, torch.float32, False, 1), (4, 2, 80, torch.float32, True, 1),
+            (2, 5, 64, torch.bfloat16, True, 1), (8, 1, 32, torch.float32, False, 1),
+            (2, 5, 96, torch.float32, True, 2), (4, 7, 64, torch.float32, False, 4)]:
+        _check_allreduce_norm(world, rows, hidden, dtype, double, per_program)
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"

@@ -113,3 +113,32 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 p.normal_(1.0, 0.05, generator=gen)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+
+
+def build_model(model_cls, model_config, folder: Path, device: torch.device, dtype: torch.dtype,
+                load_format: str = "auto", seed: int = 0) -> nn.Module:
+    """The model on its device in the serving dtype, with its weights (the checkpoint's, or random for
+    load_format dummy); logged, since a large model takes minutes here and the log is all a non-terminal run
+    shows."""
+    t0 = time.perf_counter()
+    no_gpu = "" if torch.cuda.is_available() else " (torch sees no CUDA GPU)"
+    log.info("building %s (%d layers) on %s%s in %s", model_cls.__name__, getattr(model_config, "num_hidden_layers", 0),
+             device, no_gpu, str(dtype).replace("torch.", ""))
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters in the serving dtype; rope tables stay float32
+    try:
+        with torch.device(device):
+            model = model_cls(model_config).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    if load_format == "dummy":
+        log.info("random weights (--load-format dummy)")
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, folder, model.hf_to_ours)
+    params = list(model.parameters())
+    size = sum(p.numel() * p.element_size() for p in params)
+    log.info("model ready in %.1fs: %.1fM parameters, %.2f GiB", time.perf_counter() - t0,
+             sum(p.numel() for p in params) / 1e6, size / (1 << 30))
+    return model

@@ -13,7 +13,7 @@ import torch
 from compiled_llm.config import EngineConfig
 from compiled_llm.distributed.parallel_state import get_parallel_state
 from compiled_llm.models.interfaces import recurrent_state_specs
-from compiled_llm.models.loader import init_dummy_weights, load_weights, resolve_dtype
+from compiled_llm.models.loader import build_model, resolve_dtype
 from compiled_llm.models.registry import resolve_model_class
 from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, mrope_batch_positions, prepare_media
 from compiled_llm.ops import collective
@@ -65,7 +65,8 @@ class ModelRunner(KVCachePlanner):
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype)
         if config.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {config.load_format!r}; use auto or dummy")
-        self.model = model = self._build_model(model_cls, folder)
+        self.model = model = build_model(model_cls, self.model_config, folder, self.device, self.dtype,
+                                         config.load_format, config.seed)
         self.specs = model.attention_specs()
         self.sparse = SparseKV.build(config, self.specs, self.device)  # marks the specs; None without a method
         # the KV groups the block tables cover (under pipeline parallelism: every stage's, set by the driver)
@@ -111,33 +112,6 @@ class ModelRunner(KVCachePlanner):
         model, dtype, device = self.model, self.dtype, self.device
         return lambda n: {name: torch.zeros(shape, dtype=dt, device=device)
                           for name, (shape, dt) in model.intermediate_shapes(n, dtype).items()}
-
-    def _build_model(self, model_cls, folder: Path) -> torch.nn.Module:
-        """The model on its device in the serving dtype, with its weights; logged, since a large model
-        takes minutes here and the log is all a non-terminal run shows."""
-        cfg = self.config
-        t0 = time.perf_counter()
-        no_gpu = "" if torch.cuda.is_available() else " (torch sees no CUDA GPU)"
-        log.info("building %s (%d layers) on %s%s in %s", model_cls.__name__,
-                 getattr(self.model_config, "num_hidden_layers", 0), self.device, no_gpu,
-                 str(self.dtype).replace("torch.", ""))
-        torch.manual_seed(cfg.seed)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)  # parameters in the serving dtype; rope tables stay float32
-        try:
-            with torch.device(self.device):
-                model = model_cls(self.model_config).eval()
-        finally:
-            torch.set_default_dtype(prev)
-        if cfg.load_format == "dummy":
-            log.info("random weights (--load-format dummy)")
-            init_dummy_weights(model, cfg.seed)
-        else:
-            load_weights(model, folder, model.hf_to_ours)
-        params = list(model.parameters())
-        log.info("model ready in %.1fs: %.1fM parameters, %s", time.perf_counter() - t0,
-                 sum(p.numel() for p in params) / 1e6, gib(sum(p.numel() * p.element_size() for p in params)))
-        return model
 
     # ---- KV cache (sizing: runtime/kv_plan.py) ---------------------------------------------
     def _kv_tensors(self, num_blocks: dict[int | None, int]) -> dict[int, torch.Tensor]:

@@ -11,7 +11,8 @@ call (the default, measured), or the buffer has two halves used in turn by each 
 the device and equal on every rank, since every rank makes the same calls (one barrier a call).
 
 Each signal slot is a flag a sender sets 0 -> 1 and the receiver takes back 1 -> 0 (compare-and-swap),
-so the pads are clean after every call; slot = (phase * capacity + row) * world + sender.
+so the pads are clean after every call; slot = (phase * capacity + program) * world + sender. A program
+takes one row, or `rows_per_program` rows behind one barrier.
 
 Rows beyond the workspace's capacity (MAX_ROWS: where the H200 measurement stopped favouring this kernel;
 prefill) take NCCL's all-reduce and the Triton norm: bigger messages are NCCL's strength. `setup` allocates the workspace collectively: every rank calls it with the same
@@ -19,6 +20,7 @@ arguments before the first call (the model runner does, when this provider is ch
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,67 +37,73 @@ MAX_ROWS = 32
 
 
 @triton.jit
-def _send(pads, slot, rank, WS: tl.constexpr):
-    """Sets this rank's flag `slot` on every rank (itself too), release: the writes before it are seen first."""
-    ranks = tl.arange(0, WS)
-    pad = tl.load(pads + ranks).to(tl.pointer_type(tl.int32))
-    addr = pad + slot * WS + rank
+def _swap_flags(addr, EXPECT: tl.constexpr, NEW: tl.constexpr, SEM: tl.constexpr, WS: tl.constexpr):
+    """Turns each of the WS flags at addr from EXPECT to NEW (compare-and-swap, system scope), spinning on
+    those that do not hold EXPECT yet; a lane already done compares with 2, which no flag holds."""
     done = tl.zeros([WS], dtype=tl.int32)
     while tl.min(done, 0) == 0:
-        cmp = tl.where(done == 0, 0, 2)  # done lanes compare with 2, which no flag holds: no second write
-        old = tl.atomic_cas(addr, cmp, tl.full([WS], 1, tl.int32), sem="release", scope="sys")
+        cmp = tl.where(done == 0, EXPECT, 2)
+        old = tl.atomic_cas(addr, cmp, tl.full([WS], NEW, tl.int32), sem=SEM, scope="sys")
         done = tl.where(old == cmp, 1, done)
+
+
+@triton.jit
+def _send(pads, slot, rank, WS: tl.constexpr):
+    """Sets this rank's flag `slot` on every rank (itself too), release: the writes before it are seen first."""
+    pad = tl.load(pads + tl.arange(0, WS)).to(tl.pointer_type(tl.int32))
+    _swap_flags(pad + slot * WS + rank, 0, 1, "release", WS)
 
 
 @triton.jit
 def _wait(pads, slot, rank, WS: tl.constexpr):
     """Waits until every rank has set its flag `slot` here, and takes the flags back (acquire)."""
-    ranks = tl.arange(0, WS)
     pad = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
-    addr = pad + slot * WS + ranks
-    done = tl.zeros([WS], dtype=tl.int32)
-    while tl.min(done, 0) == 0:
-        cmp = tl.where(done == 0, 1, 2)
-        old = tl.atomic_cas(addr, cmp, tl.zeros([WS], tl.int32), sem="acquire", scope="sys")
-        done = tl.where(old == cmp, 1, done)
+    _swap_flags(pad + slot * WS + tl.arange(0, WS), 1, 0, "acquire", WS)
 
 
-@triton.jit(do_not_specialize=["rank", "capacity"])  # one compile for every rank (Triton specialises 1)
-def _allreduce_rms_norm_kernel(X, W, Y, BUFS, PADS, EPOCHS, D, eps, offset, stride_x, stride_y, rank, capacity,
-                               WS: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, DOUBLE: tl.constexpr):
-    row = tl.program_id(0)
+@triton.jit(do_not_specialize=["rank", "capacity", "n_rows"])  # one compile for every rank (Triton specialises 1)
+def _allreduce_rms_norm_kernel(X, W, Y, BUFS, PADS, EPOCHS, n_rows, D, eps, offset, stride_x, stride_y, rank, capacity,
+                               WS: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, DOUBLE: tl.constexpr,
+                               ROWS: tl.constexpr):
+    pid = tl.program_id(0)  # rows [pid * ROWS, pid * ROWS + ROWS), one barrier for them; flags by program
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     dtype = Y.dtype.element_ty
-    slot = row
-    if DOUBLE:  # two buffer halves by the row's call count (the same on every rank): no closing barrier
-        epoch = tl.load(EPOCHS + row)
-        slot = (epoch % 2) * capacity + row
+    base = pid * ROWS
+    if DOUBLE:  # two buffer halves by the program's call count (the same on every rank): no closing barrier
+        epoch = tl.load(EPOCHS + pid)
+        base += (epoch % 2) * capacity
     own = tl.load(BUFS + rank).to(tl.pointer_type(dtype))
-    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
-    tl.store(own + slot * D + cols, x, mask=mask)
-    tl.debug_barrier()  # every thread's part of the row is written before the flag goes out
-    _send(PADS, row, rank, WS)
-    _wait(PADS, row, rank, WS)
+    for i in tl.static_range(ROWS):
+        row = pid * ROWS + i
+        m = mask & (row < n_rows)
+        x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=m, other=0.0)
+        tl.store(own + (base + i) * D + cols, x, mask=m)
+    tl.debug_barrier()  # every thread's part of the rows is written before the flag goes out
+    _send(PADS, pid, rank, WS)
+    _wait(PADS, pid, rank, WS)
     tl.debug_barrier()
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in tl.static_range(WS):  # rank order on every rank: the same sum everywhere
-        buf = tl.load(BUFS + r).to(tl.pointer_type(dtype))
-        acc += tl.load(buf + slot * D + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
-    s = acc.to(dtype).to(tl.float32)  # an all-reduce in the input dtype returns this
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, 0) / D + eps)
-    y = s * rstd
-    if HAS_W:
-        y = y * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset)
-    tl.store(Y + row.to(tl.int64) * stride_y + cols, y.to(dtype), mask=mask)
+    for i in tl.static_range(ROWS):
+        row = pid * ROWS + i
+        m = mask & (row < n_rows)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WS):  # rank order on every rank: the same sum everywhere
+            buf = tl.load(BUFS + r).to(tl.pointer_type(dtype))
+            acc += tl.load(buf + (base + i) * D + cols, mask=m, other=0.0, volatile=True).to(tl.float32)
+        s = acc.to(dtype).to(tl.float32)  # an all-reduce in the input dtype returns this
+        rstd = 1.0 / tl.sqrt(tl.sum(s * s, 0) / D + eps)
+        y = s * rstd
+        if HAS_W:
+            y = y * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset)
+        tl.store(Y + row.to(tl.int64) * stride_y + cols, y.to(dtype), mask=m)
     if DOUBLE:
         # a peer writes this half again two calls on, after it has passed the next call's barrier, which this
         # rank enters only once this kernel (and every read in it) is done: stream order
-        tl.store(EPOCHS + row, epoch + 1)
+        tl.store(EPOCHS + pid, epoch + 1)
     else:
         tl.debug_barrier()  # every read of the peers' buffers is done before they may write them again
-        _send(PADS, capacity + row, rank, WS)
-        _wait(PADS, capacity + row, rank, WS)
+        _send(PADS, capacity + pid, rank, WS)
+        _wait(PADS, capacity + pid, rank, WS)
 
 
 @dataclass
@@ -115,10 +123,25 @@ class Workspace:
     # pass the interpreter test and wait for benchmarks/allreduce_norm.py on GPUs)
     double: bool = False
     num_warps: int | None = None  # None: by the row width
+    rows_per_program: int = 1  # rows that share one program and its barrier
     keep: tuple = ()  # the symmetric tensor and its handle, alive as long as the workspace
 
 
 WORKSPACES: dict[str, Workspace] = {}
+
+
+def variant() -> tuple[bool, int | None, int]:
+    """(two buffer halves, warps or None, rows a program): the default, or COMPILED_LLM_ALLREDUCE_NORM =
+    'single|double[:warps[:rows]]' (to try a variant that benchmarks/allreduce_norm.py found faster)."""
+    text = os.environ.get("COMPILED_LLM_ALLREDUCE_NORM", "")
+    if not text:
+        return Workspace.double, Workspace.num_warps, Workspace.rows_per_program
+    parts = text.split(":")
+    if parts[0] not in ("single", "double") or len(parts) > 3:
+        raise ValueError(f"COMPILED_LLM_ALLREDUCE_NORM={text!r}: expected single|double[:warps[:rows]]")
+    warps = int(parts[1]) if len(parts) > 1 else None
+    rows = int(parts[2]) if len(parts) > 2 else 1
+    return parts[0] == "double", warps, rows
 
 
 def capacity_for(hidden: int, dtype: torch.dtype, world: int, pad_bytes: int) -> int:
@@ -144,8 +167,9 @@ def setup(group_name: str, world: int, hidden: int, dtype: torch.dtype, device: 
     bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
     pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
     epochs = torch.zeros(capacity, dtype=torch.int32, device=device)
+    double, warps, rows = variant()
     ws = Workspace(group_name, handle.rank, handle.world_size, capacity, hidden, dtype, bufs, pads, epochs,
-                   keep=(buf, handle))
+                   double=double, num_warps=warps, rows_per_program=rows, keep=(buf, handle))
     WORKSPACES[group_name] = ws
     return ws
 
@@ -166,12 +190,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, ws: Workspa
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(d)
-    MONITOR.note("allreduce_rms_norm", (x.dtype, d, ws.world, weight is not None, ws.double, ws.num_warps or _warps(block)))
+    warps, rows = ws.num_warps or _warps(block), ws.rows_per_program
+    MONITOR.note("allreduce_rms_norm", (x.dtype, d, ws.world, weight is not None, ws.double, warps, rows))
     if x2.shape[0]:
-        _allreduce_rms_norm_kernel[(x2.shape[0],)](
-            x2, weight if weight is not None else x2, y, ws.bufs, ws.pads, ws.epochs, d, float(eps), float(offset),
-            x2.stride(0), y.stride(0), ws.rank, ws.capacity,
-            WS=ws.world, HAS_W=weight is not None, BLOCK=block, DOUBLE=ws.double, num_warps=ws.num_warps or _warps(block))
+        _allreduce_rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, weight if weight is not None else x2, y, ws.bufs, ws.pads, ws.epochs, x2.shape[0], d, float(eps),
+            float(offset), x2.stride(0), y.stride(0), ws.rank, ws.capacity,
+            WS=ws.world, HAS_W=weight is not None, BLOCK=block, DOUBLE=ws.double, ROWS=rows, num_warps=warps)
     return y.view(x.shape)
 
 
@@ -192,17 +217,19 @@ def _keys(facts: dict) -> list:
     dtype, hidden, world = facts["dtype"], facts.get("hidden_size"), facts.get("tp_size", 1)
     if not hidden or world < 2:
         return []
-    return [(dtype, hidden, world, True, Workspace.double, _warps(triton.next_power_of_2(hidden)))]
+    double, warps, rows = variant()
+    return [(dtype, hidden, world, True, double, warps or _warps(triton.next_power_of_2(hidden)), rows)]
 
 
 def _compile(key, device) -> None:
     """Compiles without launching (a launch is a collective: every rank would have to be in it)."""
-    dtype, d, world, has_w, double, warps = key
+    dtype, d, world, has_w, double, warps, rows = key
     x = torch.zeros(1, d, dtype=dtype, device=device)
     ptrs = torch.zeros(world, dtype=torch.int64, device=device)
     epochs = torch.zeros(1, dtype=torch.int32, device=device)
-    _allreduce_rms_norm_kernel.warmup(x, x, x, ptrs, ptrs, epochs, d, 1e-6, 0.0, d, d, 0, 1, WS=world, HAS_W=has_w,
-                                      BLOCK=triton.next_power_of_2(d), DOUBLE=double, num_warps=warps, grid=(1,))
+    _allreduce_rms_norm_kernel.warmup(x, x, x, ptrs, ptrs, epochs, 1, d, 1e-6, 0.0, d, d, 0, 1, WS=world, HAS_W=has_w,
+                                      BLOCK=triton.next_power_of_2(d), DOUBLE=double, ROWS=rows, num_warps=warps,
+                                      grid=(1,))
     MONITOR.note("allreduce_rms_norm", key)
 
 

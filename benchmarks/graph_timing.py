@@ -1,0 +1,34 @@
+"""Per-call GPU time of a small function the way a decode step runs it: `calls` calls captured in one CUDA
+graph (after a few warm-up calls on a side stream), replayed `replays` times between CUDA events."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def graph_time_us(fn: Callable, replays: int = 50, calls: int = 10, before: Callable | None = None) -> float:
+    """Microseconds per call; `before` runs just before the timed replays (e.g. a barrier across ranks)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    if before is not None:
+        before()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
