@@ -78,6 +78,30 @@ def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     return split, compute, attn
 
 
+def outputs_from_meta(sub: torch.fx.GraphModule):
+    """A piece's outputs as Dynamo recorded them (each node's fake `example_value`, which the split keeps),
+    made again as empty fake tensors of the running fake mode (Dynamo's is another one with the same shape
+    environment, so the symbolic sizes carry over); None where a value is missing. Running every piece on
+    fake tensors only to learn what it returns was most of our backend's time on a warm start (a second fake
+    trace of the whole model)."""
+    out = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
+
+    def value(a):
+        if not isinstance(a, torch.fx.Node):
+            return a
+        if "example_value" not in a.meta:
+            raise LookupError(a.name)
+        v = a.meta["example_value"]
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        return v
+
+    try:
+        return torch.fx.node.map_aggregate(out.args[0], value)
+    except LookupError:
+        return None
+
+
 class _PieceCompiler(torch.fx.Interpreter):
     """Runs the split module on Dynamo's fake inputs; each compute piece is compiled for the dynamic
     token count with the fake (symbolic) inputs it sees, and swapped for its PieceRunner."""
@@ -89,7 +113,9 @@ class _PieceCompiler(torch.fx.Interpreter):
 
     def call_module(self, target, args, kwargs):
         sub = self.fetch_attr(target)
-        out = super().call_module(target, args, kwargs)
+        out = outputs_from_meta(sub) if target in self.compute else None
+        if out is None:
+            out = super().call_module(target, args, kwargs)
         if target in self.compute:
             runner = PieceRunner(target, sub, self.backend, graph=self.backend.graph_count - 1)
             runner.compile_dynamic(list(args))
@@ -115,6 +141,15 @@ class Backend:
         # (piecewise.PieceRunner); None turns the sharing off (the audit inspects every piece itself)
         self.shared_compiles: dict | None = {}
         self.shared_hits = 0
+        self.call_started: float | None = None  # the first forward's start (set by CompiledModel): its phases
+        self.backend_span: tuple[float, float] | None = None  # (start, end) of the first graph's pieces
+        self.traced_nodes = 0
+
+    def phases(self, now: float) -> tuple[float, int, float, float]:
+        """(Dynamo's trace seconds, its graph's nodes, our pieces' seconds, the run's seconds) of the first forward."""
+        start, end = self.backend_span or (now, now)
+        began = self.call_started if self.call_started is not None else start
+        return start - began, self.traced_nodes, end - start, now - end
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         MONITOR.compile_event("dynamo", f"graph {self.graph_count}")
@@ -128,4 +163,6 @@ class Backend:
             _PieceCompiler(split, compute, self).run(*fake_args)
         log.info("compiled %d pieces around %d attention ops for a dynamic token count in %.1fs",
                  len(compute), len(attn), time.perf_counter() - t0)
+        if self.backend_span is None:
+            self.backend_span, self.traced_nodes = (t0, time.perf_counter()), len(gm.graph.nodes)
         return split

@@ -176,6 +176,17 @@ class CompiledModel:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, size: int | None,
                  intermediate: dict[str, torch.Tensor] | None = None):
         self.state.bucket = size
+        first = self.backend.graph_count == 0
+        if first:  # the phases of a start-up (issue 15): Dynamo's trace, our backend, then the first run
+            self.backend.call_started = time.perf_counter()
+        try:
+            return self._run_compiled(input_ids, positions, intermediate)
+        finally:
+            if first and self.backend.graph_count:
+                log.info("first forward: Dynamo's trace %.1fs (%d nodes), pieces %.1fs, run %.1fs",
+                         *self.backend.phases(time.perf_counter()))
+
+    def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         with fx_config.patch(**_NO_01_SPECIALISATION):  # one compile serves a single token too
