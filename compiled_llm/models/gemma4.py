@@ -27,7 +27,7 @@ from compiled_llm.models.parallel_layers import (ParallelLMHead, PPMissingLayer,
                                                  make_layers)
 from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.attention import AttentionSpec, attention
-from compiled_llm.ops.moe import ref_geglu_moe, ref_router_topk
+from compiled_llm.ops.moe import geglu_moe, ref_router_topk
 from compiled_llm.ops.rope import apply_rope, rope_inv_freq
 
 
@@ -101,12 +101,13 @@ class Router(nn.Module):
 
 
 class Experts(GatedExperts):
-    """Routed GEGLU experts (models/layers/experts.py): eager through the reference `ref_geglu_moe` over the
-    picked experts, compiled as the dense sum the GEGLU MoE pass replaces with the routed geglu_moe op."""
+    """Routed GEGLU experts (models/layers/experts.py): eager through the geglu_moe op over the picked experts
+    (its chosen provider: the Triton kernel on a GPU, so the start-up's eager profile step does not loop over
+    the experts with a host sync each), compiled as the dense sum the GEGLU MoE pass replaces with that op."""
 
     def __init__(self, cfg: Gemma4TextConfig):
         super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k_experts,
-                         gelu_tanh, ref_geglu_moe)
+                         gelu_tanh, geglu_moe)
 
 
 class DecoderLayer(nn.Module):
