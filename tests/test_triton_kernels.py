@@ -522,7 +522,8 @@ def _check_allreduce_norm(world, rows, hidden, dtype, double, per_program=1, see
     pads = [torch.zeros(2 * capacity * world, dtype=torch.int32) for _ in range(world)]
     epochs = torch.zeros(capacity, dtype=torch.int32)
     ws = Workspace("g", rank, world, capacity, hidden, dtype, torch.tensor([b.data_ptr() for b in bufs]),
-                   torch.tensor([p.data_ptr() for p in pads]), epochs, double=double, rows_per_program=per_program)
+                   torch.tensor([p.data_ptr() for p in pads]), epochs, double=double, rows_per_program=per_program,
+                   status=torch.zeros(1, dtype=torch.int32), spin_limit=300)
     w = (1 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
     for call in range(2):
         xs = [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(world)]
@@ -549,6 +550,17 @@ def _check_allreduce_norm(world, rows, hidden, dtype, double, per_program=1, see
                 assert int(sent.sum()) == phases * programs, "flags where none belong"
         want = [call + 1 if double else 0] * programs + [0] * (capacity - programs)
         assert epochs.tolist() == want, (epochs.tolist(), want)
+    assert int(ws.status) == 0
+    # a peer that never comes (dead): each wait gives up after spin_limit tries and says so; once status is set
+    # (that, or `abort` at shutdown) no wait spins, and every launch returns
+    for r in range(world):
+        pads[r].zero_()
+    launch(xs[rank], w, 1e-6, ws)
+    gave_up = int(ws.status)
+    assert gave_up >= programs, gave_up
+    ws.spin_limit = 1 << 30  # would spin for minutes if a later call still waited
+    launch(xs[rank], w, 1e-6, ws)
+    assert int(ws.status) > gave_up
 
 
 def check_allreduce_norm():

@@ -14,6 +14,10 @@ Each signal slot is a flag a sender sets 0 -> 1 and the receiver takes back 1 ->
 so the pads are clean after every call; slot = (phase * capacity + program) * world + sender. A program
 takes one row, or `rows_per_program` rows behind one barrier.
 
+A peer that dies must not leave this rank's GPU spinning (no one can kill a kernel): a wait gives up after
+minutes of tries or as soon as the workspace's status word is set, which `release` does from a side stream
+at shutdown (as an NCCL communicator is aborted); a wait that gave up is counted there.
+
 Rows beyond the workspace's capacity (MAX_ROWS: where the H200 measurement stopped favouring this kernel;
 prefill) take NCCL's all-reduce and the Triton norm: bigger messages are NCCL's strength. `setup` allocates the workspace collectively: every rank calls it with the same
 arguments before the first call (the model runner does, when this provider is chosen)."""
@@ -37,34 +41,41 @@ MAX_ROWS = 32
 
 
 @triton.jit
-def _swap_flags(addr, EXPECT: tl.constexpr, NEW: tl.constexpr, SEM: tl.constexpr, WS: tl.constexpr):
+def _swap_flags(addr, limit, status, EXPECT: tl.constexpr, NEW: tl.constexpr, SEM: tl.constexpr, WS: tl.constexpr):
     """Turns each of the WS flags at addr from EXPECT to NEW (compare-and-swap, system scope), spinning on
-    those that do not hold EXPECT yet; a lane already done compares with 2, which no flag holds."""
+    those that do not hold EXPECT yet; a lane already done compares with 2, which no flag holds. A wait ends
+    without its flags after `limit` tries, or at once when `status` is set (`abort`: a dead peer must not hang
+    this rank's GPU, and a spinning kernel cannot be killed); a wait that ends so adds one to `status`, and
+    every later one then gives up at once."""
     done = tl.zeros([WS], dtype=tl.int32)
-    while tl.min(done, 0) == 0:
+    tries = 0
+    while (tl.min(done, 0) == 0) & (tries < limit) & (tl.load(status, volatile=True) == 0):
         cmp = tl.where(done == 0, EXPECT, 2)
         old = tl.atomic_cas(addr, cmp, tl.full([WS], NEW, tl.int32), sem=SEM, scope="sys")
         done = tl.where(old == cmp, 1, done)
+        tries += 1
+    if tl.min(done, 0) == 0:
+        tl.atomic_add(status, 1)
 
 
 @triton.jit
-def _send(pads, slot, rank, WS: tl.constexpr):
+def _send(pads, slot, rank, limit, status, WS: tl.constexpr):
     """Sets this rank's flag `slot` on every rank (itself too), release: the writes before it are seen first."""
     pad = tl.load(pads + tl.arange(0, WS)).to(tl.pointer_type(tl.int32))
-    _swap_flags(pad + slot * WS + rank, 0, 1, "release", WS)
+    _swap_flags(pad + slot * WS + rank, limit, status, 0, 1, "release", WS)
 
 
 @triton.jit
-def _wait(pads, slot, rank, WS: tl.constexpr):
+def _wait(pads, slot, rank, limit, status, WS: tl.constexpr):
     """Waits until every rank has set its flag `slot` here, and takes the flags back (acquire)."""
     pad = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
-    _swap_flags(pad + slot * WS + tl.arange(0, WS), 1, 0, "acquire", WS)
+    _swap_flags(pad + slot * WS + tl.arange(0, WS), limit, status, 1, 0, "acquire", WS)
 
 
-@triton.jit(do_not_specialize=["rank", "capacity", "n_rows"])  # one compile for every rank (Triton specialises 1)
-def _allreduce_rms_norm_kernel(X, W, Y, BUFS, PADS, EPOCHS, n_rows, D, eps, offset, stride_x, stride_y, rank, capacity,
-                               WS: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, DOUBLE: tl.constexpr,
-                               ROWS: tl.constexpr):
+@triton.jit(do_not_specialize=["rank", "capacity", "n_rows", "spin_limit"])  # one compile for every rank
+def _allreduce_rms_norm_kernel(X, W, Y, BUFS, PADS, EPOCHS, STATUS, n_rows, D, eps, offset, stride_x, stride_y, rank,
+                               capacity, spin_limit, WS: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                               DOUBLE: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)  # rows [pid * ROWS, pid * ROWS + ROWS), one barrier for them; flags by program
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -80,8 +91,8 @@ def _allreduce_rms_norm_kernel(X, W, Y, BUFS, PADS, EPOCHS, n_rows, D, eps, offs
         x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=m, other=0.0)
         tl.store(own + (base + i) * D + cols, x, mask=m)
     tl.debug_barrier()  # every thread's part of the rows is written before the flag goes out
-    _send(PADS, pid, rank, WS)
-    _wait(PADS, pid, rank, WS)
+    _send(PADS, pid, rank, spin_limit, STATUS, WS)
+    _wait(PADS, pid, rank, spin_limit, STATUS, WS)
     tl.debug_barrier()
     for i in tl.static_range(ROWS):
         row = pid * ROWS + i
@@ -102,8 +113,8 @@ def _allreduce_rms_norm_kernel(X, W, Y, BUFS, PADS, EPOCHS, n_rows, D, eps, offs
         tl.store(EPOCHS + pid, epoch + 1)
     else:
         tl.debug_barrier()  # every read of the peers' buffers is done before they may write them again
-        _send(PADS, capacity + pid, rank, WS)
-        _wait(PADS, capacity + pid, rank, WS)
+        _send(PADS, capacity + pid, rank, spin_limit, STATUS, WS)
+        _wait(PADS, capacity + pid, rank, spin_limit, STATUS, WS)
 
 
 @dataclass
@@ -124,6 +135,10 @@ class Workspace:
     double: bool = False
     num_warps: int | None = None  # None: by the row width
     rows_per_program: int = 1  # rows that share one program and its barrier
+    status: torch.Tensor | None = None  # int32 [1]: waits that gave up (a peer did not come, or `abort`)
+    # compare-and-swap tries before a wait gives up: minutes, as NCCL's watchdog, since ranks can be seconds
+    # apart in healthy runs (one compiles while the other loads from the cache)
+    spin_limit: int = 1 << 28
     keep: tuple = ()  # the symmetric tensor and its handle, alive as long as the workspace
 
 
@@ -169,14 +184,27 @@ def setup(group_name: str, world: int, hidden: int, dtype: torch.dtype, device: 
     epochs = torch.zeros(capacity, dtype=torch.int32, device=device)
     double, warps, rows = variant()
     ws = Workspace(group_name, handle.rank, handle.world_size, capacity, hidden, dtype, bufs, pads, epochs,
-                   double=double, num_warps=warps, rows_per_program=rows, keep=(buf, handle))
+                   double=double, num_warps=warps, rows_per_program=rows,
+                   status=torch.zeros(1, dtype=torch.int32, device=device), keep=(buf, handle))
     WORKSPACES[group_name] = ws
     return ws
 
 
+def abort(ws: Workspace) -> None:
+    """Ends every wait of this rank's kernels now (spinning ones too): status is set from a side stream, which
+    runs beside a kernel that spins on the main one."""
+    side = torch.cuda.Stream(device=ws.status.device)
+    with torch.cuda.stream(side):
+        ws.status.fill_(1)
+    side.synchronize()
+
+
 def release(group_name: str | None = None) -> None:
+    """At shutdown, before the device is synchronised: a kernel still waiting for a dead peer ends (`abort`)."""
     for name in [group_name] if group_name else list(WORKSPACES):
-        WORKSPACES.pop(name, None)
+        ws = WORKSPACES.pop(name, None)
+        if ws is not None and ws.status is not None and ws.status.is_cuda:
+            abort(ws)
 
 
 def _warps(block: int) -> int:
@@ -194,8 +222,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, ws: Workspa
     MONITOR.note("allreduce_rms_norm", (x.dtype, d, ws.world, weight is not None, ws.double, warps, rows))
     if x2.shape[0]:
         _allreduce_rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
-            x2, weight if weight is not None else x2, y, ws.bufs, ws.pads, ws.epochs, x2.shape[0], d, float(eps),
-            float(offset), x2.stride(0), y.stride(0), ws.rank, ws.capacity,
+            x2, weight if weight is not None else x2, y, ws.bufs, ws.pads, ws.epochs, ws.status, x2.shape[0], d,
+            float(eps), float(offset), x2.stride(0), y.stride(0), ws.rank, ws.capacity, ws.spin_limit,
             WS=ws.world, HAS_W=weight is not None, BLOCK=block, DOUBLE=ws.double, ROWS=rows, num_warps=warps)
     return y.view(x.shape)
 
@@ -227,7 +255,8 @@ def _compile(key, device) -> None:
     x = torch.zeros(1, d, dtype=dtype, device=device)
     ptrs = torch.zeros(world, dtype=torch.int64, device=device)
     epochs = torch.zeros(1, dtype=torch.int32, device=device)
-    _allreduce_rms_norm_kernel.warmup(x, x, x, ptrs, ptrs, epochs, 1, d, 1e-6, 0.0, d, d, 0, 1, WS=world, HAS_W=has_w,
+    _allreduce_rms_norm_kernel.warmup(x, x, x, ptrs, ptrs, epochs, epochs, 1, d, 1e-6, 0.0, d, d, 0, 1, 1 << 28,
+                                      WS=world, HAS_W=has_w,
                                       BLOCK=triton.next_power_of_2(d), DOUBLE=double, ROWS=rows, num_warps=warps,
                                       grid=(1,))
     MONITOR.note("allreduce_rms_norm", key)
