@@ -4,6 +4,7 @@ gives EngineDeadError, and the compiled TP2 run (CUDA Graphs, allreduce_rms_norm
     python scripts/check_parallel_gpu.py CKPT modes      # eager: TP2, PP2, TP2+EP, killed worker
     python scripts/check_parallel_gpu.py CKPT compiled   # compiled TP1, TP2, TP2+EP and PP2, per-rank pass matches
     python scripts/check_parallel_gpu.py CKPT compiled pp2,tp2ep   # only those (tp1, tp2, tp2ep, tp2ep_a2a, pp2)
+    python scripts/check_parallel_gpu.py CKPT kill_compiled   # a worker killed under compiled TP2, shutdown timed
     python scripts/check_parallel_gpu.py CKPT bf16 [modes]   # bfloat16: tokens vs one GPU eager, first divergence
                                                             # with both sides' top-1 - top-2 logprob gaps there
 (tp2ep_a2a: expert parallel with all-to-all dispatch, COMPILED_LLM_MOE_DISPATCH=all_to_all: an eager path; compiled,
@@ -40,6 +41,31 @@ def divergence(ref, got) -> str:
             return (f"prompt {i} token {j}: {a.token_ids[j]} vs {b.token_ids[j]}; top-2 gap one GPU "
                     f"{gap(a.logprobs[j]):.4f}, this run {gap(b.logprobs[j]):.4f}")
     return "none"
+
+def kill_check(llm) -> None:
+    """Kills rank 1 one second into a run of decodes: the engine must say so within seconds, and its shutdown
+    (graphs, KV cache, the fused kernel's abort, the process group) must return within seconds too."""
+    pid = llm.engine.executor.worker_pids()[1]
+    killed = []
+
+    def kill():
+        killed.append(time.time())
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Timer(1.0, kill).start()
+    long = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)  # prompt + 90 < max_model_len 128
+    prompts = [{"prompt_token_ids": [5 + i] * (3 + 7 * i)} for i in range(3)]
+    try:
+        for _ in range(200):  # generates back to back until the kill lands in one
+            llm.generate(prompts, long)
+        print("NO ERROR after kill")
+    except EngineDeadError as e:
+        print("killed during decode: EngineDeadError %.1fs after the kill: %s" % (time.time() - killed[0], e), flush=True)
+    print("healthy", llm.engine.is_healthy())
+    t = time.time()
+    llm.engine.shutdown()
+    print("shutdown after the kill in %.1fs" % (time.time() - t), flush=True)
+
 
 def main():
     print("torch", torch.__version__, "gpus", torch.cuda.device_count(), flush=True)
@@ -80,22 +106,9 @@ def main():
         for m in ("tp2", "pp2", "tp2ep", "tp2ep_a2a"):
             got = run(mode=m, enforce_eager=True, **MODES[m])
             print("MATCH" if got == ref else f"DIFF {got} vs {ref}", m, flush=True)
-        llm, got = run(keep=True, enforce_eager=True, tensor_parallel_size=2)
-        pid = llm.engine.executor.worker_pids()[1]
-        killed = []
-        def kill():  # during a decode: the generate below is well past its prefill when this fires
-            killed.append(time.time())
-            os.kill(pid, signal.SIGKILL)
-        threading.Timer(1.0, kill).start()
-        long = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)  # prompt + 90 < max_model_len 128
-        try:
-            for _ in range(30):  # generates back to back until the kill lands in one
-                llm.generate([{"prompt_token_ids": p} for p in ps], long)
-            print("NO ERROR after kill")
-        except EngineDeadError as e:
-            print("killed during decode: EngineDeadError %.1fs after the kill: %s" % (time.time() - killed[0], e), flush=True)
-        print("healthy", llm.engine.is_healthy())
-        llm.engine.shutdown()
+        kill_check(run(keep=True, enforce_eager=True, tensor_parallel_size=2)[0])
+    if phase == "kill_compiled":  # compiled TP2 (the fused all-reduce + RMSNorm kernel waits on its peer)
+        kill_check(run(keep=True, enforce_eager=False, tensor_parallel_size=2)[0])
     if phase == "compiled":
         chosen = sys.argv[3].split(",") if len(sys.argv) > 3 else ["tp1", *MODES]
         if "tp1" in chosen:

@@ -3,7 +3,7 @@
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
 # router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 env;
-# two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
+# two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
 set -u
@@ -90,6 +90,7 @@ for _ in range(400):
     par_modes)  # issue 16, two GPUs: eager TP2 / PP2 / TP2+EP tokens vs one GPU on a tiny model, a worker killed mid-decode
       tiny_all; run par_modes 240 python3 scripts/check_parallel_gpu.py /tmp/ckpt_all modes ;;
     par_compiled) tiny_all; run par_compiled 400 python3 scripts/check_parallel_gpu.py /tmp/ckpt_all compiled ${PAR_MODES:-tp2,tp2ep,pp2} ;;
+    par_kill) tiny_all; run par_kill 200 python3 scripts/check_parallel_gpu.py /tmp/ckpt_all kill_compiled ;;
     par_bf16) tiny_all; run par_bf16 400 python3 scripts/check_parallel_gpu.py /tmp/ckpt_all bf16 ${PAR_MODES:-tp1,tp2,tp2ep,pp2} ;;
     arnorm) run arnorm 150 python3 benchmarks/allreduce_norm.py --out "$OUT/allreduce_norm.json" ;;  # fused vs NCCL + norm
     arnorm_e2e)  # after arnorm: TP2 end to end with whichever all-reduce + norm the microbenchmark favoured at 8-32 rows
