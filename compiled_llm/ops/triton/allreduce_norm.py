@@ -19,8 +19,9 @@ minutes of tries or as soon as the workspace's status word is set, which `releas
 at shutdown (as an NCCL communicator is aborted); a wait that gave up is counted there.
 
 Rows beyond the workspace's capacity (MAX_ROWS: where the H200 measurement stopped favouring this kernel;
-prefill) take NCCL's all-reduce and the Triton norm: bigger messages are NCCL's strength. `setup` allocates the workspace collectively: every rank calls it with the same
-arguments before the first call (the model runner does, when this provider is chosen)."""
+prefill) take NCCL's all-reduce and the Triton norm: bigger messages are NCCL's strength. `setup` allocates
+the workspace collectively: every rank calls it with the same arguments before the first call (the model
+runner does, when this provider is chosen)."""
 
 from __future__ import annotations
 
@@ -119,8 +120,9 @@ def _allreduce_rms_norm_kernel(X, W, Y, BUFS, PADS, EPOCHS, STATUS, n_rows, D, e
 
 @dataclass
 class Workspace:
-    """One rank's symmetric buffer [capacity, hidden] and the device tables of every rank's buffer and
-    signal-pad addresses (int64), as the kernel reads them."""
+    """One rank's symmetric buffer [2 x capacity, hidden] (two halves; the single-buffer variant uses the
+    first) and the device tables of every rank's buffer and signal-pad addresses (int64), as the kernel reads
+    them."""
     group_name: str
     rank: int
     world: int
@@ -129,7 +131,7 @@ class Workspace:
     dtype: torch.dtype
     bufs: torch.Tensor
     pads: torch.Tensor
-    epochs: torch.Tensor  # int32 [capacity]: calls each row has taken part in (DOUBLE: the buffer half)
+    epochs: torch.Tensor  # int32 [capacity]: calls each program has taken part in (DOUBLE: the buffer half)
     # two buffer halves and one barrier a call, or one buffer and two barriers (the measured one; the halves
     # pass the interpreter test and wait for benchmarks/allreduce_norm.py on GPUs)
     double: bool = False
