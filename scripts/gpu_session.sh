@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 env;
+# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput env;
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
@@ -65,6 +65,9 @@ for step in $steps; do
                   --out "$OUT/big26_none" ;;  # issue 15: the buckets replay the dynamic compile (fewer compiles)
     skinny) run skinny 150 python3 benchmarks/skinny_gemm.py --out "$OUT/skinny_gemm.json" ;;
     big26) run big26 260 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --out "$OUT/big26" ;;
+    big26_serial)  # big26 with the JIT kernels built one by one at first launch (A/B of the parallel build)
+      COMPILED_LLM_KERNEL_BUILD_WORKERS=0 run big26_serial 260 python3 scripts/gpu_smoke.py --sections big \
+        --shape 1024x8x256 --out "$OUT/big26_serial" ;;
     serving)  # issue 14: the OpenAI server under load (1K in / 256 out, 64 requests at concurrency 8 and 32)
               # against the offline engine at the same batch; needs the server's wheels in .whl (carry [".whl"])
       model=${SERVE_MODEL:-gemma-4-26b-a4b}
@@ -129,19 +132,30 @@ from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26
       done ;;
     startup)  # 26B-A4B with serve's defaults (batch 8): a cold compile-cache build, then a start from a copy of
               # it in another folder (the relocated warm start of issue 15); each a fresh process, timed whole
+      # (STARTUP_MODEL: another preset config; STARTUP_PROFILE=0 skips the profiled third start)
+      sm=${STARTUP_MODEL:-gemma-4-26b-a4b}
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
-from configs import write_checkpoint_folder; write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/g26'))"
-      args="--model /tmp/g26 --load-format dummy --skip-tokenizer-init --max-num-seqs 8 --report ${STARTUP_ARGS:-}"
+from configs import write_checkpoint_folder; write_checkpoint_folder('$sm', Path('/tmp/startup_model'))"
+      args="--model /tmp/startup_model --load-format dummy --skip-tokenizer-init --max-num-seqs 8 --report ${STARTUP_ARGS:-}"
+      rm -rf /tmp/cc_built /tmp/elsewhere/cc
       run startup_cold 300 python3 -m compiled_llm compile-cache $args --out /tmp/cc_built
       mkdir -p /tmp/elsewhere && cp -r /tmp/cc_built /tmp/elsewhere/cc
       run startup_warm 240 python3 -m compiled_llm compile-cache $args --out /tmp/elsewhere/cc
       # the warm start again under cProfile: where the seconds beyond loading go (issue 15: <= 10 s)
+      [ "${STARTUP_PROFILE:-1}" = 0 ] && continue
       run startup_warm_profile 240 python3 -m cProfile -o "$OUT/warm.prof" -m compiled_llm compile-cache $args \
         --out /tmp/elsewhere/cc
       python3 -c "import pstats, sys; pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('tottime').print_stats(40); \
 pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_callers('builtins.compile'); \
 pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_stats('compiled_llm|_inductor|_dynamo/(eval_frame|convert_frame)|triton/compiler', 60)" \
         > "$OUT/startup_warm_profile.txt" 2>&1 && rm -f "$OUT/warm.prof" ;;
+    aot_tput)  # issue 15: decode throughput of the fast start (the forward loaded from a compile cache) against the
+               # start that built that cache (its forward compiled ahead of time, used as it was built) and a start
+               # without a compile cache (Dynamo, FX graphs): within 3%
+      a="--config gemma-4-26b-a4b --shapes 1024x8x256 --async-scheduling --warmup 1 --runs 3 --out $OUT"
+      run aot_build 300 python3 benchmarks/throughput.py $a --compile-cache /tmp/cc_tput
+      run aot_load 200 python3 benchmarks/throughput.py $a --compile-cache /tmp/cc_tput
+      run aot_none 300 python3 benchmarks/throughput.py $a ;;
     *) echo "unknown step $step" ;;
   esac
 done

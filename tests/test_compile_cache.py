@@ -27,8 +27,9 @@ def run_cache(model: Path, out: Path) -> dict:
     status = re.search(r"compile cache (\S+): (\w+).*start-up ([\d.]+)s", r.stdout)
     counters = dict((k, int(v)) for k, v in re.findall(r"(\w+)=(\d+)", r.stdout.split("compiles this run:")[1]))
     matches = dict(re.findall(r"^\s+(\w+)\s+.+?\s(\d+)$", r.stdout, re.M))
+    aot = re.search(r"forward compiled ahead of time: (\w+)", r.stdout)
     return {"status": status.group(2), "seconds": float(status.group(3)), "counters": counters,
-            "matches": matches, "log": r.stdout + r.stderr}
+            "matches": matches, "aot": aot.group(1) if aot else None, "log": r.stdout + r.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +58,21 @@ def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_pa
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["files"] and manifest["report"]["pieces"] == 2
 
+    # the traced forward is saved too (compiler/aot.py): 2 pieces x (dynamic, batch size 2) compiles
+    assert first["aot"] == "saved" and (cache / "aot" / "forward.bin").is_file()
+    assert first["counters"]["autograd_cache_miss"] == 2 * 2
+
     files = sorted(cache.rglob("*"))
     second = run_cache(model, cache)
     assert second["status"] == "hit"
     assert sorted(cache.rglob("*")) == files  # the hit wrote nothing
+    # no Dynamo trace: the dynamic compiles come with the loaded forward; the static ones hit Inductor's caches
+    assert second["aot"] == "loaded" and "Dynamo's trace" not in second["log"]
     c = second["counters"]
     assert c["fxgraph_cache_miss"] == 0 and c["autograd_cache_miss"] == 0 and c["cpp_builds"] == 0
-    assert c["fxgraph_cache_hit"] == first["counters"]["fxgraph_cache_miss"] >= 2 * 2  # 2 pieces x (dynamic, 2)
+    assert c["fxgraph_cache_hit"] == c["autograd_cache_hit"] == 2  # batch size 2, each piece
     assert c["fxgraph_cache_bypass"] == 0 and c["autograd_cache_bypass"] == 0
-    assert "yet this start compiled" not in second["log"]
+    assert "yet this start compiled" not in second["log"] and "not used" not in second["log"]
     assert second["matches"] == first["matches"] and int(first["matches"]["qk_norm_rope_kv_write"]) == 1
     ratio = first["seconds"] / second["seconds"]
     print(f"compile-cache start-up: build {first['seconds']:.1f}s, hit {second['seconds']:.1f}s, {ratio:.1f}x faster")
@@ -79,8 +86,27 @@ def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_pa
     moved = tmp_path / "elsewhere" / "copy"
     shutil.copytree(cache, moved)
     third = run_cache(model, moved)
-    assert third["status"] == "hit"
+    assert third["status"] == "hit" and third["aot"] == "loaded"
     assert third["counters"]["fxgraph_cache_miss"] == 0 and third["counters"]["cpp_builds"] == 0
+
+
+def test_loaded_forward_generates_what_eager_does(model, built, tmp_path):
+    """A start from the cache runs the forward it loads (no Dynamo) and generates the eager model's tokens,
+    prefill (dynamic compile) and decode (batch size 2's static compile) both."""
+    from compiled_llm import LLM, SamplingParams
+
+    cache = tmp_path / "cc"
+    shutil.copytree(built[0], cache)
+    flags = dict(block_size=4, max_model_len=64, num_kv_blocks=64, dtype="float32")  # run_cache's
+    prompts, params = [[5, 9, 2, 7], [3, 3, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(model), compile_cache=str(cache), cudagraph_batch_sizes="2", compile_sizes="all", **flags)
+    compiler = llm.engine.executor.runner.compiler
+    assert compiler.cache.status == "hit" and compiler.summary()["ahead_of_time"] == "loaded"
+    assert compiler.compiled.backend.traced_nodes > 0 and len(compiler.compiled.backend.pieces) == 2
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    eager = LLM(str(model), enforce_eager=True, **flags)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want
 
 
 def test_corrupt_cache_is_rebuilt_with_a_warning(built, tmp_path, caplog):
@@ -146,3 +172,19 @@ def test_triton_kernels_built_in_a_session_are_found_after_the_folder_moves(tmp_
         # what Triton's default manager answers here: a miss (each child's recorded path is gone)
         assert not (FileCacheManager(manager.key).get_group("kernel.json") or {}).get("kernel.json")
     assert "TRITON_CACHE_MANAGER" not in os.environ
+
+
+def test_saved_forward_keeps_structural_guards_and_drops_tensor_matches():
+    """The guards saved with the forward: none on tensors' properties (torch 2.11 saved dispatch keys that live
+    tensors do not have, so a loaded forward refused every call), none on globals; the rest stay."""
+    from types import SimpleNamespace
+
+    from compiled_llm.compiler.aot import saved_guards
+
+    def entry(name, kind, is_global=False):
+        return SimpleNamespace(name=name, guard_type=kind, is_global=is_global)
+
+    entries = [entry("input_ids", "TENSOR_MATCH"), entry("self._modules['model']._parameters['w']", "TENSOR_MATCH"),
+               entry("self._modules['model']", "TYPE_MATCH"), entry("self.config.num_layers", "EQUALS_MATCH"),
+               entry("G['flag']", "EQUALS_MATCH", is_global=True), entry("", "SHAPE_ENV")]
+    assert saved_guards(entries) == [False, False, True, True, False, True]

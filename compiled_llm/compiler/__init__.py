@@ -7,6 +7,7 @@ The runtime uses one object: `ModelCompiler(model, config, ...)` replaces the mo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -16,7 +17,7 @@ from compiled_llm.compiler.backend import CompilerConfig
 from compiled_llm.compiler.cache import CompileCache, compile_counters, count_cpp_builds
 from compiled_llm.compiler.model import CompiledModel
 from compiled_llm.compiler.verify import FusionCheckError, verify
-from compiled_llm.compiler.warmup import warm_up
+from compiled_llm.compiler.warmup import precompile_kernels, warm_up
 from compiled_llm.ops.registry import OPS
 
 log = logging.getLogger("compiled_llm")
@@ -101,6 +102,15 @@ def whole_graph_decode_ok(stateful: bool, sparse: bool = False, pipeline: bool =
     return all(spec.capturable() for spec in ops)
 
 
+def aot_possible() -> bool:
+    """Whether a compile cache also keeps the traced forward (compiler/aot.py): torch >= 2.11, one process (the
+    ranks of a parallel engine would share one cache key, and their graphs differ)."""
+    from compiled_llm.compiler import aot
+
+    dist = torch.distributed
+    return aot.supported() and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
 class ModelCompiler:
     def __init__(self, model: torch.nn.Module, config, device: torch.device, dtype: torch.dtype, specs: dict,
                  hf_config: dict, facts: dict | None = None, stateful: bool = False, sparse: bool = False,
@@ -129,6 +139,8 @@ class ModelCompiler:
         self.stage_inputs = stage_inputs
         self.compiled = CompiledModel(model, ccfg, self.device, whole_graph_decode_ok(stateful, sparse, pipeline))
         self.cache: CompileCache | None = None
+        self._session: contextlib.ExitStack | None = None  # begin() to the end of warm_up
+        self.begin_seconds = 0.0
         self.startup_seconds = 0.0
         self.warmup_seconds: dict[str, float] = {}  # warm-up item -> seconds (the start-up's phases)
         count_cpp_builds()
@@ -148,25 +160,40 @@ class ModelCompiler:
                 "full_graph_decode": c.full_graph_decode, "max_autotune": c.max_autotune, "providers": providers, "tp": self.compiled.config.tp_group,
                 "tp_allreduce": c.tp_allreduce}
 
+    def begin(self) -> None:
+        """Opens start-up's compiling: the compile cache (when given) is in use from here to the end of warm_up
+        (the eager profile step's kernels are read from it or saved in it too), and the model's JIT kernels
+        build in parallel (warmup.precompile_kernels). The runtime calls it before its profile step; warm_up
+        calls it if nobody did."""
+        if self._session is not None:
+            return
+        t0 = time.perf_counter()
+        self._session = contextlib.ExitStack()
+        if self.config.compile_cache:
+            self.cache = CompileCache(self.config.compile_cache, self.hf_config, self.cache_flags(), self.device)
+            self._session.enter_context(self.cache.session(self.summary))
+            if aot_possible():
+                self.compiled.use_aot(self.cache.root / "aot", save=self.cache.status != "hit")
+        try:
+            precompile_kernels(self.facts, self.device)
+        except Exception as e:  # noqa: BLE001 - each kernel still builds at its first launch
+            log.warning("building the JIT kernels in parallel failed (%s: %s); each builds at its first launch",
+                        type(e).__name__, e)
+        self.begin_seconds = time.perf_counter() - t0
+
     def warm_up(self, kv_caches: dict, block_size: int, context_factory=None, progress: bool = True) -> None:
         """Compiles everything before the first request: from the compile cache when one is given."""
+        self.begin()
         t0 = time.perf_counter()
         max_len = self.config.max_model_len or 0
         self.compiled.max_blocks = -(-max_len // block_size) + 1
-
-        def run():
+        session, self._session = self._session, None
+        with session:  # the compile cache's session ends here: installed if built, dropped on an error
             warm_up(self.compiled, self.specs, kv_caches, block_size, self.config.max_num_batched_tokens, self.facts,
                     self.device, self.config.jit_monitor, progress, context_factory, self.warmup_seconds,
                     self.stage_inputs)
-
-        if self.config.compile_cache:
-            self.cache = CompileCache(self.config.compile_cache, self.hf_config, self.cache_flags(), self.device)
-            with self.cache.session(self.summary):
-                run()
-        else:
-            run()
         self.verify()
-        self.startup_seconds = time.perf_counter() - t0
+        self.startup_seconds = self.begin_seconds + time.perf_counter() - t0  # (the profile step between: not)
         if self.cache is not None and self.cache.status == "hit":
             self._warn_compiled_despite_cache()
         # The per-pass report at DEBUG: `compile-cache --report` prints it, and printing it here too showed it twice.
@@ -216,6 +243,8 @@ class ModelCompiler:
         lines.append(f"static batch sizes: {s['static_sizes'] or 'none'}; captured CUDA graphs: {s['captured_graphs']}"
                      + (f" (whole-graph decode at {s['whole_graph_decode_sizes']})" if s["whole_graph_decode_sizes"]
                         else ""))
+        if s.get("ahead_of_time"):
+            lines.append(f"forward compiled ahead of time: {s['ahead_of_time']} (compile cache; no Dynamo trace when loaded)")
         return "\n".join(lines)
 
 

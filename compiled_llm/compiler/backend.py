@@ -144,6 +144,7 @@ class Backend:
         self.call_started: float | None = None  # the first forward's start (set by CompiledModel): its phases
         self.backend_span: tuple[float, float] | None = None  # (start, end) of the first graph's pieces
         self.traced_nodes = 0
+        self.aot = False  # compiling ahead of time (compiler/aot.py): return a SplitArtifact, pieces as artifacts
 
     def phases(self, now: float) -> tuple[float, int, float, float]:
         """(Dynamo's trace seconds, its graph's nodes, our pieces' seconds, the run's seconds) of the first forward."""
@@ -155,6 +156,7 @@ class Backend:
         MONITOR.compile_event("dynamo", f"graph {self.graph_count}")
         self.graph_count += 1
         t0 = time.perf_counter()
+        hits_before = self.shared_hits
         split, compute, attn = split_at_attention(gm)
         self.split_gm, self.attention_pieces = split, attn  # of the latest graph; `pieces` keeps every graph's
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -165,4 +167,10 @@ class Backend:
                  len(compute), len(attn), time.perf_counter() - t0)
         if self.backend_span is None:
             self.backend_span, self.traced_nodes = (t0, time.perf_counter()), len(gm.graph.nodes)
+        if self.aot:
+            from compiled_llm.compiler.aot import SplitArtifact
+
+            # (this graph's own counts: a loaded forward adds each saved graph's)
+            return SplitArtifact(split, {"shared_hits": self.shared_hits - hits_before,
+                                         "traced_nodes": len(gm.graph.nodes)})
         return split

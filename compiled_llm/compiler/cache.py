@@ -95,6 +95,7 @@ def _listing(root: Path) -> dict[str, str]:
 
 
 def _diff_parts(old: dict, new: dict) -> str:
+    new = json.loads(json.dumps(new, sort_keys=True, default=str))  # as the manifest holds it (lists, strings)
     changed = [k for k in new if old.get(k) != new.get(k)]
     return ", ".join(changed) or "key"
 
@@ -106,6 +107,7 @@ class CompileCache:
         self.status = "unchecked"  # hit | built | rebuilt
         self.problem: str | None = None
         self.report: dict | None = None
+        self.root: Path | None = None  # the folder in use during a session (DIR on a hit, a build folder otherwise)
 
     # ---- checking ------------------------------------------------------------------------------
     def check(self) -> str | None:
@@ -159,6 +161,7 @@ class CompileCache:
         if why is None:
             self.status = "hit"
             log.info("compile cache %s: hit", self.dir)
+            self.root = self.dir
             with self._pointed_at(self.dir):
                 yield self
             return
@@ -168,6 +171,7 @@ class CompileCache:
         self.status = "rebuilt" if why != "missing" else "built"
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.dir.name}.build-", dir=self.dir.parent))
+        self.root = tmp
         try:
             with self._pointed_at(tmp):
                 yield self

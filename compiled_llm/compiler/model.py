@@ -157,6 +157,20 @@ class CompiledModel:
         self.buffers: dict[int, StaticBatch] = {}
         self.full: dict[int, FullGraph] = {}  # decode sizes that replay the whole-graph capture
         self.decode_timings: dict[int, tuple[float, float | None]] = {}  # size -> (piecewise ms, full ms)
+        self.aot = None  # compiler/aot.py AheadOfTime: the forward saved in / loaded from the compile cache
+
+    def use_aot(self, folder, save: bool = True) -> None:
+        """The forward is compiled ahead of time and saved in `folder` (when `save`), or loaded from there when
+        it is saved already (a compile-cache start: no Dynamo trace)."""
+        from compiled_llm.compiler.aot import AheadOfTime
+
+        try:
+            self.aot = AheadOfTime(folder, self.model, self.backend, save)
+        except Exception as e:  # noqa: BLE001 - saved by another build of our code or torch: compile instead
+            log.warning("the forward saved in %s cannot be loaded (%s: %s); compiling it with Dynamo", folder,
+                        type(e).__name__, e)
+            self.backend.pieces.clear()
+            self.aot = None
 
     def release_graphs(self) -> None:
         """Drops every captured CUDA graph and their memory pool. Done before the process group is left: on
@@ -187,14 +201,29 @@ class CompiledModel:
                          *self.backend.phases(time.perf_counter()))
 
     def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
+        args = (input_ids, positions) if intermediate is None else (input_ids, positions, intermediate)
+        for t in (input_ids, positions, *(intermediate or {}).values()):  # the token dimension is dynamic
+            torch._dynamo.mark_dynamic(t, 0)
         with fx_config.patch(**_NO_01_SPECIALISATION):  # one compile serves a single token too
-            if intermediate is None:
-                return self.compiled(input_ids, positions)
-            for t in intermediate.values():
-                torch._dynamo.mark_dynamic(t, 0)
-            return self.compiled(input_ids, positions, intermediate)
+            if self.aot is not None:
+                out = self._run_aot(args)
+                if out is not None:
+                    return out
+            return self.compiled(*args)
+
+    def _run_aot(self, args: tuple):
+        """The ahead-of-time forward's output, or None (with a warning) when it cannot be compiled that way:
+        this model then compiles as without a compile cache (Dynamo traces it at every start)."""
+        from compiled_llm.compiler.aot import CannotCompile
+
+        try:
+            return self.aot(*args)
+        except CannotCompile as e:  # (an error while running a compiled forward is raised as it is)
+            log.debug("the ahead-of-time compile failed", exc_info=True)
+            log.warning("the forward cannot be compiled ahead of time (%s); compiling it with Dynamo at each start "
+                        "instead", e)
+        self.aot = None
+        return None
 
     def static_batch(self, size: int) -> StaticBatch:
         if size not in self.buffers:
@@ -285,6 +314,7 @@ class CompiledModel:
             "captured_graphs": graphs,
             "whole_graph_decode_sizes": sorted(self.full),
             "decode_timings_ms": {str(k): v for k, v in self.decode_timings.items()},
+            "ahead_of_time": None if self.aot is None else self.aot.status(),
         }
 
 

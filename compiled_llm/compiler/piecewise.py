@@ -101,7 +101,7 @@ class PieceRunner:
     def __init__(self, name: str, gm: torch.fx.GraphModule, backend, graph: int = 0):
         self.name = name
         self.graph = graph  # which Dynamo graph of the model (1, 2, ...: recompiles after a guard failed)
-        self.gm = gm
+        self._gm, self._load_gm = gm, None
         self.base = first_layer(gm.graph)
         relative_layer_args(gm, self.base)
         self.backend = backend
@@ -111,6 +111,26 @@ class PieceRunner:
         self.matches: dict[str, Counter] = {}  # compile ('dynamic', '8'; '/g1' after a recompile) -> pass -> matches
         self.inputs: dict[str, str | None] = {}  # compile -> the graph our passes received (None: FX-cache hit)
         self.compile_seconds = 0.0
+
+    @classmethod
+    def restored(cls, name: str, backend, base: int, graph: int, dynamic: Callable, load_gm: Callable,
+                 matches: dict) -> "PieceRunner":
+        """A piece saved by an ahead-of-time compile (compiler/aot.py): its dynamic compile loaded, its graph
+        (already relative to `base`) unpickled by `load_gm` only if a static compile needs it."""
+        self = cls.__new__(cls)
+        self.name, self.graph, self.base, self.backend = name, graph, base, backend
+        self._gm, self._load_gm = None, load_gm
+        self.dynamic = dynamic
+        self.static, self.graphs, self.inputs = {}, {}, {self.label("dynamic"): None}
+        self.matches = {self.label("dynamic"): Counter(matches)}
+        self.compile_seconds = 0.0
+        return self
+
+    @property
+    def gm(self) -> torch.fx.GraphModule:
+        if self._gm is None:
+            self._gm = self._load_gm()
+        return self._gm
 
     def _compile(self, args: list, shape: str) -> Callable:
         shared = self.backend.shared_compiles
@@ -138,8 +158,18 @@ class PieceRunner:
         passes = self.backend.pass_manager
         calls = passes.calls
         t0 = time.perf_counter()
-        compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/inspect.py)
-        fn = compile_fn(gm, static_fakes(args), config_patches=self._inductor_config(shape))
+        if self.backend.aot and shape == "dynamic" and self.backend.compile_fn is None:
+            from compiled_llm.compiler.aot import compile_artifact  # saved with the forward (compiler/aot.py)
+
+            fn = compile_artifact(gm, args, self._inductor_config(shape))
+        else:
+            compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/inspect.py)
+            fakes = static_fakes(args)
+            if self._load_gm is not None:  # a loaded piece's graph has no fake values (compiler/aot.py)
+                from compiled_llm.compiler.aot import add_example_values
+
+                add_example_values(gm, fakes)
+            fn = compile_fn(gm, fakes, config_patches=self._inductor_config(shape))
         self.inputs[self.label(shape)] = passes.last_input if passes.calls != calls else None
         self.compile_seconds += time.perf_counter() - t0
         # our passes count into counters["inductor"], per layer relative to the graph's first one; Inductor's

@@ -105,9 +105,10 @@ class Experts(GatedExperts):
     (its chosen provider: the Triton kernel on a GPU, so the start-up's eager profile step does not loop over
     the experts with a host sync each), compiled as the dense sum the GEGLU MoE pass replaces with that op."""
 
+    routed_op = staticmethod(geglu_moe)
+
     def __init__(self, cfg: Gemma4TextConfig):
-        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k_experts,
-                         gelu_tanh, geglu_moe)
+        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k_experts, gelu_tanh)
 
 
 class DecoderLayer(nn.Module):

@@ -62,9 +62,11 @@ class Experts(GatedExperts):
     eager through the swiglu_moe op over the picked experts, compiled as the dense sum (`dense_gated_moe`
     with a SiLU gate) that the SwiGLU MoE pass turns into the same routed op."""
 
+    routed_op = staticmethod(swiglu_moe)
+
     def __init__(self, cfg: Qwen3_5TextConfig):
         super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                         F.silu, swiglu_moe)
+                         F.silu)
 
 
 class SparseMoE(nn.Module):

@@ -129,11 +129,12 @@ class JitMonitor:
 
             def listener(*, src, metadata, metadata_group, times, cache_hit):
                 name = getattr(src, "name", "kernel")
-                if cache_hit:
-                    self.triton_cache_hits[name] += 1
-                else:
-                    self.triton_builds[name] += 1
-                    self.triton_build_seconds += getattr(times, "total", 0) / 1e6  # microseconds
+                with self._lock:  # (builds run in threads when the compiler builds kernels in parallel)
+                    if cache_hit:
+                        self.triton_cache_hits[name] += 1
+                    else:
+                        self.triton_builds[name] += 1
+                        self.triton_build_seconds += getattr(times, "total", 0) / 1e6  # microseconds
                 if before is not None:
                     before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 

@@ -113,6 +113,8 @@ class KVCachePlanner:
         points into it) and throwaway state slots: the cache and state the engine serves from are neither
         read nor written, and nothing of the run is kept. Eager, because compiling and graph capture come
         after the KV cache exists."""
+        if self.compiler is not None:  # the compile cache in use and the JIT kernels built, before the eager step
+            self.compiler.begin()
         t0 = time.perf_counter()
         context = max(1, max_model_len - 1)
         new = min(self.config.max_num_batched_tokens, context)

@@ -15,16 +15,19 @@ class GatedExperts(ExpertWeights):
     rank's part (tensor parallel: a slice of every expert; expert parallel: whole experts) and loads it; ids
     stay global, `local_expert(e)` says where expert e lives here.
 
-    `act` is the gate's activation, `routed_op(x, weights, local_ids, gate_up_proj, down_proj)` the eager
-    routed computation over the picked experts (it skips ids of other ranks' experts). Compiled, the layer
+    `act` is the gate's activation; a subclass names the eager routed computation over the picked experts,
+    `routed_op(x, weights, local_ids, gate_up_proj, down_proj)` (it skips ids of other ranks' experts), as a
+    class attribute: kept on the instance, the op object (a torch.library op, which does not pickle) would
+    stop the compile cache from saving the traced forward's guards (compiler/aot.py). Compiled, the layer
     traces the dense sum instead (`dense_gated_moe` with `act`), which the model's MoE fusion pass (GEGLU or
     SwiGLU, passes/geglu_moe.py) finds and replaces with the routed op."""
 
+    routed_op: Callable[..., torch.Tensor]
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int,
-                 act: Callable[[torch.Tensor], torch.Tensor], routed_op: Callable[..., torch.Tensor]):
+                 act: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__(num_experts, hidden, intermediate, top_k)
         self.act = act
-        self.routed_op = routed_op
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 shared: torch.Tensor | None = None) -> torch.Tensor:
