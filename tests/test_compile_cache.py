@@ -188,3 +188,26 @@ def test_saved_forward_keeps_structural_guards_and_drops_tensor_matches():
                entry("self._modules['model']", "TYPE_MATCH"), entry("self.config.num_layers", "EQUALS_MATCH"),
                entry("G['flag']", "EQUALS_MATCH", is_global=True), entry("", "SHAPE_ENV")]
     assert saved_guards(entries) == [False, False, True, True, False, True]
+
+
+def test_a_start_refused_after_the_cache_opened_leaves_no_cache_and_no_variables(model, tmp_path, monkeypatch):
+    """On a GPU the compile cache opens before the profile step (its kernels build into it); a start refused
+    after that (here: a KV cache too small for max_model_len) closes it as on an error: nothing installed, no
+    build folder left, Inductor's and Triton's cache variables as they were."""
+    from compiled_llm import LLM
+    from compiled_llm.runtime.model_runner import ModelRunner
+
+    plan = ModelRunner.plan_blocks
+
+    def plan_after_opening(self, max_model_len):  # what profile_run does on a GPU
+        self.compiler.begin()
+        assert self.compiler.cache is not None and os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
+        return plan(self, max_model_len)
+
+    monkeypatch.setattr(ModelRunner, "plan_blocks", plan_after_opening)
+    before = {v: os.environ.get(v) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    with pytest.raises(ValueError, match="KV cache holds"):
+        LLM(str(model), compile_cache=str(tmp_path / "cc"), block_size=4, max_model_len=64, num_kv_blocks=4,
+            dtype="float32")
+    assert {v: os.environ.get(v) for v in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == []

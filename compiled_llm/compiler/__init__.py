@@ -181,6 +181,14 @@ class ModelCompiler:
                         type(e).__name__, e)
         self.begin_seconds = time.perf_counter() - t0
 
+    def abandon(self) -> None:
+        """Start-up failed between begin() and warm_up (e.g. the KV cache does not fit): the compile cache's
+        session ends as on an error (a build is dropped, the cache variables restored)."""
+        session, self._session = self._session, None
+        if session is not None:
+            err = RuntimeError("start-up failed before warm-up")
+            session.__exit__(type(err), err, None)
+
     def warm_up(self, kv_caches: dict, block_size: int, context_factory=None, progress: bool = True) -> None:
         """Compiles everything before the first request: from the compile cache when one is given."""
         self.begin()

@@ -169,7 +169,9 @@ class CompiledModel:
         except Exception as e:  # noqa: BLE001 - saved by another build of our code or torch: compile instead
             log.warning("the forward saved in %s cannot be loaded (%s: %s); compiling it with Dynamo", folder,
                         type(e).__name__, e)
-            self.backend.pieces.clear()
+            b = self.backend  # as before any graph was bound
+            b.pieces.clear()
+            b.graph_count, b.shared_hits, b.split_gm, b.attention_pieces = 0, 0, None, []
             self.aot = None
 
     def release_graphs(self) -> None:

@@ -74,7 +74,7 @@ def precompile_kernels(facts: dict, device, workers: int | None = None) -> int:
     if device.type != "cuda" or workers < 1:
         return 0
     try:
-        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime import _async_compile
         from triton.runtime.jit import JITFunction
     except ImportError:
         return 0
@@ -93,11 +93,12 @@ def precompile_kernels(facts: dict, device, workers: int | None = None) -> int:
     with ThreadPoolExecutor(workers) as pool:
         JITFunction.run = compile_only
         try:
-            with AsyncCompileMode(pool):  # leaving it waits for every build and files it in its kernel's cache
+            with _async_compile.AsyncCompileMode(pool):  # leaving it waits for every build, files it in its cache
                 for kernel, key in keys:
                     kernel.compile(key, device)
         finally:
             JITFunction.run = launch
+            _async_compile.active_mode.set(None)  # (a build that raised leaves the mode set when leaving it)
     log.info("built %d JIT kernel keys' Triton kernels in parallel in %.1fs", len(keys), time.perf_counter() - t0)
     return len(keys)
 

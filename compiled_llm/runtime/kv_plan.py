@@ -178,9 +178,13 @@ def build_kv_cache(config, executor) -> BlockManager:
         else:
             log.info("prefix caching with recurrent-state snapshots at block boundaries: %d snapshot slots",
                      executor.num_snapshot_slots)
-    num_blocks = executor.plan_blocks(config.max_model_len)
-    check_capacity(config, num_blocks)
-    executor.allocate_kv_cache(num_blocks)
+    try:
+        num_blocks = executor.plan_blocks(config.max_model_len)
+        check_capacity(config, num_blocks)
+        executor.allocate_kv_cache(num_blocks)
+    except BaseException:
+        executor.runner.abandon_compile()  # the compile cache opened for the profile step closes as on an error
+        raise
     sparse = executor.sparse
     tokens = {("full" if g is None else f"window {g}"): n * config.block_size for g, n in num_blocks.items()}
     log.info("KV cache: %s tokens per group, block size %d", tokens, config.block_size)

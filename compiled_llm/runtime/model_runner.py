@@ -126,6 +126,10 @@ class ModelRunner(KVCachePlanner):
     def _state_tensors(self, num_slots: int) -> dict[int, dict[str, torch.Tensor]]:
         return allocate_states(self.state_specs, num_slots, self.dtype, self.device)
 
+    def abandon_compile(self) -> None:
+        if self.compiler is not None:
+            self.compiler.abandon()
+
     def release(self) -> None:
         """At shutdown: the captured CUDA graphs (and the collectives in them) go before the process group is
         left, and the KV cache with them, so that another engine in this process finds the memory free."""
