@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput env;
+# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
@@ -149,6 +149,9 @@ from configs import write_checkpoint_folder; write_checkpoint_folder('$sm', Path
 pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_callers('builtins.compile'); \
 pstats.Stats('$OUT/warm.prof', stream=sys.stdout).sort_stats('cumulative').print_stats('compiled_llm|_inductor|_dynamo/(eval_frame|convert_frame)|triton/compiler', 60)" \
         > "$OUT/startup_warm_profile.txt" 2>&1 && rm -f "$OUT/warm.prof" ;;
+    startup_json)  # issue 15: benchmarks/startup.py, cold then relocated warm, phases into $OUT/startup_*.json
+      run startup_json 300 python3 benchmarks/startup.py --config ${STARTUP_MODEL:-gemma-4-26b-a4b} --out "$OUT" \
+        -- --max-num-seqs 8 ;;
     aot_tput)  # issue 15: decode throughput of the fast start (the forward loaded from a compile cache) against the
                # start that built that cache (its forward compiled ahead of time, used as it was built) and a start
                # without a compile cache (Dynamo, FX graphs): within 3%

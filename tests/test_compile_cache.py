@@ -73,6 +73,15 @@ def test_round_trip_second_start_compiles_nothing_and_moves(model, built, tmp_pa
     assert c["fxgraph_cache_hit"] == c["autograd_cache_hit"] == 2  # batch size 2, each piece
     assert c["fxgraph_cache_bypass"] == 0 and c["autograd_cache_bypass"] == 0
     assert "yet this start compiled" not in second["log"] and "not used" not in second["log"]
+    # the start-up benchmark's phases from the same two logs (benchmarks/startup.py)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from startup import parse
+
+    cold, warm = parse(first["log"]), parse(second["log"])
+    assert (cold["cache"], cold["ahead_of_time"], warm["cache"], warm["ahead_of_time"]) == ("built", "saved", "hit", "loaded")
+    assert cold["traced_nodes"] > 0 and cold["forward_saved_s"] >= 0 and "dynamo_trace_s" not in warm
+    assert warm["compile_s"] == second["seconds"] and warm["counters"] == c and warm["forward_loaded_s"] >= 0
+    assert 0 < warm["ready_beyond_weights_s"] and warm["kv_cache_alloc_s"] >= 0
     assert second["matches"] == first["matches"] and int(first["matches"]["qk_norm_rope_kv_write"]) == 1
     ratio = first["seconds"] / second["seconds"]
     print(f"compile-cache start-up: build {first['seconds']:.1f}s, hit {second['seconds']:.1f}s, {ratio:.1f}x faster")
