@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -6,7 +5,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One intra-op thread in the test process: the tiny models gain nothing from a second one (the same time on an
+# idle machine), and with two every parallel region (index_add_ in the MoE reference, ...) waits for the OpenMP
+# thread whenever the other core is busy: a TP worker process, a server, Inductor's g++, another job (tiny eager
+# steps stalled 40-60 ms per op). test_parallel*.py, whose worker process shares the two cores: 90 s -> 52 s on an
+# otherwise idle machine; test_gemma4_equivalence.py beside another job: 173 s -> 47 s.
+# Spawned workers, servers and CLI runs choose their own (worker_main.py; torch's default).
+torch.set_num_threads(1)
 
 from qwen3_5_tiny import make_qwen_checkpoint  # noqa: E402
 from tiny_models import make_checkpoint  # noqa: E402

@@ -6,6 +6,7 @@ import sys
 from dataclasses import fields
 
 from compiled_llm import LLM, SamplingParams
+from compiled_llm.cli import main
 from compiled_llm.config import EngineConfig
 
 
@@ -50,11 +51,18 @@ def test_help_shows_each_default_once():
         sub["generate"].format_help().split())
 
 
-def test_bad_input_is_a_one_line_error(tiny_ckpt, tmp_path):
+def test_bad_input_is_a_one_line_error(tiny_ckpt, tmp_path, capsys):
+    """main() in this process: the exit status `python -m compiled_llm` exits with (__main__.py; the command
+    itself runs in test_generate_prints_what_the_api_gives) and the last line it wrote to stderr."""
     folder, _ = tiny_ckpt("dense")
-    res = run("generate", "--model", str(folder), "--temperature", "-1", "hi")
-    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: temperature")
-    res = run("generate", "--model", str(tmp_path / "nope"), "hi")
-    assert res.returncode == 2 and "does not exist" in res.stderr.strip().splitlines()[-1]
-    res = run("generate", "--model", str(folder), "--device", "cpu", "--tp-allreduce", "symm-mem", "hi")
-    assert res.returncode == 2 and "symm-mem needs CUDA" in res.stderr.strip().splitlines()[-1], res.stderr[-500:]
+
+    def run_main(*args) -> tuple[int, str]:
+        code = main(list(args))
+        return code, capsys.readouterr().err.strip().splitlines()[-1]
+
+    code, last = run_main("generate", "--model", str(folder), "--temperature", "-1", "hi")
+    assert code == 2 and last.startswith("error: temperature")
+    code, last = run_main("generate", "--model", str(tmp_path / "nope"), "hi")
+    assert code == 2 and "does not exist" in last
+    code, last = run_main("generate", "--model", str(folder), "--device", "cpu", "--tp-allreduce", "symm-mem", "hi")
+    assert code == 2 and "symm-mem needs CUDA" in last, last

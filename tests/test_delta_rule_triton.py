@@ -1,33 +1,31 @@
 """Triton kernels of the recurrent-state ops (gated delta rule, causal conv1d) against the PyTorch references,
 on the CPU through the Triton interpreter.
 
-TRITON_INTERPRET must be set before triton is first imported, so the checks run as a script in a fresh
-subprocess (`python tests/test_delta_rule_triton.py <group>`); pytest launches it and checks the exit code.
+TRITON_INTERPRET must be set before triton is first imported, so the checks run as a script in a
+subprocess (`python tests/test_delta_rule_triton.py <group> ...`), one for all the groups (tests/interp_groups.py);
+each group's test checks that group's result.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from interp_groups import check, run_groups
 
 
-def _run(group: str, timeout: int = 300):
+@pytest.fixture(scope="module")
+def group_results(request):
+    """Every selected group in one interpreter subprocess (tests/interp_groups.py)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), group], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"group {group} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+    return run_groups(request, __file__, "test_delta_rule_kernels")
 
 
 @pytest.mark.parametrize("group", ["recurrent", "chunk", "conv1d", "engine"])
-def test_delta_rule_kernels(group):
-    _run(group)
+def test_delta_rule_kernels(group_results, group):
+    check(group_results, group)
 
 
 # ---- checks (in the subprocess) ------------------------------------------------------------------
@@ -188,5 +186,7 @@ def group_engine():
     assert out["triton"] == out["reference"]
 
 
-if __name__ == "__main__":
-    globals()[f"group_{sys.argv[1]}"]()
+if __name__ == "__main__":  # python tests/test_delta_rule_triton.py GROUP [GROUP ...]
+    from interp_groups import main
+
+    main(sys.argv[1:], lambda g: globals()[f"group_{g}"]())

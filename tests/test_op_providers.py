@@ -1,18 +1,18 @@
 """The op layer: the resolver, and the Triton providers against the reference providers, on the CPU
-through the Triton interpreter. TRITON_INTERPRET must be set before triton is first imported, so each
-kernel group runs this file as a script in a fresh subprocess; pytest checks the exit code."""
+through the Triton interpreter. TRITON_INTERPRET must be set before triton is first imported, so the kernel
+groups run this file as a script in a subprocess, one for all of them (tests/interp_groups.py); each group's
+test checks that group's result."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from interp_groups import check, run_groups
+
 GROUPS = ["norm", "qk_norm_rope", "qk_norm_mrope", "kv_write", "attention", "moe", "softmax_moe"]
 DEV = os.environ.get("OP_TEST_DEVICE", "cpu")  # scripts/compiler_gpu_check.py runs the groups on cuda
 
@@ -21,13 +21,15 @@ def rand(*shape, generator=None):
     return torch.randn(*shape, generator=generator).to(DEV)
 
 
+@pytest.fixture(scope="module")
+def group_results(request):
+    """Every selected group in one interpreter subprocess (tests/interp_groups.py)."""
+    return run_groups(request, __file__, "test_triton_provider_matches_reference")
+
+
 @pytest.mark.parametrize("group", GROUPS)
-def test_triton_provider_matches_reference(group):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), group], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"group {group} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    assert "ok" in r.stdout
+def test_triton_provider_matches_reference(group_results, group):
+    check(group_results, group)
 
 
 def _specs():
@@ -309,10 +311,10 @@ def group_softmax_moe():
     _check("swiglu_moe", swiglu_moe(x, w, ids, gate_up, down), ref_swiglu_moe(x, w, ids, gate_up, down), 1e-3)
 
 
-if __name__ == "__main__":
-    torch.manual_seed(0)
-    globals()[f"group_{sys.argv[1]}"]()
-    print("ok")
+if __name__ == "__main__":  # python tests/test_op_providers.py GROUP [GROUP ...]
+    from interp_groups import main
+
+    main(sys.argv[1:], lambda g: globals()[f"group_{g}"](), before_each=lambda: torch.manual_seed(0))
 
 
 def test_fused_allreduce_norm_variant_comes_from_the_environment(monkeypatch):

@@ -3,7 +3,7 @@
 (256; 512 with K=V keys and partial rotary), GQA and soft-capping: StreamingLLM decode and prefill chunks,
 OmniKV filter picks and sparse layers, decode batches and mixed batches, padding rows. TRITON_INTERPRET must
 be set before triton is imported, so the checks run as this file in a subprocess (as in
-test_triton_kernels.py). Unused cache slots hold NaN: a kernel that reads one fails the finiteness check.
+test_triton_kernels.py: the default groups in one, tests/interp_groups.py). Unused cache slots hold NaN: a kernel that reads one fails the finiteness check.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from interp_groups import check, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ["omnikv", "streaming"]
@@ -28,9 +29,15 @@ def _run_group(group: str):
     assert r.returncode == 0, f"group {group} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
 
 
+@pytest.fixture(scope="module")
+def group_results(request):
+    """Both groups in one interpreter subprocess (tests/interp_groups.py)."""
+    return run_groups(request, __file__, "test_sparse_triton_kernels")
+
+
 @pytest.mark.parametrize("group", GROUPS)
-def test_sparse_triton_kernels(group):
-    _run_group(group)
+def test_sparse_triton_kernels(group_results, group):
+    check(group_results, group)
 
 
 @pytest.mark.slow
@@ -291,11 +298,9 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(1)
-    for grp in sys.argv[1:] or GROUPS:
-        t0 = time.time()
-        print(f"[{grp}]", flush=True)
-        globals()[f"check_{grp}"]()
-        print(f"[{grp}] passed in {time.time() - t0:.1f}s", flush=True)
+    from interp_groups import main
+
+    main(sys.argv[1:] or GROUPS, lambda g: globals()[f"check_{g}"]())
 
 
 def test_cuda_resolves_sparse_layers_to_the_capturable_kernel():

@@ -1,7 +1,8 @@
 """Triton kernels (compiled_llm/ops/triton) against the PyTorch references, on the CPU through the Triton
 interpreter. TRITON_INTERPRET must be set before triton is first imported, so every kernel group runs
-this file as a script in a fresh subprocess (`python tests/test_triton_kernels.py <group>`); pytest only
-launches those and checks the exit code. Everything is float32 at small sizes.
+this file as a script in a subprocess (`python tests/test_triton_kernels.py <group> ...`): the fast groups all
+in one (tests/interp_groups.py), each group's test checking that group's result; each slow sweep in its own.
+Everything is float32 at small sizes.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from interp_groups import check, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,9 +30,15 @@ def _run_group(group: str, timeout: int):
     assert r.returncode == 0, f"group {group} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
 
 
+@pytest.fixture(scope="module")
+def group_results(request):
+    """Every selected fast group in one interpreter subprocess (tests/interp_groups.py)."""
+    return run_groups(request, __file__, "test_triton_kernels")
+
+
 @pytest.mark.parametrize("group", FAST)
-def test_triton_kernels(group):
-    _run_group(group, timeout=300)
+def test_triton_kernels(group_results, group):
+    check(group_results, group)
 
 
 @pytest.mark.slow
@@ -577,11 +585,9 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(1)
-    for grp in sys.argv[1:] or FAST:
-        t0 = time.time()
-        print(f"[{grp}]", flush=True)
-        globals()[f"check_{grp}"]()
-        print(f"[{grp}] passed in {time.time() - t0:.1f}s", flush=True)
+    from interp_groups import main
+
+    main(sys.argv[1:] or FAST, lambda g: globals()[f"check_{g}"]())
 
 
 @pytest.mark.parametrize("seqs,ctx,head_dim,kv_heads,window,splits", [
