@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cache(model: Path, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # one intra-op thread, as the test process has (tests/conftest.py): the saved forward guards on the global
+    # state, and a start in this process loads it (test_loaded_forward_generates_what_eager_does)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "compiled_llm", "compile-cache", "--model", str(model), "--out", str(out),
                         "--report", "--block-size", "4", "--max-model-len", "64", "--num-kv-blocks", "64",
                         "--dtype", "float32", "--cudagraph-batch-sizes", "2", "--compile-sizes", "all"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
