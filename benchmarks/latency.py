@@ -37,6 +37,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the result JSON here")
+    ap.add_argument("--profile-dir", default=None, help="profile one prefill per length (torch.profiler): the "
+                    "kernel table goes to prefill_<n>.txt here, wall and GPU-busy times into the JSON")
     args = ap.parse_args(argv)
 
     lengths = [int(x) for x in args.ttft_lengths.split(",")]
@@ -56,6 +58,8 @@ def main(argv=None) -> dict:
         t = statistics.median(timed(lambda: run(prompt, 1), args.warmup, args.runs))
         result["ttft_ms"][n] = round(1000 * t, 2)
         print(f"TTFT {n} tokens: {1000 * t:.2f} ms", flush=True)
+        if args.profile_dir:
+            result.setdefault("prefill_profile", {})[n] = profile_prefill(lambda: run(prompt, 1), n, args.profile_dir)
     prompt = random_prompts(1, args.decode_context, vocab, seed=1)[0]
     one = statistics.median(timed(lambda: run(prompt, 1), args.warmup, args.runs))
     many = statistics.median(timed(lambda: run(prompt, args.decode_tokens + 1), args.warmup, args.runs))
@@ -65,6 +69,31 @@ def main(argv=None) -> dict:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
+
+
+def profile_prefill(fn, n: int, folder: str) -> dict:
+    """Where a time to first token goes: one call under torch.profiler; the kernels by GPU time (a table in
+    FOLDER/prefill_N.txt), the wall time against the time the GPU was busy, and the kernel count."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with torch.profiler.profile(activities=acts) as prof:
+        t = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30,
+                                      max_name_column_width=90)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"prefill_{n}.txt").write_text(table)
+    res = {"wall_ms": round(1e3 * wall, 2), "gpu_busy_ms": round(busy, 2), "kernels": len(kernels)}
+    print(f"prefill {n} tokens profiled: {res}", flush=True)
+    return res
 
 
 if __name__ == "__main__":

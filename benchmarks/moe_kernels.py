@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--inter", type=int, default=704)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--old", default=None)
+    ap.add_argument("--unsorted", action="store_true", help="1-2 tokens: pairs left unsorted against aligned")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     old = None
@@ -54,10 +55,21 @@ def main() -> int:
         row["router_us"] = graph_time_us(lambda: new.fused_router_topk(x, scale, w_router, pes, k, 1e-6))
         bm = new.moe_launch_policy(T, k, E, H, I).block_m
         row["align_us"] = graph_time_us(lambda: new.moe_align(ids, E, bm))
+        if T * k >= 1024:  # the two alignments (moe_align picks by ALIGN_SORT_MIN_PAIRS)
+            row["align_program_us"] = graph_time_us(lambda: new.moe_align_program(ids, E, bm))
+            row["align_sorted_us"] = graph_time_us(lambda: new.moe_align_sorted(ids, E, bm))
         row["moe_us"] = graph_time_us(lambda: new.fused_geglu_moe(x, gate_up, down, w, ids))
         distinct = int(torch.unique(ids).numel())
         row["experts_read"] = distinct
         row["moe_GBps"] = round(distinct * 3 * I * H * 2 / (row["moe_us"] * 1e-6) / 1e9, 0)
+        if a.unsorted and T <= 2:  # pairs left unsorted (one block each, no alignment launch) vs aligned
+            aligned = new.MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4)
+            unsorted = new.MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, unsorted=True)
+            y_a = new.fused_geglu_moe(x, gate_up, down, w, ids, policy=aligned)
+            y_u = new.fused_geglu_moe(x, gate_up, down, w, ids, policy=unsorted)
+            row["aligned_us"] = graph_time_us(lambda: new.fused_geglu_moe(x, gate_up, down, w, ids, policy=aligned))
+            row["unsorted_us"] = graph_time_us(lambda: new.fused_geglu_moe(x, gate_up, down, w, ids, policy=unsorted))
+            row["unsorted_equal"] = bool(torch.equal(y_a, y_u))
         if old is not None:
             w0, ids0 = old.fused_router_topk(x, scale, w_router, pes, k, 1e-6)
             row["router_ids_equal"] = bool(torch.equal(ids0, ids))

@@ -2,7 +2,8 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
+# moe_unsorted moe_align router sparse qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
+# throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
 # A device call runs at most 10 minutes: give two or three steps per call (e.g. "correctness compiler").
@@ -42,15 +43,21 @@ from tiny_models import make_checkpoint; make_checkpoint(Path('/tmp/ckpt_all'), 
 
 for step in $steps; do
   case $step in
-    correctness) run correctness 240 python3 scripts/gpu_check.py --compiled --names all,moe,k_eq_v ;;
+    correctness) run correctness 240 python3 scripts/gpu_check.py --compiled --names ${CHECK_NAMES:-all,moe,k_eq_v} ;;
     compiler) run compiler 240 python3 scripts/compiler_gpu_check.py --sections kernels,models --names dense32,moe32,all32 --out "$OUT" ;;
     throughput) run throughput 420 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
                   --shapes 1024x8x256,4096x8x512,8192x4x512 --out "$OUT" ;;
+    throughput_quick) run throughput_quick 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
+                        --shapes 1024x8x256,4096x8x512,8192x4x512 --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
     latency) run latency 240 python3 benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 1024,8192 \
-               --out "$OUT/latency.json" ;;
+               --out "$OUT/latency.json" --profile-dir "$OUT/latency_profile" ;;
     peers) run peers 540 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256 \
              --async-scheduling --warmup 1 --runs 3 --peer transformers --peer transformers-static \
              --peer-warmup 1 --peer-runs 2 --out "$OUT" ;;
+    moe_unsorted) run moe_unsorted 150 python3 benchmarks/moe_kernels.py --tokens 1,2,8 --unsorted \
+                    --out "$OUT/moe_unsorted.json" ;;  # one token's pairs unsorted (no alignment launch) vs aligned
+    moe_align) run moe_align 100 python3 benchmarks/moe_kernels.py --tokens 128,512,1024,2048,8192 \
+                 --out "$OUT/moe_align.json" ;;  # the one-program alignment against the sort-based one (prefill sizes)
     router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 --out "$OUT/router_kernel.json" ;;
     sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ;;
     qwen_tiny) run qwen_tiny 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense,qwen_moe --budget 180 \
@@ -64,7 +71,8 @@ for step in $steps; do
     big26_none) run big26_none 240 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --compile-sizes none \
                   --out "$OUT/big26_none" ;;  # issue 15: the buckets replay the dynamic compile (fewer compiles)
     skinny) run skinny 150 python3 benchmarks/skinny_gemm.py --out "$OUT/skinny_gemm.json" ;;
-    big26) run big26 260 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --out "$OUT/big26" ;;
+    big26) run big26 260 python3 scripts/gpu_smoke.py --sections big --shape ${BIG26_SHAPE:-1024x8x256} \
+             ${BIG26_PASSES:+--compile-passes $BIG26_PASSES} --out "$OUT/big26_${BIG26_SHAPE:-1024x8x256}${BIG26_PASSES:+_passes}${BIG26_TAG:-}" ;;
     big26_serial)  # big26 with the JIT kernels built one by one at first launch (A/B of the parallel build)
       COMPILED_LLM_KERNEL_BUILD_WORKERS=0 run big26_serial 260 python3 scripts/gpu_smoke.py --sections big \
         --shape 1024x8x256 --out "$OUT/big26_serial" ;;

@@ -181,7 +181,7 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
 
 
 def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune: str = "off", tp: int = 1,
-        tp_allreduce: str = "nccl") -> bool:
+        tp_allreduce: str = "nccl", compile_passes: str | None = None) -> bool:
     from configs import write_checkpoint_folder
 
     p, b, o = (int(x) for x in shape.split("x"))
@@ -191,7 +191,8 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b, fusion_check="error",
               compile_sizes=compile_sizes, max_autotune=max_autotune, tensor_parallel_size=tp,
-              tp_allreduce=tp_allreduce, async_scheduling=False)  # synchronous first; async_run then flips the same engine over
+              tp_allreduce=tp_allreduce, compile_passes=compile_passes,
+              async_scheduling=False)  # synchronous first; async_run then flips the same engine over
     start = time.perf_counter() - t
     comp = llm.engine.executor.runner.compiler  # rank 0's (the driver runs rank 0 in this process)
     s = comp.summary()
@@ -360,6 +361,10 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int, tag: str = "") -> di
                    gpu_busy_share=round(busy_us / 1e6 / prof_wall, 3))
         if OUT:
             (OUT / f"profile_decode{tag}.txt").write_text(table)
+            # one decode step's kernels in launch order (which kernels a layer runs, and what each costs)
+            seq = sorted(kernels, key=lambda e: e.time_range.start)[: len(kernels) // prof_n]
+            (OUT / f"kernel_sequence{tag}.txt").write_text("".join(
+                f"{e.time_range.elapsed_us():9.2f} us  {e.name[:110]}\n" for e in seq))
         print(table[:6000], flush=True)
     print("profile:", json.dumps(res), flush=True)
     return res
@@ -377,6 +382,7 @@ def main() -> int:
     ap.add_argument("--compile-sizes", default=None, help="big: `all` gives each batch size its own static compile (default: none, every size replays the dynamic compile)")
     ap.add_argument("--tp", type=int, default=1, help="big: tensor-parallel size (the profile is rank 0's; sync "
                     "and async scheduling side by side, with every rank's host syncs)")
+    ap.add_argument("--compile-passes", default=None, help="big: the fusion passes to run (default: all that apply)")
     ap.add_argument("--tp-allreduce", default="nccl", help="big, --tp 2: nccl or symm-mem")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the tiny section's logic before a GPU call")
     args = ap.parse_args()
@@ -393,7 +399,8 @@ def main() -> int:
             if section == "tiny":
                 ok &= tiny(args.names.split(","), t0 + args.budget, args.device)
             else:
-                ok &= big(args.big, args.shape, args.compile_sizes, args.max_autotune, args.tp, args.tp_allreduce)
+                ok &= big(args.big, args.shape, args.compile_sizes, args.max_autotune, args.tp, args.tp_allreduce,
+                          args.compile_passes)
         except Exception as e:
             traceback.print_exc()
             print(f"{section}: EXCEPTION {e!r}"[:3000], flush=True)

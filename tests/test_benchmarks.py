@@ -110,15 +110,18 @@ def test_throughput_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
     assert row["shape"] == "16x2x8" and row["ours_tok_s"] > 0 and row["floor_tok_s"] is None
 
 
-def test_latency_script_on_a_tiny_checkpoint(tiny_ckpt):
+def test_latency_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
     import latency
 
     folder, _ = tiny_ckpt("dense")
     res = latency.main(["--model", str(folder), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
                         "--ttft-lengths", "8,64", "--decode-context", "8", "--decode-tokens", "8", "--warmup", "0",
-                        "--runs", "3", "--enforce-eager"])
+                        "--runs", "3", "--enforce-eager", "--profile-dir", str(tmp_path)])
     assert set(res["ttft_ms"]) == {8, 64} and all(v > 0 for v in res["ttft_ms"].values())
     assert res["decode_ms_per_token"] > 0
+    # the prefill profile: a table per length and its wall time (no GPU here: no kernels, none busy)
+    assert set(res["prefill_profile"]) == {8, 64} and res["prefill_profile"][64]["wall_ms"] > 0
+    assert "aten::" in (tmp_path / "prefill_64.txt").read_text()
 
 
 @pytest.mark.timeout(300)

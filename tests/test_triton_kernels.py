@@ -19,7 +19,7 @@ from interp_groups import check, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST = ["gelu", "decode", "prefill", "moe", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
+FAST = ["gelu", "decode", "prefill", "moe", "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
 SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
 
 
@@ -247,12 +247,12 @@ def _moe_modules(E, H, I, k, seed):
     return experts, router
 
 
-def _check_moe_align(ids, E, bm):
+def _check_moe_align(ids, E, bm, align=None):
     import torch
 
     from compiled_llm.ops.triton.moe import moe_align, moe_max_padded
 
-    sorted_ids, expert_ids, total = moe_align(ids, E, bm)
+    sorted_ids, expert_ids, total = (align or moe_align)(ids, E, bm)
     n = ids.numel()
     assert sorted_ids.numel() == moe_max_padded(n, E + 1, bm) and sorted_ids.numel() % bm == 0
     total = int(total.item())
@@ -265,9 +265,11 @@ def _check_moe_align(ids, E, bm):
     for b in range(total // bm):
         rows = sorted_ids[b * bm:(b + 1) * bm]
         rows = rows[rows < n]
-        assert (flat[rows.long()] == expert_ids[b]).all(), "block holds one expert"
+        want = flat[rows.long()].where((flat[rows.long()] >= 0) & (flat[rows.long()] < E), -1)
+        assert (want == expert_ids[b]).all(), "block holds one expert (-1: another rank's)"
     assert (expert_ids[total // bm:] == -1).all()
-    assert (torch.diff(expert_ids[: total // bm]) >= 0).all()
+    used = expert_ids[: total // bm]
+    assert (torch.diff(used[used >= 0]) >= 0).all()  # segments in expert order (another rank's last, as -1)
 
 
 def _check_moe(T, E, H, I, k, seed, policy=None):
@@ -310,9 +312,36 @@ def _check_moe_skipped(T, E, H, I, k, first, seed):
     _close(f"moe skipped ids T={T} E={E} first={first}", fused_geglu_moe(x, gate_up, down, w, local), ref)
 
 
+def check_moe_align_sorted():
+    """The sort-based alignment (large prefills) against the one-program kernel: the same blocks, experts
+    and length, also with another rank's ids, and as moe_align's choice past its threshold."""
+    import torch
+
+    from compiled_llm.ops.triton import moe
+
+    g = torch.Generator().manual_seed(3)
+    for n_tok, E, k, bm, lo, hi in ((7, 8, 2, 16, 0, 8), (300, 16, 4, 16, 0, 16), (100, 6, 3, 32, -4, 10)):
+        ids = torch.randint(lo, hi, (n_tok, k), generator=g)
+        _check_moe_align(ids, E, bm, moe.moe_align_sorted)
+        a, b = moe.moe_align_sorted(ids, E, bm), moe.moe_align_program(ids, E, bm)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]), "the same blocks and length"
+        for blk in range(int(a[2]) // bm):  # the same pairs in each block (their order inside may differ)
+            assert sorted(a[0][blk * bm:(blk + 1) * bm].tolist()) == sorted(b[0][blk * bm:(blk + 1) * bm].tolist())
+    big = torch.randint(0, 16, (moe.ALIGN_SORT_MIN_PAIRS // 4, 4), generator=g)
+    _check_moe_align(big, 16, 16)  # through moe_align's switch
+    assert torch.equal(moe.moe_align(big, 16, 16)[0], moe.moe_align_sorted(big, 16, 16)[0])
+
+
 def check_moe():
+    from compiled_llm.ops.triton.moe import moe_launch_policy
+
+    assert moe_launch_policy(1, 8, 128, 2816, 704).unsorted and not moe_launch_policy(2, 8, 128, 2816, 704).unsorted
     _check_moe_skipped(9, 4, 32, 24, 3, 4, 7)
-    _check_moe(1, 8, 64, 48, 2, 0)
+    _check_moe_skipped(1, 4, 32, 24, 3, 4, 5)  # unsorted: ids below and past this rank's
+    _check_moe(1, 8, 64, 48, 2, 0)  # unsorted
+    _check_moe(1, 8, 64, 200, 3, 4)  # unsorted, an intermediate size past one column block
+    _check_moe(1, 8, 64, 48, 2, 0, policy=(16, 32, 64, 4, 2, 64, 32, 4, 2))  # aligned at one token
+    _check_moe(6, 4, 160, 48, 3, 5, policy=(16, 32, 64, 4, 2, 64, 32, 4, 2, True))  # unsorted, experts shared
     _check_moe(5, 8, 64, 48, 3, 1)
     _check_moe(37, 6, 96, 40, 2, 2, policy=(32, 16, 32, 4, 2, 32, 16, 4, 2))
     _check_moe(20, 16, 64, 32, 1, 3)

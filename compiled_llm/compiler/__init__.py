@@ -242,7 +242,7 @@ class ModelCompiler:
         lines = ["passes (matches replaced in the dynamic-shape compile):"]
         counted = self.compiled.pass_manager.count_only()
         for name, p in s["passes"].items():
-            what = p["fusion"] + (" [counted; Inductor computes it: the fused op has only its reference here]"
+            what = p["fusion"] + (f" [counted; Inductor computes it: {self.compiled.pass_manager.why_counted(name)}]"
                                   if name in counted else "")
             lines.append(f"  {name:<24} {what:<34} {p['matches']}")
         lines.append(f"graph pieces: {s['pieces']} compiled, {s['attention_ops']} attention ops between them"

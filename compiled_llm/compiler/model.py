@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx.experimental._config as fx_config
 
+from compiled_llm.compiler import codegen
 from compiled_llm.compiler.backend import Backend, CompilerConfig
 from compiled_llm.ops.context import GroupMetadata, get_forward_context, set_forward_context
 from compiled_llm.ops.jit import MONITOR
@@ -150,7 +151,7 @@ class CompiledModel:
         allow_many_engines()
         # on the CPU every fused op is its PyTorch reference: norms and RoPE are left to Inductor, counted
         self.pass_manager = PassManager(config.passes, config.dtype, self.device, config.tp_group,
-                                        reference_only=self.device.type == "cpu")
+                                        reference_only=self.device.type == "cpu", codegen_key=codegen.cache_key())
         self.backend = Backend(config, self.pass_manager, self.state)
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
         self.max_blocks = max_blocks_per_seq

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 from torch._dynamo.utils import counters
 
+from compiled_llm.compiler import codegen
 from compiled_llm.compiler.inspect import piece_signature
 from compiled_llm.ops.context import set_layer_base
 from compiled_llm.ops.jit import MONITOR
@@ -150,26 +151,14 @@ class PieceRunner:
         return fn
 
     def _inductor(self, args: list, shape: str) -> tuple[Callable, Counter]:
-        from torch._inductor.compile_fx import compile_fx
-
         MONITOR.compile_event("inductor", f"{self.name} ({shape} tokens)")
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
         before = counters["inductor"].copy()
         passes = self.backend.pass_manager
         calls = passes.calls
         t0 = time.perf_counter()
-        if self.backend.aot and shape == "dynamic" and self.backend.compile_fn is None:
-            from compiled_llm.compiler.aot import compile_artifact  # saved with the forward (compiler/aot.py)
-
-            fn = compile_artifact(gm, args, self._inductor_config(shape))
-        else:
-            compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/inspect.py)
-            fakes = static_fakes(args)
-            if self._load_gm is not None:  # a loaded piece's graph has no fake values (compiler/aot.py)
-                from compiled_llm.compiler.aot import add_example_values
-
-                add_example_values(gm, fakes)
-            fn = compile_fn(gm, fakes, config_patches=self._inductor_config(shape))
+        with codegen.heuristics():  # our Inductor code-generation choices (compiler/codegen.py)
+            fn = self._run_inductor(gm, args, shape)
         self.inputs[self.label(shape)] = passes.last_input if passes.calls != calls else None
         self.compile_seconds += time.perf_counter() - t0
         # our passes count into counters["inductor"], per layer relative to the graph's first one; Inductor's
@@ -177,6 +166,21 @@ class PieceRunner:
         delta = Counter({k: v for k, v in (counters["inductor"] - before).items() if k.startswith("compiled_llm.")})
         self.matches[self.label(shape)] = absolute_layers(delta, self.base)
         return fn, delta
+
+    def _run_inductor(self, gm: torch.fx.GraphModule, args: list, shape: str) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        if self.backend.aot and shape == "dynamic" and self.backend.compile_fn is None:
+            from compiled_llm.compiler.aot import compile_artifact  # saved with the forward (compiler/aot.py)
+
+            return compile_artifact(gm, args, self._inductor_config(shape))
+        compile_fn = self.backend.compile_fn or compile_fx  # the audit stops after our passes (compiler/inspect.py)
+        fakes = static_fakes(args)
+        if self._load_gm is not None:  # a loaded piece's graph has no fake values (compiler/aot.py)
+            from compiled_llm.compiler.aot import add_example_values
+
+            add_example_values(gm, fakes)
+        return compile_fn(gm, fakes, config_patches=self._inductor_config(shape))
 
     def _inductor_config(self, shape: str) -> dict:
         """Our passes and settings; GEMM autotuning for the compiles the config names (static: the batch sizes)."""

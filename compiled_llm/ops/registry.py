@@ -60,9 +60,22 @@ def _always(caps: Capabilities, shape: dict) -> None:
     return None
 
 
+# the provider name of "Inductor's own kernel": the op's fusion pass only counts its matches and Inductor
+# generates the code from the model's PyTorch, fusing it with its neighbours (a fused op is opaque to Inductor
+# and would cut that fusion). Its target is the reference, for a call outside a compiled graph.
+INDUCTOR = "inductor"
+
+
+def inductor_codegen(caps: "Capabilities", shape: dict) -> str | None:
+    """Inductor generates Triton kernels for the compiled graph: a CUDA device with Triton."""
+    if caps.device_type != "cuda":
+        return f"Inductor generates C++ here ({caps.device_type}); the CPU engine counts this fusion anyway"
+    return caps.triton_ok()
+
+
 @dataclass(frozen=True)
 class Provider:
-    name: str  # "reference" | "triton" | "flashinfer"
+    name: str  # "reference" | "triton" | "flashinfer" | "inductor" (INDUCTOR)
     target: str  # "module:function", imported only when selected
     requires: Requirement = _always
     # a split op's provider whose launches a CUDA graph can replay: it reads the per-step metadata from

@@ -225,9 +225,10 @@ class FusionPass:
     # slower than what Inductor generates for the unfused graph. Passes that allow it then only count their
     # matches (the fusion check still sees every layer) and leave the graph to Inductor (`count_only`).
     count_only_on_reference = False
-    # The same on every device while `op` (the fused op the replacement calls) has only its reference there:
-    # an opaque reference call would be slower than no pass at all (all-reduce + RMSNorm before a fused
-    # kernel exists for the device).
+    # `op`: the fused op the replacement calls. Where it resolves to Inductor's own kernel (the "inductor"
+    # provider, ops/registry.py INDUCTOR), the pass only counts. With count_only_while_reference, the same on
+    # every device while it has only its reference there: an opaque reference call would be slower than no
+    # pass at all (all-reduce + RMSNorm before a fused kernel exists for the device).
     op: str | None = None
     count_only_while_reference = False
 

@@ -17,6 +17,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compiled_llm.ops import OPS
+from compiled_llm.ops.registry import INDUCTOR
 from compiled_llm.passes.base import INDUCTOR_SETTINGS, FusionPass
 
 log = logging.getLogger("compiled_llm")
@@ -60,9 +61,11 @@ def _fusion_pass(cls: type[FusionPass], dtypes: tuple, device: str, tp_group: st
 
 class PassManager(CustomGraphPass):
     def __init__(self, enabled: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", tp_group: str | None = None, reference_only: bool = False):
+                 device: str = "cpu", tp_group: str | None = None, reference_only: bool = False,
+                 codegen_key: str = ""):
         """reference_only: the fused ops run their PyTorch reference here (a CPU engine); passes that allow it
-        count their matches and leave the computation to Inductor (FusionPass.count_only_on_reference)."""
+        count their matches and leave the computation to Inductor (FusionPass.count_only_on_reference).
+        codegen_key: the compiler's code-generation heuristics (compiler/codegen.py), part of the cache key."""
         known = all_passes()
         names = list(known) if enabled is None else list(enabled)
         unknown = set(names) - set(known)
@@ -74,10 +77,14 @@ class PassManager(CustomGraphPass):
         device = torch.device(device).type
         self.reference_only = reference_only
         self.passes = [_fusion_pass(known[name], dtypes, device, tp_group) for name in names]
-        # passes whose fused op has only its reference here: they count matches, Inductor computes the graph
-        self.unfused = tuple(p.name for p in self.passes if p.count_only_while_reference
-                             and OPS[p.op].provider_name() == "reference")
-        self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only, self.unfused)
+        # passes whose fused op resolved to Inductor's own kernel (the "inductor" provider: measured faster than
+        # ours, ops/norm.py), or has only its reference here where that is slower than no pass: they count
+        # matches, Inductor computes the graph
+        self.unfused = tuple(p.name for p in self.passes if p.op is not None and (
+            OPS[p.op].provider_name() == INDUCTOR
+            or (p.count_only_while_reference and OPS[p.op].provider_name() == "reference")))
+        self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only, self.unfused,
+                       codegen_key)
         self._uuid = None
         self.calls = 0  # graphs the passes ran on (an FX-cache hit runs none)
         self.last_input = ""  # the last graph as the passes received it, for a report of a missed fusion
@@ -99,6 +106,13 @@ class PassManager(CustomGraphPass):
         """The passes that count their matches and leave the graph unchanged in this compile."""
         return {p.name for p in self.passes if (self.reference_only and p.count_only_on_reference)
                 or p.name in self.unfused}
+
+    def why_counted(self, name: str) -> str:
+        """Why a count-only pass leaves its match to Inductor (for the report)."""
+        p = next(p for p in self.passes if p.name == name)
+        if p.op is not None and OPS[p.op].provider_name() == INDUCTOR:
+            return "its kernel, fused with the neighbouring ops, beats the fused op here"
+        return "the fused op has only its reference here"
 
     def uuid(self) -> str:
         if self._uuid is None:

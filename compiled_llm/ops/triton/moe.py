@@ -13,6 +13,7 @@ do_not_specialize, so the only builds are one per launch-policy tier.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -71,17 +72,54 @@ def _align_kernel(
         tl.store(SortedIds + slot, (i0 + c).to(tl.int32), mask=m)
 
 
+# from here (2,560 tokens at top-8) the pairs are sorted by torch's parallel sort. H200, 26B-A4B (session 12):
+# the one program took 12.8 / 35 / 66 / 120 / 451 us at 128 / 512 / 1K / 2K / 8K tokens, the sort 88-146 us
+# (a dozen launches, more for the sort itself): the two cross near 2.4K tokens
+ALIGN_SORT_MIN_PAIRS = 20480
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort (token, slot) pairs by expert and pad each expert's segment to a multiple of block_m. Pairs whose
     expert lies outside [0, num_experts) (another rank's, under expert parallelism) go to a last segment
-    whose blocks have expert -1: the kernels write zeros for them. One kernel launch (a decode step's MoE
-    layer used to spend a dozen small torch kernels here).
+    whose blocks have expert -1: the kernels write zeros for them. Decode and small prefills: one kernel launch
+    (a decode step's MoE layer used to spend a dozen small torch kernels here); from ALIGN_SORT_MIN_PAIRS pairs
+    on, torch's device sort (`moe_align_sorted`), since one program walking 65K pairs took 0.45-0.48 ms a layer of
+    an 8K-token prefill on the H200 (session 12), 8% of its time to first token; the sort took 0.15 ms.
 
     Returns (sorted_ids [P] int32: flat pair index t * k + j, padding rows hold T * k; within an expert's
              segment the pairs' order is unspecified;
              expert_ids [P / block_m] int32: expert of each block, -1 for skipped pairs and past the end;
              num_padded [1] int32: the used length). P = moe_max_padded(T * k, E + 1, block_m) is known on the host.
     """
+    if topk_ids.numel() >= ALIGN_SORT_MIN_PAIRS:
+        return moe_align_sorted(topk_ids, num_experts, block_m)
+    return moe_align_program(topk_ids, num_experts, block_m)
+
+
+def moe_align_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """moe_align through torch's device ops (a stable sort by expert, counts, offsets; no host sync): a dozen
+    launches, each parallel over the pairs. Same outputs; within a segment the pairs keep their order."""
+    flat = topk_ids.reshape(-1)
+    n, dev = flat.numel(), flat.device
+    size = moe_max_padded(n, num_experts + 1, block_m)
+    bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).long()  # bucket E: other ranks'
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(bucket, stable=True)  # pairs grouped by bucket
+    ranked = bucket[order]
+    first = torch.cumsum(counts, 0) - counts  # where each bucket begins in `order`
+    pos = (ends - padded)[ranked] + torch.arange(n, device=dev) - first[ranked]
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
+    sorted_ids[pos] = order.to(torch.int32)
+    starts = torch.arange(0, size, block_m, device=dev)
+    owner = torch.searchsorted(ends, starts, right=True)  # the bucket whose segment holds each block
+    expert_ids = torch.where(owner < num_experts, owner, -1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def moe_align_program(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """moe_align in one Triton program (decode sizes: one launch)."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     dev = flat.device
@@ -96,12 +134,36 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, expert_ids, num_padded
 
 
+_UNSORTED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def unsorted_blocks(num_pairs: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The alignment of pairs left in their own order, one block of block_m rows each: (sorted_ids [P]: pair b
+    at row b * block_m, padding rows hold num_pairs; num_padded [1] = P), P = num_pairs * block_m. Constant for
+    a pair count, so kept per device: a decode step launches nothing for it (the warm-up's first call makes
+    it, before any CUDA-graph capture; one made during a capture is not kept, its memory being the graph's)."""
+    key = (num_pairs, block_m, torch.device(device))
+    hit = _UNSORTED.get(key)
+    if hit is not None:
+        return hit
+    size = num_pairs * block_m
+    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[::block_m] = torch.arange(num_pairs, dtype=torch.int32, device=device)
+    out = sorted_ids, torch.full((1,), size, dtype=torch.int32, device=device)
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        _UNSORTED[key] = out
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 # launch policy
 
 
 @dataclass(frozen=True)
 class MoELaunch:
+    """unsorted: the pairs are not sorted by expert; each (token, slot) pair is its own block of block_m rows,
+    with the top-k ids as the blocks' experts (one token: its k experts are distinct, so grouping saves no
+    weight reads, and the alignment launch is saved)."""
     block_m: int
     # gate/up kernel (block_n columns of gate and the same of up)
     a_block_n: int
@@ -113,11 +175,18 @@ class MoELaunch:
     b_block_k: int
     b_warps: int
     b_stages: int
+    unsorted: bool = False
+
+
+UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
     """Decode-sized batches are weight-bandwidth bound: small block_m, narrow N tiles for more programs.
-    Prefill-sized batches are compute bound: large tiles."""
+    Prefill-sized batches are compute bound: large tiles. One token: the decode tier's tiles, unsorted (its
+    alignment was a 4-5 us launch a layer of a 26B-A4B batch-1 decode step on the H200, session 12)."""
+    if num_tokens == 1 and os.environ.get(UNSORTED_ENV, "1") != "0":
+        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, unsorted=True)
     pairs_per_expert = num_tokens * top_k / max(1, num_experts)
     if pairs_per_expert <= 2:  # decode (T <= ~32 for E=128, k=8)
         return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4)
@@ -137,7 +206,7 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     X, W, SortedIds, ExpertIds, NumPadded, Act,
-    num_pairs, N, K,
+    num_pairs, N, K, E,
     stride_xt, stride_we, stride_wn, stride_an,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU: tl.constexpr, PREC: tl.constexpr,
@@ -148,7 +217,7 @@ def _gate_up_kernel(
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
     e = tl.load(ExpertIds + pid_m).to(tl.int64)
-    if e < 0:  # skipped pairs: the down kernel zeroes their rows
+    if (e < 0) | (e >= E):  # skipped pairs (another rank's experts): the down kernel zeroes their rows
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(SortedIds + rows)
@@ -182,7 +251,7 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     Act, W, SortedIds, ExpertIds, NumPadded, TopkWeights, Y,
-    num_pairs, N, K,
+    num_pairs, N, K, E,
     stride_an, stride_we, stride_wn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -198,7 +267,7 @@ def _down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     y_ptr = Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :]
-    if e < 0:  # pairs of another rank's experts contribute zero
+    if (e < 0) | (e >= E):  # pairs of another rank's experts contribute zero
         tl.store(y_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
         return
     kk = tl.arange(0, BLOCK_K)
@@ -235,12 +304,16 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         return torch.zeros_like(x)
     pol = policy or moe_launch_policy(num_tokens, top_k, num_experts, hidden, inter)
     num_pairs = num_tokens * top_k
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, pol.block_m)
+    if pol.unsorted:
+        sorted_ids, num_padded = unsorted_blocks(num_pairs, pol.block_m, x.device)
+        expert_ids = topk_ids.reshape(-1)
+    else:
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, pol.block_m)
     num_blocks = expert_ids.numel()
     act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, pol.a_block_n))](
         x, gate_up_proj, sorted_ids, expert_ids, num_padded, act,
-        num_pairs, inter, hidden,
+        num_pairs, inter, hidden, num_experts,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
         SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps, num_stages=pol.a_stages,
@@ -249,7 +322,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, pol.b_block_n))](
         act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
-        num_pairs, hidden, inter,
+        num_pairs, hidden, inter, num_experts,
         act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
         BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype),
         num_warps=pol.b_warps, num_stages=pol.b_stages,

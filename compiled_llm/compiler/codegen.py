@@ -1,0 +1,84 @@
+"""Our heuristics for Inductor's GPU code generation, installed around each piece's compile
+(`torch._inductor.choices.InductorChoices`, the hook Inductor documents for this).
+
+Persistent reductions for rows up to `COMPILED_LLM_PERSISTENT_ROWS` elements (default 8192). Inductor keeps a
+row in registers (a "persistent" reduction, one pass over memory) only up to 1,024 elements; a wider row gets a
+looped kernel that walks the row once per reduction. A decoder layer's norms are such rows: Gemma 4's
+26B-A4B reduces rows of 2,816, and Inductor fuses its sandwich norms (post-FFN norms of the MLP and the
+experts, their sum, the post-feedforward norm, the residual add and the next layer's input norm) into one
+kernel of four dependent reductions. Looped, that kernel walked the row five times and took 7.0-7.5 us at
+decode sizes on the H200 (session 12's profile); persistent, each input is read once.
+
+The limit is part of the compile's cache key (the pass manager's uuid), so a changed limit recompiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+ENV = "COMPILED_LLM_PERSISTENT_ROWS"
+DEFAULT_PERSISTENT_ROWS = 8192
+INDUCTOR_PERSISTENT_ROWS = 1024  # Inductor's own limit for a row reduction (ReductionHint.INNER)
+
+
+def persistent_rows() -> int:
+    """The widest row kept in registers; at or below Inductor's own limit, Inductor's heuristic is unchanged."""
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return DEFAULT_PERSISTENT_ROWS
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{ENV} must be a whole number of elements (0: Inductor's own limit), not {text!r}") from None
+    return max(value, 0)
+
+
+def cache_key() -> str:
+    return f"persistent_rows={max(persistent_rows(), INDUCTOR_PERSISTENT_ROWS)}"
+
+
+def _choices_class():
+    from torch._inductor import config as inductor_config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class Choices(InductorChoices):
+        def __init__(self, rows: int):
+            super().__init__()
+            self.rows = rows
+
+        def should_use_persistent_reduction(self, features, cooperative_reduction: bool) -> bool:
+            if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction):
+                return True
+            if (cooperative_reduction or not inductor_config.triton.persistent_reductions
+                    or features.get_reduction_hint() != ReductionHint.INNER):
+                return False
+            # torch >= 2.14: a strict-sum reduction keeps its own block size (Inductor's check, repeated)
+            strict = getattr(features, "strict_sum_rblock", None)
+            rblock = strict() if strict is not None else None
+            if rblock is not None and not features.has_strict_sum_multirow_reduction():
+                if not V.graph.sizevars.statically_known_geq(rblock, features.reduction_numel):
+                    return False
+            return V.graph.sizevars.statically_known_leq(features.reduction_numel, self.rows)
+
+    return Choices
+
+
+def choices(rows: int | None = None):
+    """Our InductorChoices with the given persistent-row limit (default: the environment's)."""
+    return _choices_class()(persistent_rows() if rows is None else rows)
+
+
+@contextlib.contextmanager
+def heuristics():
+    """Our choices for the compiles inside (Inductor reads them per thread, at code generation)."""
+    rows = persistent_rows()
+    if rows <= INDUCTOR_PERSISTENT_ROWS:
+        yield
+        return
+    from torch._inductor.virtualized import V
+
+    with V.set_choices_handler(choices(rows)):
+        yield
