@@ -23,7 +23,7 @@ def group_results(request):
     return run_groups(request, __file__, "test_delta_rule_kernels")
 
 
-@pytest.mark.parametrize("group", ["recurrent", "chunk", "conv1d", "engine"])
+@pytest.mark.parametrize("group", ["recurrent", "chunk", "conv1d", "engine", "jit_keys"])
 def test_delta_rule_kernels(group_results, group):
     check(group_results, group)
 
@@ -184,6 +184,43 @@ def group_engine():
             out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     print("  engine:", out, flush=True)
     assert out["triton"] == out["reference"]
+
+
+def group_jit_keys():
+    """The JIT registry names the recurrent kernels a Qwen3.5 model launches, from its layers' state shapes
+    (so the parallel build makes them before the profile step), and each key's compile function runs the
+    layouts it builds for: decode of one and two sequences, one and two prefills."""
+    import json
+    import tempfile
+
+    import torch
+
+    from compiled_llm.compiler.warmup import kernel_keys
+    from compiled_llm.models.interfaces import recurrent_state_specs
+    from compiled_llm.models.registry import resolve_model_class
+    from compiled_llm.ops.registry import Capabilities, model_facts, preserved_choices, select_providers
+    from qwen3_5_tiny import make_qwen_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        make_qwen_checkpoint(Path(tmp), "moe")
+        hf = json.loads((Path(tmp) / "config.json").read_text())
+    cls = resolve_model_class(hf)
+    cfg = cls.config_from_hf(hf)
+    with torch.device("meta"):
+        model = cls(cfg)
+    specs, states = model.attention_specs(), recurrent_state_specs(model)
+    facts = model_facts(cfg, block_size=16, states=states)
+    with preserved_choices():
+        select_providers("cpu", torch.float32, specs, facts, caps=Capabilities("cpu", None, frozenset({"triton"}), True))
+        keys = {kernel.name: (kernel, key) for kernel, key in kernel_keys(dict(facts, dtype=torch.float32, layers=specs))
+                if kernel.name in ("gated_delta_rule", "causal_conv1d")}
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        assert keys["gated_delta_rule"][1] == (torch.float32, hk, hv, dk, dv), keys
+        assert keys["causal_conv1d"][1] == (torch.float32, 2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim), keys
+        for kernel, key in keys.values():
+            kernel.compile(key, torch.device("cpu"))
+    print("  jit keys:", {name: key[1:] for name, (_, key) in keys.items()}, flush=True)
 
 
 if __name__ == "__main__":  # python tests/test_delta_rule_triton.py GROUP [GROUP ...]

@@ -88,7 +88,8 @@ class ModelRunner(KVCachePlanner):
         # op providers, resolved once for this device and model; then the compiler (docs/compiler.md)
         ps = get_parallel_state()
         facts = model_facts(self.model_config, block_size=config.block_size,
-                            max_num_batched_tokens=config.max_num_batched_tokens, tp_size=ps.tp_size)
+                            max_num_batched_tokens=config.max_num_batched_tokens, tp_size=ps.tp_size,
+                            states=self.state_specs)  # the recurrent kernels' JIT keys (ops/triton/delta_rule.py)
         self.op_providers = select_providers(self.device, self.dtype, self.specs, facts, config.op_providers)
         log.info("op providers: %s", describe(self.op_providers))
         if ps.tp_size > 1 and not config.enforce_eager:  # collective: every rank of the stage's TP group is here

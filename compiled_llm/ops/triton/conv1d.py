@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from compiled_llm.ops.jit import JitKernel, register_kernel
 from compiled_llm.ops.state import StateLayout, get_state_metadata
 
 
@@ -116,3 +117,25 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, layer_idx: int) -> torc
     """The op's Triton provider: state and batch layout from the forward context."""
     meta = get_state_metadata()
     return causal_conv1d_varlen(x, weight, meta.caches[layer_idx]["conv"], meta.layout)
+
+
+# ---- JIT warm-up ---------------------------------------------------------------------------------
+
+def _keys(facts: dict) -> list:
+    """(dtype, channels, window) of each distinct recurrent layer's conv state (`facts["states"]`)."""
+    return sorted({(facts["dtype"], spec.shapes["conv"][0], spec.shapes["conv"][1] + 1)
+                   for spec in (facts.get("states") or {}).values() if "conv" in spec.shapes}, key=repr)
+
+
+def _compile(key, device) -> None:
+    from compiled_llm.ops.triton.delta_rule import WARM_LAYOUTS
+
+    dtype, dim, k = key
+    weight = torch.zeros(dim, k, dtype=dtype, device=device)
+    cache = torch.zeros(2, dim, k - 1, dtype=dtype, device=device)
+    for slots, init, qsl in WARM_LAYOUTS:
+        layout = StateLayout.build(slots, init, qsl, device)
+        causal_conv1d_varlen(torch.zeros(qsl[-1], dim, dtype=dtype, device=device), weight, cache, layout)
+
+
+register_kernel(JitKernel("causal_conv1d", "causal_conv1d", "triton", _keys, _compile))

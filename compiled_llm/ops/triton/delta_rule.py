@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from compiled_llm.ops.jit import JitKernel, register_kernel
 from compiled_llm.ops.state import DELTA_RULE_CHUNK, StateLayout, get_state_metadata
 from compiled_llm.ops.triton._common import dot_precision
 
@@ -225,3 +226,40 @@ def gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
     """The op's Triton provider: state and batch layout from the forward context."""
     meta = get_state_metadata()
     return gated_delta_rule_varlen(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.layout)
+
+
+# ---- JIT warm-up ---------------------------------------------------------------------------------
+
+def _keys(facts: dict) -> list:
+    """(dtype, key heads, value heads, key dim, value dim) of each distinct linear-attention layer, from its state
+    (`facts["states"]`: conv window [q; k; v channels, K - 1] and the delta-rule matrix [value heads, key dim,
+    value dim]; the key heads follow from the channels: 2 * hk * dk + hv * dv)."""
+    keys = set()
+    for spec in (facts.get("states") or {}).values():
+        if "ssm" not in spec.shapes or "conv" not in spec.shapes:
+            continue
+        (hv, dk, dv), channels = spec.shapes["ssm"], spec.shapes["conv"][0]
+        hk, rest = divmod(channels - hv * dv, 2 * dk)
+        if hk > 0 and not rest and hv % hk == 0:
+            keys.add((facts["dtype"], hk, hv, dk, dv))
+    return sorted(keys, key=repr)
+
+
+# step layouts whose launches warm-up builds: decode of one and of two sequences (the recurrent kernel; its
+# integer arguments specialise on 1), one prefill and a prefill of two (the chunked kernels)
+WARM_LAYOUTS = (([0], [True], [0, 1]), ([0, 1], [True, False], [0, 1, 2]), ([0], [False], [0, 80]),
+                ([0, 1], [True, False], [0, 40, 100]))
+
+
+def _compile(key, device) -> None:
+    dtype, hk, hv, dk, dv = key
+    cache = torch.zeros(2, hv, dk, dv, dtype=torch.float32, device=device)
+    for slots, init, qsl in WARM_LAYOUTS:
+        n, layout = qsl[-1], StateLayout.build(slots, init, qsl, device)
+        q, k = (torch.zeros(n, hk, dk, dtype=dtype, device=device) for _ in range(2))
+        v = torch.zeros(n, hv, dv, dtype=dtype, device=device)
+        g, beta = torch.zeros(n, hv, device=device), torch.zeros(n, hv, dtype=dtype, device=device)
+        gated_delta_rule_varlen(q, k, v, g, beta, cache, layout)
+
+
+register_kernel(JitKernel("gated_delta_rule", "gated_delta_rule", "triton", _keys, _compile))
