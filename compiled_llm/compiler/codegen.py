@@ -15,6 +15,7 @@ The limit is part of the compile's cache key (the pass manager's uuid), so a cha
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 ENV = "COMPILED_LLM_PERSISTENT_ROWS"
@@ -38,6 +39,7 @@ def cache_key() -> str:
     return f"persistent_rows={max(persistent_rows(), INDUCTOR_PERSISTENT_ROWS)}"
 
 
+@functools.cache
 def _choices_class():
     from torch._inductor import config as inductor_config
     from torch._inductor.choices import InductorChoices

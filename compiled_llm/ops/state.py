@@ -25,6 +25,10 @@ from compiled_llm.ops.context import get_forward_context
 STATE_KEY = "state"
 # tokens per chunk of the Triton delta rule's chunked prefill: the step's chunk plan is built with the layout
 DELTA_RULE_CHUNK = 64
+# (slots, has initial state, query start offsets) of the steps whose launches the recurrent kernels' JIT warm-up
+# builds: decode of one and of two sequences (integer arguments specialise on 1), one prefill and two
+WARM_LAYOUTS = (([0], [True], [0, 1]), ([0, 1], [True, False], [0, 1, 2]), ([0], [False], [0, 80]),
+                ([0, 1], [True, False], [0, 40, 100]))
 
 
 @dataclass

@@ -59,6 +59,21 @@ def _fusion_pass(cls: type[FusionPass], dtypes: tuple, device: str, tp_group: st
     return _BUILT[key]
 
 
+REFERENCE_ONLY = "the fused op has only its reference here"
+
+
+def _left_to_inductor(p: FusionPass) -> str | None:
+    """Why the pass leaves its matches to Inductor on every device here, or None: its op resolved to
+    Inductor's own kernel (the "inductor" provider, measured faster than ours: ops/norm.py), or it has only its
+    reference, which for such a pass is slower than no pass (count_only_while_reference)."""
+    provider = OPS[p.op].provider_name() if p.op is not None else None
+    if provider == INDUCTOR:
+        return "its kernel, fused with the neighbouring ops, beats the fused op here"
+    if provider == "reference" and p.count_only_while_reference:
+        return REFERENCE_ONLY
+    return None
+
+
 class PassManager(CustomGraphPass):
     def __init__(self, enabled: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", tp_group: str | None = None, reference_only: bool = False,
@@ -77,12 +92,9 @@ class PassManager(CustomGraphPass):
         device = torch.device(device).type
         self.reference_only = reference_only
         self.passes = [_fusion_pass(known[name], dtypes, device, tp_group) for name in names]
-        # passes whose fused op resolved to Inductor's own kernel (the "inductor" provider: measured faster than
-        # ours, ops/norm.py), or has only its reference here where that is slower than no pass: they count
-        # matches, Inductor computes the graph
-        self.unfused = tuple(p.name for p in self.passes if p.op is not None and (
-            OPS[p.op].provider_name() == INDUCTOR
-            or (p.count_only_while_reference and OPS[p.op].provider_name() == "reference")))
+        # passes whose fused op resolved to Inductor's own kernel, or has only its reference here where that is
+        # slower than no pass: they count matches, Inductor computes the graph (_left_to_inductor)
+        self.unfused = tuple(p.name for p in self.passes if _left_to_inductor(p))
         self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only, self.unfused,
                        codegen_key)
         self._uuid = None
@@ -110,9 +122,7 @@ class PassManager(CustomGraphPass):
     def why_counted(self, name: str) -> str:
         """Why a count-only pass leaves its match to Inductor (for the report)."""
         p = next(p for p in self.passes if p.name == name)
-        if p.op is not None and OPS[p.op].provider_name() == INDUCTOR:
-            return "its kernel, fused with the neighbouring ops, beats the fused op here"
-        return "the fused op has only its reference here"
+        return _left_to_inductor(p) or REFERENCE_ONLY
 
     def uuid(self) -> str:
         if self._uuid is None:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from compiled_llm.ops.jit import JitKernel, register_kernel
-from compiled_llm.ops.state import StateLayout, get_state_metadata
+from compiled_llm.ops.state import WARM_LAYOUTS, StateLayout, get_state_metadata
 
 
 @triton.jit
@@ -128,8 +128,6 @@ def _keys(facts: dict) -> list:
 
 
 def _compile(key, device) -> None:
-    from compiled_llm.ops.triton.delta_rule import WARM_LAYOUTS
-
     dtype, dim, k = key
     weight = torch.zeros(dim, k, dtype=dtype, device=device)
     cache = torch.zeros(2, dim, k - 1, dtype=dtype, device=device)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from compiled_llm.ops.jit import JitKernel, register_kernel
-from compiled_llm.ops.state import DELTA_RULE_CHUNK, StateLayout, get_state_metadata
+from compiled_llm.ops.state import DELTA_RULE_CHUNK, WARM_LAYOUTS, StateLayout, get_state_metadata
 from compiled_llm.ops.triton._common import dot_precision
 
 RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recurrent kernel
@@ -243,12 +243,6 @@ def _keys(facts: dict) -> list:
         if hk > 0 and not rest and hv % hk == 0:
             keys.add((facts["dtype"], hk, hv, dk, dv))
     return sorted(keys, key=repr)
-
-
-# step layouts whose launches warm-up builds: decode of one and of two sequences (the recurrent kernel; its
-# integer arguments specialise on 1), one prefill and a prefill of two (the chunked kernels)
-WARM_LAYOUTS = (([0], [True], [0, 1]), ([0, 1], [True, False], [0, 1, 2]), ([0], [False], [0, 80]),
-                ([0, 1], [True, False], [0, 40, 100]))
 
 
 def _compile(key, device) -> None:

@@ -106,8 +106,7 @@ def moe_align_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    order = torch.argsort(bucket, stable=True)  # pairs grouped by bucket
-    ranked = bucket[order]
+    ranked, order = torch.sort(bucket, stable=True)  # pairs grouped by bucket
     first = torch.cumsum(counts, 0) - counts  # where each bucket begins in `order`
     pos = (ends - padded)[ranked] + torch.arange(n, device=dev) - first[ranked]
     sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
@@ -179,13 +178,14 @@ class MoELaunch:
 
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
+UNSORTED_ONE_TOKEN = os.environ.get(UNSORTED_ENV, "1") != "0"
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
     """Decode-sized batches are weight-bandwidth bound: small block_m, narrow N tiles for more programs.
     Prefill-sized batches are compute bound: large tiles. One token: the decode tier's tiles, unsorted (its
     alignment was a 4-5 us launch a layer of a 26B-A4B batch-1 decode step on the H200, session 12)."""
-    if num_tokens == 1 and os.environ.get(UNSORTED_ENV, "1") != "0":
+    if num_tokens == 1 and UNSORTED_ONE_TOKEN:
         return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, unsorted=True)
     pairs_per_expert = num_tokens * top_k / max(1, num_experts)
     if pairs_per_expert <= 2:  # decode (T <= ~32 for E=128, k=8)
