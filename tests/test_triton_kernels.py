@@ -122,7 +122,8 @@ def _attn_reference(q, cache, bt, seq_lens, q_lens, *, page, kv_heads, group, he
 
 
 def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head_dim, window=None, softcap=None,
-                     k_eq_v=False, splits=None, block_n=None, block_m=None, inloop_k=False, spans=None, seed=0):
+                     k_eq_v=False, splits=None, block_n=None, block_m=None, inloop_k=False, spans=None, seed=0,
+                     full_rebuild=False):
     import torch
 
     from compiled_llm.ops.triton import paged_attention as PA
@@ -149,7 +150,11 @@ def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head
         base = PA.attention_launch_policy(len(seq_lens), max(seq_lens), head_dim, num_kv_heads=kv_heads,
                                           sliding_window=window, k_eq_v=k_eq_v)
         pol = PA.AttnLaunch(num_splits=splits or base.num_splits, block_n=block_n or base.block_n)
-        out = PA.paged_decode(q, cache, bt, sl, policy=pol, **opts)
+        # K=V: keys rebuilt on the rotated dims only, as the engine runs it (full_rebuild: every dim)
+        from compiled_llm.ops.rope import rotated_pairs
+
+        rot = None if full_rebuild or not k_eq_v else rotated_pairs(head_dim, "proportional", 0.5)
+        out = PA.paged_decode(q, cache, bt, sl, policy=pol, rotated_pairs=rot, **opts)
     else:
         qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
         base = PA.attention_launch_policy(len(seq_lens), max(seq_lens), head_dim, prefill=True)
@@ -157,7 +162,8 @@ def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head
         out = PA.paged_prefill(q, cache, bt, qsl, sl, policy=pol, **opts)
     name = ("in-loop-k " if inloop_k and k_eq_v and mode == "prefill" else "") + (f"{mode} lens={seq_lens} q={q_lens if mode == 'prefill' else 1} page={page} kv={kv_heads} g={group} "
             f"d={head_dim} W={window} cap={softcap} kv=v:{k_eq_v} splits={pol.num_splits} bn={pol.block_n}"
-            + (f" bm={pol.block_m}" if mode == "prefill" else "") + (f" spans={spans}" if spans else ""))
+            + (f" bm={pol.block_m}" if mode == "prefill" else "") + (f" spans={spans}" if spans else "")
+            + (f" rebuilt dims/2={PA.rotated_block(rot, head_dim // 2)}" if mode == "decode" and k_eq_v else ""))
     _close(name, out, ref)
 
 
@@ -176,6 +182,11 @@ DECODE_CASES = [
     dict(seq_lens=[100, 33], page=16, kv_heads=2, group=8, head_dim=64, k_eq_v=True, splits=4, block_n=16),
     dict(seq_lens=[45, 3], page=4, kv_heads=1, group=8, head_dim=32, k_eq_v=True, window=10, softcap=20.0),
     dict(seq_lens=[66], page=16, kv_heads=2, group=2, head_dim=32, window=35, splits=2, block_n=16),
+    # K=V at head_dim 128: 32 of 64 angles rotate, so only those keys are rebuilt (the rest: q * w . v);
+    # the same case with every key rebuilt
+    dict(seq_lens=[90, 7], page=16, kv_heads=2, group=8, head_dim=128, k_eq_v=True, splits=3, block_n=16),
+    dict(seq_lens=[90, 7], page=16, kv_heads=2, group=8, head_dim=128, k_eq_v=True, splits=3, block_n=16,
+         full_rebuild=True),
 ]
 
 PREFILL_CASES = [
@@ -630,3 +641,6 @@ def test_decode_split_policy_picks_the_h200_sweeps_best(seqs, ctx, head_dim, kv_
     pol = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
                                      k_eq_v=head_dim == 512)
     assert pol.num_splits == splits
+    if head_dim == 512:  # Gemma 4's global layers rebuild 64 of 256 angles' keys: 32-key tiles, 2 stages
+        part = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True, rotated_pairs=64)
+        assert (part.num_splits, part.block_n, part.num_stages, pol.block_n, pol.num_stages) == (splits, 32, 2, 16, 3)

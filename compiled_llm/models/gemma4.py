@@ -28,7 +28,7 @@ from compiled_llm.models.parallel_layers import (ParallelLMHead, PPMissingLayer,
 from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.moe import geglu_moe, ref_router_topk
-from compiled_llm.ops.rope import apply_rope, rope_inv_freq
+from compiled_llm.ops.rope import apply_rope, rope_inv_freq, rotated_pairs
 
 
 class Attention(nn.Module):
@@ -42,9 +42,9 @@ class Attention(nn.Module):
         self.shares_kv = shape.kv_source != idx
         self.k_eq_v = shape.k_eq_v
         rope = cfg.rope_for(shape.layer_type)
+        rope_type, partial = rope.get("rope_type", "default"), rope.get("partial_rotary_factor", 1.0)
         self.register_buffer("inv_freq", rope_inv_freq(
-            shape.head_dim, rope["rope_theta"], rope.get("rope_type", "default"),
-            rope.get("partial_rotary_factor", 1.0), rope.get("factor", 1.0)), persistent=False)
+            shape.head_dim, rope["rope_theta"], rope_type, partial, rope.get("factor", 1.0)), persistent=False)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         # [q; k; v] in one projection (q alone where the layer reads another's cache; no v where K=V)
         kv_projections = 0 if self.shares_kv else (1 if self.k_eq_v else 2)
@@ -58,7 +58,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, h)
         self.spec = AttentionSpec(
             layer_idx=idx, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            sliding_window=shape.sliding_window, cache_layer=shape.kv_source, scale=1.0, k_eq_v=shape.k_eq_v)
+            sliding_window=shape.sliding_window, cache_layer=shape.kv_source, scale=1.0, k_eq_v=shape.k_eq_v,
+            rotated_pairs=rotated_pairs(shape.head_dim, rope_type, partial))
 
     def attention_spec(self) -> AttentionSpec:
         self.spec.inv_freq = self.inv_freq  # K=V key rebuild; StreamingLLM re-rotates queries for its sinks

@@ -34,6 +34,7 @@ class AttentionSpec:
     k_eq_v: bool = False
     k_norm_weight: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None
+    rotated_pairs: int | None = None  # inv_freq's leading nonzero angles (ops/rope.py rotated_pairs); None: all
     # Sparse KV (set by the runtime on full-attention layers; ops/sparse.py, docs/sparse_kv.md).
     # StreamingLLM: sink_tokens > 0, with sliding_window = its recent window. OmniKV: "filter" | "sparse".
     sink_tokens: int = 0

@@ -12,11 +12,19 @@ def rope_inv_freq(head_dim: int, theta: float, rope_type: str = "default", parti
     if rope_type == "default":
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     if rope_type == "proportional":
-        angles = int(partial_rotary_factor * head_dim // 2)
+        angles = rotated_pairs(head_dim, rope_type, partial_rotary_factor)
         rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head_dim))
         inv = torch.cat([rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float)])
         return inv / factor
     raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, proportional)")
+
+
+def rotated_pairs(head_dim: int, rope_type: str = "default", partial_rotary_factor: float = 1.0) -> int:
+    """How many of rope_inv_freq's angles are nonzero; they come first, the rest leave their dims as they are
+    (a K=V layer's decode rebuilds keys for the rotated dims only)."""
+    if rope_type == "proportional":
+        return int(partial_rotary_factor * head_dim // 2)
+    return head_dim // 2
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

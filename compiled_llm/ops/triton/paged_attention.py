@@ -43,7 +43,7 @@ def _pow2_floor(x: int) -> int:
 
 def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, num_kv_heads: int = 1,
                             sliding_window: int | None = None, k_eq_v: bool = False, prefill: bool = False,
-                            num_sms: int = 132) -> AttnLaunch:
+                            num_sms: int = 132, rotated_pairs: int | None = None) -> AttnLaunch:
     """Tile sizes and split count. Pass a fixed max_seq_len (e.g. the block-table width x page size) to
     keep the choice stable across CUDA-graph replays."""
     # Register/smem figures from ptxas (triton 3.8, sm_90a, bf16) are noted per choice.
@@ -55,15 +55,20 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
         if head_dim >= 256:
             return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=2)
         return AttnLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    # K=V with a quarter of the angles rotating (Gemma 4's global layers): keys rebuilt for those dims only
+    partial = k_eq_v and rotated_block(rotated_pairs, head_dim // 2) < head_dim // 2
     if head_dim >= 512:
         # K=V: the in-loop key rebuild keeps fp32 cos/sin tables live: 16-key tiles (248 regs, no spill;
-        # 32-key tiles spill). K!=V, 32-key tiles: 196 regs.
-        block_n = 16 if k_eq_v else 32
+        # 32-key tiles spill). K!=V, 32-key tiles: 196 regs. Partial rebuild: 32-key tiles, 2 stages (H200
+        # sweep, session 13: 26.0 / 55.3 / 56.5 us at 8 x 1.1K / 8 x 4.4K / 4 x 8.5K against 28.2 / 75.5 /
+        # 73.8 with 16-key tiles and 3 stages)
+        block_n = 16 if k_eq_v and not partial else 32
     elif head_dim >= 256:
         block_n = 16 if k_eq_v else 32  # K!=V: ~100-120 regs
     else:
         block_n = 32
-    warps, stages = 4, (2 if head_dim < 512 else 3)  # H200 sweep: 2 stages 18% faster for d=256 decode
+    # H200 sweep: 2 stages 18% faster for d=256 decode
+    warps, stages = 4, (2 if head_dim < 512 or partial else 3)
     ctx = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     base = max(1, num_seqs * num_kv_heads)
     # H200 sweep at 26B-A4B shapes, 1 and 8 sequences (benchmarks/NOTES.md, 2026-12-01): short splits win
@@ -129,9 +134,13 @@ def _decode_kernel(
     stride_ms, stride_mh, stride_ls, stride_lh,
     scale, softcap, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr, PARTIAL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
 ):
+    # PARTIAL (K=V layers whose angles past ROT are zero, e.g. Gemma 4's global layers: 64 of 256): only the
+    # first ROT dims of each half are rotated. Those keys are rebuilt in the loop; on the others the key is
+    # v * k_norm_weight, so the weight goes on the query once (q * w, zero on the rotated dims) and the dot
+    # reads v as loaded. The full rebuild was about half of the layer's decode time on the H200 (session 13).
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,7 +163,21 @@ def _decode_kernel(
     q1 = tl.load(q_ptr, mask=qmask, other=0.0)
     q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
 
-    if K_EQ_V:
+    if PARTIAL:
+        r = tl.arange(0, ROT)
+        plain = (d >= ROT) & dmask
+        w1 = tl.load(KNorm + d, mask=plain, other=0.0).to(tl.float32)
+        w2 = tl.load(KNorm + HALF + d, mask=plain, other=0.0).to(tl.float32)
+        q1 = (q1.to(tl.float32) * w1[None, :]).to(q1.dtype)  # zero on the rotated dims
+        q2 = (q2.to(tl.float32) * w2[None, :]).to(q2.dtype)
+        qr_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + r[None, :]
+        q1r = tl.load(qr_ptr, mask=hmask[:, None], other=0.0)
+        q2r = tl.load(qr_ptr + HALF, mask=hmask[:, None], other=0.0)
+        w1r = tl.load(KNorm + r).to(tl.float32)
+        w2r = tl.load(KNorm + HALF + r).to(tl.float32)
+        invr = tl.load(InvFreq + r).to(tl.float32)
+        cos_b, sin_b = _rope_base(invr, BLOCK_N)
+    elif K_EQ_V:
         w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
         w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
         inv = tl.load(InvFreq + d, mask=dmask, other=0.0).to(tl.float32)
@@ -175,15 +198,24 @@ def _decode_kernel(
         v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
         v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
         v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
-        if K_EQ_V:
-            k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart)
-            k1 = k1.to(q1.dtype)
-            k2 = k2.to(q1.dtype)
+        if PARTIAL:
+            r_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + r[None, :]
+            v1r = tl.load(V + r_off, mask=pmask[:, None], other=0.0)
+            v2r = tl.load(V + r_off + HALF, mask=pmask[:, None], other=0.0)
+            k1r, k2r = _rebuild_keys(v1r, v2r, w1r, w2r, invr, cos_b, sin_b, kstart)
+            qk = tl.dot(q1, tl.trans(v1), input_precision=PREC) + tl.dot(q2, tl.trans(v2), input_precision=PREC)
+            qk += tl.dot(q1r, tl.trans(k1r.to(q1.dtype)), input_precision=PREC)
+            qk += tl.dot(q2r, tl.trans(k2r.to(q1.dtype)), input_precision=PREC)
         else:
-            k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
-            k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
-            k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
-        qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
+            if K_EQ_V:
+                k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart)
+                k1 = k1.to(q1.dtype)
+                k2 = k2.to(q1.dtype)
+            else:
+                k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+                k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
+                k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+            qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
         s = _scores(qk, scale, softcap, SOFTCAP)
         s = tl.where(pmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -235,6 +267,16 @@ def _combine_kernel(
     tl.store(Out + seq * stride_os + head * stride_oh + dv, (acc / denom).to(Out.dtype.element_ty), mask=dmask)
 
 
+def rotated_block(rotated_pairs: int | None, half: int) -> int:
+    """The decode kernel's ROT: the rotated dims of each half as a power of two >= 16 (a dot's minimum; the
+    angles between rotated_pairs and ROT are zero, so rebuilding those keys is exact), or half when that
+    is not smaller (every key rebuilt)."""
+    if rotated_pairs is None:
+        return half
+    rot = max(16, triton.next_power_of_2(max(1, rotated_pairs)))
+    return rot if rot < half else half
+
+
 def _kv_views(cache: torch.Tensor, num_kv_heads: int, head_dim: int):
     assert cache.dim() == 5 and cache.shape[3] == num_kv_heads and cache.shape[4] == head_dim, cache.shape
     k, v = cache[0], cache[-1]
@@ -256,9 +298,10 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
                  k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
                  inv_freq: torch.Tensor | None = None, num_kv_heads: int, head_dim: int,
                  max_seq_len: int | None = None, policy: AttnLaunch | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, rotated_pairs: int | None = None) -> torch.Tensor:
     """One query token per sequence (at position seq_len - 1). q: [num_seqs, num_heads(*head_dim)];
-    seq_lens: [num_seqs] int32 on the device. Returns [num_seqs, num_heads, head_dim]."""
+    seq_lens: [num_seqs] int32 on the device. Returns [num_seqs, num_heads, head_dim]. rotated_pairs (K=V):
+    inv_freq's leading nonzero angles, the rest zero (None: all rotate)."""
     num_seqs = seq_lens.shape[0]
     q = q.view(num_seqs, -1, head_dim)
     assert q.stride(-1) == 1
@@ -285,6 +328,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         mid_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     half = head_dim // 2
+    rot = rotated_block(rotated_pairs, half) if k_eq_v else half
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, knw, inv, out, mid_o, mid_lse,
         q.stride(0), q.stride(1),
@@ -295,7 +339,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1),
         float(scale), float(softcap or 1.0), int(sliding_window or 0), splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half,
-        BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n,
+        BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n, ROT=rot, PARTIAL=k_eq_v and rot < half,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
         PREC=dot_precision(q.dtype),
         num_warps=pol.num_warps, num_stages=pol.num_stages,

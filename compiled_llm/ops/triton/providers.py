@@ -55,12 +55,14 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     if len(meta.seq_lens) == meta.query_start_loc[-1]:  # decode: one new token per sequence
         max_len = tables.shape[1] * cache.shape[2]
         policy = attention_launch_policy(num_seqs, max_len, spec.head_dim, num_kv_heads=spec.num_kv_heads,
-                                         sliding_window=spec.sliding_window, k_eq_v=source.k_eq_v)
+                                         sliding_window=spec.sliding_window, k_eq_v=source.k_eq_v,
+                                         rotated_pairs=source.rotated_pairs)
         MONITOR.note("paged_decode", key + (policy.num_splits,))
         out = torch.empty(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
         if q.shape[0] > num_seqs:  # padding rows past the batch come back as zeros (no fill kernel otherwise)
             out[num_seqs:].zero_()
-        paged_decode(q[:num_seqs], cache, tables, seq_lens, policy=policy, out=out[:num_seqs], **kw)
+        paged_decode(q[:num_seqs], cache, tables, seq_lens, policy=policy, out=out[:num_seqs],
+                     rotated_pairs=source.rotated_pairs, **kw)
     else:
         MONITOR.note("paged_prefill", key)
         out = torch.zeros(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)

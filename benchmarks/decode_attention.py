@@ -1,0 +1,175 @@
+"""Decode attention on the GPU at Gemma 4 26B-A4B's layer shapes: the launch policy the engine picks against
+the alternatives, each call reading its KV from HBM as a decode step does (issue 14).
+
+A decode step reads each layer's KV once; a benchmark that replays one call reads it from the 60 MB L2 after the
+first time and flatters short contexts. Here one timed call walks `layers` distinct caches (at least 256 MB in
+all, 64 at most) in a CUDA graph, and the time per launch is the graph's time over `layers`. Pages are the
+engine's: 16 tokens, one sequence's pages in allocation order.
+
+Cases: the sliding layer (8 KV heads, head_dim 256, GQA 2, window 1024) and the global one (2 KV heads,
+head_dim 512, GQA 8, K=V with the key rebuilt in the kernel), at 1 and 8 sequences of ~1.1K tokens and at the
+long shapes (8 x 4.4K, 4 x 8.5K). Per case:
+  engine      attention_launch_policy with the engine's bound (the block-table width: --max-len, default the
+              config's 131,072), keys rebuilt on the rotated dims only (global): what a decode step runs now
+  every key   (global) the same launch rebuilding every key dim, as session 12's kernel did
+  sweep       split count, warps, stages and key tile
+  no-rebuild  (global) the K!=V path over the same bytes (K and V the same tensor): what any key rebuild
+              costs (its output is not attention of this layer; not checked)
+Every candidate's output is compared with the engine policy's (max abs difference, bf16).
+
+    python3 benchmarks/decode_attention.py [--out FILE.json] [--quick]
+    python3 benchmarks/decode_attention.py --dry-run   # CPU, Triton interpreter, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.graph_timing import graph_time_us  # noqa: E402
+from compiled_llm.ops.rope import rope_inv_freq  # noqa: E402
+from compiled_llm.ops.triton import paged_attention as PA  # noqa: E402
+
+PAGE = 16
+SLIDING = dict(name="sliding", kv_heads=8, head_dim=256, group=2, window=1024, k_eq_v=False)
+GLOBAL = dict(name="global", kv_heads=2, head_dim=512, group=8, window=None, k_eq_v=True, rotated_pairs=64)
+CASES = [(1, 1100), (8, 1100), (8, 4400), (4, 8500)]
+
+
+def make_layers(layer: dict, seqs: int, ctx: int, n: int, dev, dtype, seed: int):
+    """n caches of one layer kind holding `seqs` sequences of `ctx` tokens, their block tables, the query."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    per_seq = triton.cdiv(ctx, PAGE)
+    kv, d = layer["kv_heads"], layer["head_dim"]
+    caches = [torch.randn(1 if layer["k_eq_v"] else 2, seqs * per_seq, PAGE, kv, d, device=dev, dtype=dtype,
+                          generator=g) for _ in range(n)]
+    tables = torch.arange(seqs * per_seq, device=dev, dtype=torch.int32).view(seqs, per_seq)
+    q = torch.randn(seqs, kv * layer["group"], d, device=dev, dtype=dtype, generator=g)
+    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device=dev)
+    opts = dict(scale=d ** -0.5, sliding_window=layer["window"], k_eq_v=layer["k_eq_v"], num_kv_heads=kv,
+                head_dim=d)
+    if layer["k_eq_v"]:
+        opts["k_norm_weight"] = (1.0 + 0.2 * torch.randn(d, device=dev, generator=g)).to(dtype)
+        # Gemma 4's global layers: 64 of 256 angles rotate (--layers' rotated_pairs must agree)
+        opts["inv_freq"] = rope_inv_freq(d, 1e6, "proportional", partial_rotary_factor=0.25).to(dev)
+    return caches, tables, q, seq_lens, opts
+
+
+def candidates(layer: dict, seqs: int, max_len: int, quick: bool) -> list[tuple[str, PA.AttnLaunch, int | None]]:
+    """(name, launch, rotated_pairs): the engine's choice first, then the alternatives."""
+    R = dataclasses.replace
+    base = PA.attention_launch_policy(seqs, max_len, layer["head_dim"], num_kv_heads=layer["kv_heads"],
+                                      sliding_window=layer["window"], k_eq_v=layer["k_eq_v"],
+                                      rotated_pairs=layer.get("rotated_pairs"))
+    rot = layer.get("rotated_pairs")
+    out = [("engine", base, rot)]
+    if layer["k_eq_v"] and rot is not None:
+        full = PA.attention_launch_policy(seqs, max_len, layer["head_dim"], num_kv_heads=layer["kv_heads"],
+                                          k_eq_v=True)
+        out.append(("every key rebuilt (session 12)", full, None))
+    splits = (8, 16, 32) if quick else (4, 8, 16, 32, 64)
+    for n in splits:
+        for w in (4, 8):
+            for st in (2, 3):
+                for bn in {base.block_n, 2 * base.block_n}:
+                    p = R(base, num_splits=n, num_warps=w, num_stages=st, block_n=bn)
+                    if p != base:
+                        out.append((f"splits={n} w={w} st={st} bn={bn}", p, rot))
+    return out
+
+
+def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
+    seen = ctx if layer["window"] is None else min(ctx, layer["window"])  # keys a query reads
+    per_layer = seqs * seen * layer["kv_heads"] * layer["head_dim"] * (1 if layer["k_eq_v"] else 2) * 2
+    n = 2 if args.dry_run else max(4, min(64, triton.cdiv(256 << 20, per_layer)))
+    caches, tables, q, seq_lens, opts = make_layers(layer, seqs, ctx, n, dev, dtype, seed=seqs * 7 + ctx)
+    rows = []
+    ref = None
+    for name, pol, rot in candidates(layer, seqs, args.max_len, args.quick):
+        def call(pol=pol, opts=opts, caches=caches, rot=rot):
+            for c in caches:
+                out = PA.paged_decode(q, c, tables, seq_lens, policy=pol, rotated_pairs=rot, **opts)
+            return out
+
+        try:
+            out = PA.paged_decode(q, caches[0], tables, seq_lens, policy=pol, rotated_pairs=rot, **opts)
+            if ref is None:
+                ref = out
+            diff = (out.float() - ref.float()).abs().max().item()
+            us = float("nan") if args.dry_run else graph_time_us(call, replays=args.replays, calls=1) / n
+        except Exception as e:  # a candidate that does not build is reported, not fatal
+            rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name, error=f"{type(e).__name__}: {e}"[:200]))
+            continue
+        rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name, us=us, max_diff=diff,
+                         gbps=per_layer / us / 1e3 if us == us else None, splits=pol.num_splits,
+                         warps=pol.num_warps, stages=pol.num_stages, block_n=pol.block_n,
+                         rotated_pairs=rot))
+    if layer["k_eq_v"]:  # the same bytes through the K!=V path: what the key rebuild costs
+        kv_opts = {k: v for k, v in opts.items() if k not in ("k_norm_weight", "inv_freq")} | dict(k_eq_v=False)
+        pairs = [c.expand(2, *c.shape[1:]) for c in caches]
+        pol = candidates(layer, seqs, args.max_len, True)[0][1]  # the engine's launch
+
+        def plain(pol=pol):
+            for c in pairs:
+                out = PA.paged_decode(q, c, tables, seq_lens, policy=dataclasses.replace(pol, block_n=32), **kv_opts)
+            return out
+
+        plain()
+        us = float("nan") if args.dry_run else graph_time_us(plain, replays=args.replays, calls=1) / n
+        rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate="no-rebuild (K!=V path, same bytes)",
+                         us=us, gbps=per_layer / us / 1e3 if us == us else None))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-len", type=int, default=131072, help="the engine's block-table bound (tokens)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layers", default="sliding,global")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev, dtype = ("cpu", torch.float32) if args.dry_run else ("cuda", torch.bfloat16)
+    cases = CASES
+    layers = [lay for lay in (SLIDING, GLOBAL) if lay["name"] in args.layers.split(",")]
+    if args.dry_run:  # tiny shapes, the same code paths
+        layers = [dict(SLIDING, kv_heads=2, head_dim=32, window=24), dict(GLOBAL, kv_heads=1, head_dim=64, rotated_pairs=8)]
+        cases = [(1, 40), (2, 70)]
+        args.max_len = 256
+    t0 = time.time()
+    rows = []
+    for layer in layers:
+        for seqs, ctx in cases:
+            rows += run_case(layer, seqs, ctx, args, dev, dtype)
+            best = min((r for r in rows if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx
+                        and r.get("us") == r.get("us") and "us" in r and "rebuild" not in r["candidate"]),
+                       key=lambda r: r["us"], default=None)
+            for r in rows:
+                if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx and \
+                        (r["candidate"] in ("engine", "every key rebuilt (session 12)") or r is best
+                         or "rebuild" in r["candidate"] or "error" in r):
+                    print(f"{r['layer']:8} S={seqs} ctx={ctx:5}  {r['candidate']:36} "
+                          + (f"{r['us']:8.2f} us  {r['gbps'] or 0:7.0f} GB/s  diff {r.get('max_diff', 0):.1e}"
+                             if "us" in r else r["error"]) + ("  <- best" if r is best else ""), flush=True)
+    print(f"done in {time.time() - t0:.0f}s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M"), device=(
+            torch.cuda.get_device_name() if dev == "cuda" else "cpu"), max_len=args.max_len, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
