@@ -61,7 +61,7 @@ def test_compiled_step_builds_no_device_tensor_from_the_host(qwen_ckpt):
     """The compiled Qwen3.5 forward (state ops, attention, compiled pieces) makes no torch.tensor(...,
     device=...) and reads nothing back to the host: the state layout comes built and uploaded by the runner
     once per step. Greedy tokens equal transformers' (decode steps of 1 and several sequences, padded to the
-    buckets, and chunked prefill)."""
+    buckets, and chunked prefill), from one Dynamo graph."""
     folder, hf = qwen_ckpt("dense")
     vocab = hf.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(4)
@@ -74,6 +74,9 @@ def test_compiled_step_builds_no_device_tensor_from_the_host(qwen_ckpt):
     assert spy.decode_steps >= 10
     assert spy.calls == []
     assert got == [hf_greedy(hf, p, GREEDY.max_tokens) for p in ps]
+    # one Dynamo graph for every token count: no view in the model guards on the count being >= 2, which a
+    # one-token step (warm-up's batch 1) would fail, compiling the whole forward again
+    assert spy.inner.summary()["dynamo_graphs"] == 1
 
 
 @pytest.mark.parametrize("name", sorted(WIDE))

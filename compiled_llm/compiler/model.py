@@ -19,6 +19,7 @@ import torch.fx.experimental._config as fx_config
 
 from compiled_llm.compiler import codegen
 from compiled_llm.compiler.backend import Backend, CompilerConfig
+from compiled_llm.compiler.cuda_graph import BatchDescriptor, CUDAGraphWrapper
 from compiled_llm.ops.context import GroupMetadata, get_forward_context, set_forward_context
 from compiled_llm.ops.jit import MONITOR
 from compiled_llm.passes.manager import PassManager
@@ -42,8 +43,7 @@ def allow_many_engines() -> None:
 class RunState:
     bucket: int | None = None  # the static size this call runs at (None: dynamic)
     cudagraphs: bool = False
-    capturing_full_graph: bool = False
-    pool: Any = None
+    pool: Any = None  # the memory pool every CUDA graph of the engine captures into
 
     def graph_pool(self):
         if self.pool is None:
@@ -123,20 +123,6 @@ class StaticBatch:
                 for k, v in extra.items()}
 
 
-class FullGraph:
-    """The whole forward of one decode batch size captured as one CUDA graph."""
-
-    def __init__(self, run, pool):
-        run()  # outside the graph first: static compiles, lazy initialisation
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = run()
-
-    def replay(self):
-        self.graph.replay()
-        return self.out
-
-
 class CompiledModel:
     def __init__(self, model: torch.nn.Module, config: CompilerConfig, device: torch.device,
                  whole_graph: bool = False, max_blocks_per_seq: int = 1):
@@ -156,7 +142,7 @@ class CompiledModel:
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
         self.max_blocks = max_blocks_per_seq
         self.buffers: dict[int, StaticBatch] = {}
-        self.full: dict[int, FullGraph] = {}  # decode sizes that replay the whole-graph capture
+        self.full = CUDAGraphWrapper("whole forward", self.state.graph_pool)  # decode sizes that replay it
         self.decode_timings: dict[int, tuple[float, float | None]] = {}  # size -> (piecewise ms, full ms)
         self.aot = None  # compiler/aot.py AheadOfTime: the forward saved in / loaded from the compile cache
 
@@ -252,9 +238,10 @@ class CompiledModel:
         if not self.state.cudagraphs:
             return _first(self._forward(buf.ids, buf.pos, size, inter), n)
         ctx = get_forward_context()
-        full = size in self.full and len(ctx.attn_metadata.seq_lens) == n  # a decode batch
+        whole = BatchDescriptor(size, whole=True)
+        full = whole in self.full and len(ctx.attn_metadata.seq_lens) == n  # a decode batch
         with set_forward_context(buf.stage(ctx, n, full)):
-            out = self.full[size].replay() if full else self._forward(buf.ids, buf.pos, size, inter)
+            out = self.full.replay(whole) if full else self._forward(buf.ids, buf.pos, size, inter)
         return _first(out, n)
 
     # ---- whole-graph decode ------------------------------------------------------------------
@@ -273,24 +260,21 @@ class CompiledModel:
             with set_forward_context(staged_pieces):
                 return self._forward(buf.ids, buf.pos, size)
 
-        def whole():
-            self.state.capturing_full_graph = True
-            try:
-                with set_forward_context(staged_full):
-                    return self._forward(buf.ids, buf.pos, size)
-            finally:
-                self.state.capturing_full_graph = False
+        def whole():  # (the pieces run inline while the whole forward is being captured: cuda_graph.py)
+            with set_forward_context(staged_full):
+                return self._forward(buf.ids, buf.pos, size)
 
         piecewise()  # captures the per-piece graphs if not yet
-        entry = FullGraph(whole, self.state.graph_pool())
+        desc = BatchDescriptor(size, whole=True)
+        entry = self.full.capture(desc, whole)
         t_piece = _time(piecewise, repeats)
         with set_forward_context(staged_full):
             t_full = _time(entry.replay, repeats)
         self.decode_timings[size] = (t_piece, t_full)
-        if self.config.full_graph_decode == "on" or t_full < t_piece:
-            self.full[size] = entry
+        if not (self.config.full_graph_decode == "on" or t_full < t_piece):
+            self.full.drop(desc)
         log.info("decode batch %d: piecewise CUDA graphs %.3f ms, whole-graph %.3f ms -> %s", size, t_piece, t_full,
-                 "whole graph" if size in self.full else "piecewise")
+                 "whole graph" if desc in self.full else "piecewise")
 
     # ---- report ------------------------------------------------------------------------------
     def matches_by_shape(self) -> dict[str, Counter]:
@@ -315,7 +299,7 @@ class CompiledModel:
             "attention_ops": len(self.backend.attention_pieces),
             "static_sizes": self.sizes,
             "captured_graphs": graphs,
-            "whole_graph_decode_sizes": sorted(self.full),
+            "whole_graph_decode_sizes": sorted(d.tokens for d in self.full),
             "decode_timings_ms": {str(k): v for k, v in self.decode_timings.items()},
             "ahead_of_time": None if self.aot is None else self.aot.status(),
         }

@@ -1,7 +1,7 @@
 """One compiled piece of the split graph: an Inductor compile for the dynamic token count, one per static
 batch size named in compile_sizes (compiled on first use; warm-up makes that first use happen at start-up;
-other batch sizes run the dynamic compile), and on CUDA one captured CUDA Graph per batch size, replayed
-with the inputs copied into the captured buffers."""
+other batch sizes run the dynamic compile), and on CUDA one captured CUDA Graph per batch size
+(compiler/cuda_graph.py), replayed with the inputs copied into the captured buffers."""
 
 from __future__ import annotations
 
@@ -18,31 +18,13 @@ import torch.fx
 from torch._dynamo.utils import counters
 
 from compiled_llm.compiler import codegen
+from compiled_llm.compiler.cuda_graph import BatchDescriptor, CUDAGraphWrapper
 from compiled_llm.compiler.inspect import piece_signature
 from compiled_llm.ops.context import set_layer_base
 from compiled_llm.ops.jit import MONITOR
 from compiled_llm.passes.base import first_layer
 
 log = logging.getLogger("compiled_llm")
-
-
-class CudaGraphEntry:
-    """A piece captured for one batch size. Tensor inputs whose address differs from the captured one
-    (attention outputs, made fresh each step) are copied in before replay; parameters and the outputs
-    of the previous captured piece keep their address and are not copied."""
-
-    def __init__(self, fn: Callable, args: list, pool):
-        self.static_args = list(args)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn(*self.static_args)
-
-    def replay(self, args) -> Any:
-        for static, arg in zip(self.static_args, args):
-            if isinstance(arg, torch.Tensor) and arg.data_ptr() != static.data_ptr():
-                static.copy_(arg)
-        self.graph.replay()
-        return self.out
 
 
 def absolute_layers(delta: Counter, base: int) -> Counter:
@@ -108,7 +90,7 @@ class PieceRunner:
         self.backend = backend
         self.dynamic: Callable | None = None
         self.static: dict[int, Callable] = {}
-        self.graphs: dict[int, CudaGraphEntry] = {}
+        self.graphs = CUDAGraphWrapper(name, backend.state.graph_pool)
         self.matches: dict[str, Counter] = {}  # compile ('dynamic', '8'; '/g1' after a recompile) -> pass -> matches
         self.inputs: dict[str, str | None] = {}  # compile -> the graph our passes received (None: FX-cache hit)
         self.compile_seconds = 0.0
@@ -122,7 +104,8 @@ class PieceRunner:
         self.name, self.graph, self.base, self.backend = name, graph, base, backend
         self._gm, self._load_gm = None, load_gm
         self.dynamic = dynamic
-        self.static, self.graphs, self.inputs = {}, {}, {self.label("dynamic"): None}
+        self.static, self.inputs = {}, {self.label("dynamic"): None}
+        self.graphs = CUDAGraphWrapper(name, backend.state.graph_pool)
         self.matches = {self.label("dynamic"): Counter(matches)}
         self.compile_seconds = 0.0
         return self
@@ -242,11 +225,6 @@ class PieceRunner:
             static = sizes is None or size in sizes
             fn = self.static[size] = self._keep_fusions(self._compile(list(args), str(size)), str(size)) if static \
                 else self.dynamic
-        if not state.cudagraphs or state.capturing_full_graph:
+        if not state.cudagraphs:
             return fn(*args)
-        entry = self.graphs.get(size)
-        if entry is None:
-            fn(*args)  # first run outside the graph: lazy initialisation, autotuning
-            MONITOR.compile_event("cudagraph", f"{self.name} ({size} tokens)")
-            entry = self.graphs[size] = CudaGraphEntry(fn, list(args), state.graph_pool())
-        return entry.replay(args)
+        return self.graphs.run(BatchDescriptor(size), fn, args)

@@ -111,12 +111,21 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
         qg, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
-        q, gate = qg.view(n, self.num_heads, 2 * d).chunk(2, dim=-1)
+        q, gate = split_heads(qg, self.num_heads).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, d))
+        k = self.k_norm(split_heads(k, self.num_kv_heads))
         q, k = apply_mrope(q, k, cos, sin)  # with the norms and the KV write: what the QK-norm + M-RoPE fusion takes
         out = attention(q.reshape(n, -1), k.reshape(n, -1), v, self.idx)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[tokens, heads * d] -> [tokens, heads, d] for a column slice of a wider tensor (its rows strided). A view
+    (reshape, unflatten) of a strided tensor makes Dynamo and Inductor prove the token count is not 1, a guard
+    that a one-token batch then fails: the whole forward compiled a second time at start-up (19 s of Qwen3.5
+    35B-A3B's cold start on the H200, session 13). The strides are known, so say them."""
+    d = x.shape[-1] // heads
+    return x.as_strided((x.shape[0], heads, d), (x.stride(0), d, x.stride(-1)))  # x's storage offset kept
 
 
 class DepthwiseConvWeight(nn.Module):
@@ -179,10 +188,9 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = gated_delta_rule(q.reshape(n, self.num_k_heads, self.head_k_dim),
-                               k.reshape(n, self.num_k_heads, self.head_k_dim),
-                               v.reshape(n, self.num_v_heads, self.head_v_dim), g, beta, self.idx)
-        z = z.view(n, self.num_v_heads, self.head_v_dim)
+        out = gated_delta_rule(split_heads(q, self.num_k_heads), split_heads(k, self.num_k_heads),
+                               split_heads(v, self.num_v_heads), g, beta, self.idx)
+        z = split_heads(z, self.num_v_heads)
         return self.out_proj(self.norm(out, z).reshape(n, -1))
 
 
