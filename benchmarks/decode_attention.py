@@ -111,7 +111,8 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
             diff = (out.float() - ref.float()).abs().max().item()
             us = float("nan") if args.dry_run else graph_time_us(call, replays=args.replays, calls=1) / n
         except Exception as e:  # a candidate that does not build is reported, not fatal
-            rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name, error=f"{type(e).__name__}: {e}"[:200]))
+            rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name,
+                             error=f"{type(e).__name__}: {e}"[:200]))
             continue
         rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name, us=us, max_diff=diff,
                          gbps=per_layer / us / 1e3 if us == us else None, splits=pol.num_splits,
@@ -147,7 +148,8 @@ def main():
     cases = CASES
     layers = [lay for lay in (SLIDING, GLOBAL) if lay["name"] in args.layers.split(",")]
     if args.dry_run:  # tiny shapes, the same code paths
-        layers = [dict(SLIDING, kv_heads=2, head_dim=32, window=24), dict(GLOBAL, kv_heads=1, head_dim=64, rotated_pairs=8)]
+        layers = [dict(SLIDING, kv_heads=2, head_dim=32, window=24),
+                  dict(GLOBAL, kv_heads=1, head_dim=64, rotated_pairs=8)]
         cases = [(1, 40), (2, 70)]
         args.max_len = 256
     t0 = time.time()

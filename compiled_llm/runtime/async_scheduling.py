@@ -48,7 +48,7 @@ def async_scheduling_possible(config: EngineConfig, executor) -> bool:
         return False
     why = None
     if not executor.supports_async_scheduling:
-        why = getattr(executor, "async_refusal", "this executor steps synchronously")
+        why = executor.async_refusal
     elif executor.sparse is not None:
         why = "sparse KV methods step synchronously"
     elif config.async_scheduling is None and not str(config.device).startswith("cuda"):

@@ -111,6 +111,13 @@ def _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart):
 
 
 @triton.jit
+def _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF: tl.constexpr):
+    """Both halves of a tile's keys from the paged cache (K!=V layers): rows at (page, slot), head kvh."""
+    k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+    return tl.load(K + k_off, mask=kvmask, other=0.0), tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+
+
+@triton.jit
 def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
     # log2-domain scores (exp2 in the softmax)
     if SOFTCAP:
@@ -212,9 +219,7 @@ def _decode_kernel(
                 k1 = k1.to(q1.dtype)
                 k2 = k2.to(q1.dtype)
             else:
-                k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
-                k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
-                k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+                k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
             qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
         s = _scores(qk, scale, softcap, SOFTCAP)
         s = tl.where(pmask[None, :], s, float("-inf"))
@@ -447,9 +452,7 @@ def _prefill_kernel(
             k1 = k1.to(q1.dtype)
             k2 = k2.to(q1.dtype)
         else:
-            k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
-            k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
-            k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+            k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
         qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
         s = _scores(qk, scale, softcap, SOFTCAP)
         allowed = pmask[None, :] & (pos[None, :] <= qpos[:, None])

@@ -31,7 +31,7 @@ from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.sparse import SPARSE_KEY, _streaming_shift, index_buffer, omnikv_select
 from compiled_llm.ops.triton._common import _dot, _reduce_angle, dot_f32, dot_precision
-from compiled_llm.ops.triton.paged_attention import _scores, attention_launch_policy, paged_prefill
+from compiled_llm.ops.triton.paged_attention import _cached_keys, _scores, attention_launch_policy, paged_prefill
 
 DENSE, INDEX, STREAMING = 0, 1, 2
 @triton.jit
@@ -141,9 +141,7 @@ def _sparse_decode_kernel(
             k1 = k1.to(q1.dtype)
             k2 = k2.to(q1.dtype)
         else:
-            k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
-            k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
-            k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+            k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
         a1 = q1
         a2 = q2
         if MODE == 2:
@@ -261,9 +259,7 @@ def _filter_score_kernel(
                 k1 = k1.to(q1.dtype)
                 k2 = k2.to(q1.dtype)
             else:
-                k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
-                k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
-                k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+                k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
             qk = _dot(q1, tl.trans(k1), PREC, DOT_F32) + _dot(q2, tl.trans(k2), PREC, DOT_F32)
             s = _scores(qk, scale, softcap, SOFTCAP)
             lse = tl.load(Lse + row.to(tl.int64) * stride_es + head, mask=hmask, other=0.0)
