@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from compiled_llm.ops.context import absolute_layer, current_forward_context, get_forward_context, layer_cache
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
@@ -85,23 +86,32 @@ def keys_from_values(v: torch.Tensor, positions: torch.Tensor, source: Attention
     return apply_rope(k, positions, source.inv_freq)
 
 
+def cache_slots(block_tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slots of positions pos [B, M] through block_tables [B, max_blocks], flat [B * M]; rows where
+    valid is False (or whose block was released) read slot 0 (masked later)."""
+    p = torch.where(valid, pos, torch.zeros_like(pos))
+    blk = torch.gather(block_tables.long(), 1, (p // block_size).clamp(max=block_tables.shape[1] - 1))
+    ok = valid & (blk >= 0)
+    return torch.where(ok, blk * block_size + p % block_size, torch.zeros_like(p)).reshape(-1)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, spec: AttentionSpec,
+                 source: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at cache_slots' slots for positions pos [B, M]: [B, M, kv_heads, head_dim] each."""
+    b, m = pos.shape
+    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
+    v = flat[-1].index_select(0, slots)
+    k = keys_from_values(v, pos.reshape(-1), source) if source.k_eq_v else flat[0].index_select(0, slots)
+    shape = (b, m, spec.num_kv_heads, spec.head_dim)
+    return k.view(shape), v.view(shape)
+
+
 def gather_kv_batched(cache: torch.Tensor, block_tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
                       spec: AttentionSpec, source: AttentionSpec, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values at positions pos [B, M] through block_tables [B, max_blocks]; rows where valid is
     False read slot 0 (masked later). Returns [B, M, kv_heads, head_dim] each."""
-    b, m = pos.shape
     p = torch.where(valid, pos, torch.zeros_like(pos))
-    blk = torch.gather(block_tables.long(), 1, (p // block_size).clamp(max=block_tables.shape[1] - 1))
-    ok = valid & (blk >= 0)
-    slots = torch.where(ok, blk * block_size + p % block_size, torch.zeros_like(p)).reshape(-1)
-    flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
-    v = flat[-1].index_select(0, slots)
-    if source.k_eq_v:
-        k = keys_from_values(v, p.reshape(-1), source)
-    else:
-        k = flat[0].index_select(0, slots)
-    shape = (b, m, spec.num_kv_heads, spec.head_dim)
-    return k.view(shape), v.view(shape)
+    return gather_slots(cache, cache_slots(block_tables, pos, valid, block_size), p, spec, source)
 
 
 def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
@@ -189,22 +199,29 @@ def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: Attentio
     """ref_attention for a decode batch (one query per sequence), batched: every sequence's context gathered
     into one padded [seqs, longest, kv_heads, head_dim] view and attended in one product, instead of a Python
     loop over the sequences (which made the reference, the CPU's provider, most of a CPU decode step). The key
-    positions are the same for every layer of a window size: computed once per step (kept in `extra`)."""
+    positions and their cache slots are the same for every layer of a KV group: computed once per step (kept
+    in `extra`)."""
     num_seqs, dev = len(meta.seq_lens), q.device
-    key = ("_ref_decode_positions", spec.sliding_window)
+    key = ("_ref_decode_positions", spec.sliding_window, id(group))  # the same for a KV group's layers
     if key not in extra:
-        extra[key] = _decode_positions(meta, spec.sliding_window, dev)
-    k_pos, valid = extra[key]
-    keys, values = gather_kv_batched(cache, group.block_tables[:num_seqs], k_pos, torch.ones_like(valid), spec, source,
-                                     meta.block_size)
+        k_pos, valid = _decode_positions(meta, spec.sliding_window, dev)
+        slots = cache_slots(group.block_tables[:num_seqs], k_pos, torch.ones_like(valid), meta.block_size)
+        extra[key] = k_pos, valid, slots
+    k_pos, valid, slots = extra[key]
+    keys, values = gather_slots(cache, slots, k_pos, spec, source)
+    out = torch.zeros(q.shape[0], spec.num_heads * spec.head_dim, dtype=q.dtype, device=dev)
+    if spec.softcap is None:  # one fused kernel (torch's SDPA, grouped heads): a CPU decode step's largest op
+        qs = q[:num_seqs].view(num_seqs, spec.num_heads, 1, spec.head_dim)
+        o = F.scaled_dot_product_attention(qs, keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=valid[:, None, None, :], scale=spec.scale, enable_gqa=True)
+        out[:num_seqs] = o.reshape(num_seqs, -1)
+        return out
     group_size = spec.num_heads // spec.num_kv_heads
     qs = q[:num_seqs].view(num_seqs, spec.num_kv_heads, group_size, spec.head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", qs, keys) * spec.scale
-    if spec.softcap is not None:
-        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.zeros(q.shape[0], spec.num_heads * spec.head_dim, dtype=q.dtype, device=dev)
     out[:num_seqs] = torch.einsum("bkgl,blkd->bkgd", probs, values).reshape(num_seqs, -1)
     return out
 
