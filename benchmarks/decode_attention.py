@@ -98,7 +98,8 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
     caches, tables, q, seq_lens, opts = make_layers(layer, seqs, ctx, n, dev, dtype, seed=seqs * 7 + ctx)
     rows = []
     ref = None
-    for name, pol, rot in candidates(layer, seqs, args.max_len, args.quick):
+    cands = candidates(layer, seqs, args.max_len, args.quick)
+    for name, pol, rot in cands[:4] if args.dry_run else cands:  # (dry run: the code paths, not the sweep)
         def call(pol=pol, opts=opts, caches=caches, rot=rot):
             for c in caches:
                 out = PA.paged_decode(q, c, tables, seq_lens, policy=pol, rotated_pairs=rot, **opts)

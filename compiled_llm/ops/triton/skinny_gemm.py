@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from compiled_llm.ops.triton._common import _dot, dot_f32, dot_precision
 
 
@@ -38,8 +40,12 @@ def _skinny_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    # PDL (programmatic dependent launch, launched with launch_pdl; GPU only, an experiment:
+    # benchmarks/pdl_chain.py): 1 waits for the previous kernel before reading anything and lets the next
+    # launch once its weight stream is done; 2 also asks L2 for this program's weight slice before the wait
+    # (the weights do not depend on the previous kernel, so their first bytes arrive while it finishes)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     s = tl.program_id(2)
@@ -54,6 +60,10 @@ def _skinny_kernel(
     k_lo = s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     cols = tl.arange(0, BLOCK_M)
+    if PDL >= 2:
+        _prefetch_l2(W, w_rows, nmask, k_lo, k_hi, BLOCK_K, 128 // W.dtype.element_ty.primitive_bitwidth * 8)
+    if PDL >= 1:
+        gdc_wait()
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + kk
         kmask = ks < k_hi
@@ -71,11 +81,25 @@ def _skinny_kernel(
                 xi = tl.load(X + row.to(tl.int64) * stride_xm + ks, mask=kmask & (row < M), other=0.0)
                 part = tl.sum(wf * xi.to(tl.float32)[None, :], 1)  # [BLOCK_N]
                 acc = tl.where(cols[None, :] == i, acc + part[:, None], acc)
+    if PDL >= 1:
+        gdc_launch_dependents()
     out_mask = nmask[:, None] & mmask[None, :]
     if not PARTIAL:  # one K slice: the result itself
         tl.store(Y + m.to(tl.int64)[None, :] * stride_ym + n[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
     else:  # slice s's float32 partial, summed by _split_reduce_kernel
         tl.store(Part + (s * M + m.to(tl.int64))[None, :] * N + n[:, None], acc, mask=out_mask)
+
+
+@triton.jit
+def _prefetch_l2(W, w_rows, nmask, k_lo, k_hi, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """An L2 prefetch of every 128-byte line of the rows' [k_lo, k_hi) columns (LINE elements a line); lines
+    past the matrix prefetch its first one instead (harmless)."""
+    j = tl.arange(0, BLOCK_K // LINE) * LINE
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ok = nmask[:, None] & ((k0 + j) < k_hi)[None, :]
+        ptrs = tl.where(ok, w_rows + (k0 + j)[None, :], W)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["M", "N", "split", "stride_ym"])
@@ -153,9 +177,10 @@ def _effective_split(K: int, block_k: int, split_k: int) -> int:
 _WORKSPACE_BLOCK = 1024
 
 
-def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = None) -> torch.Tensor:
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = None, pdl: int = 0) -> torch.Tensor:
     """x [M, K] (rows may be strided, columns contiguous) @ w[N, K]^T -> [M, N] in x's dtype, float32 sums.
-    launch: override skinny_launch's choice (benchmarks, tests)."""
+    launch: override skinny_launch's choice (benchmarks, tests). pdl: _skinny_kernel's PDL (CUDA on sm_90+
+    only; benchmarks/pdl_chain.py)."""
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
     assert x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16), (x.dtype, w.dtype)
     if x.stride(1) != 1:
@@ -179,7 +204,7 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = No
         x, w, y, part, M, N, K, kps, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, PARTIAL=split > 1, EVEN_K=K % lp.block_k == 0,
         DOT=lp.dot, PREC=dot_precision(x.dtype), F32=dot_f32(x.dtype),
-        num_warps=lp.num_warps, num_stages=lp.num_stages,
+        num_warps=lp.num_warps, num_stages=lp.num_stages, **({"PDL": pdl, "launch_pdl": True} if pdl else {}),
     )
     if split > 1:
         _split_reduce_kernel[(triton.cdiv(M * N, _WORKSPACE_BLOCK),)](
