@@ -15,6 +15,8 @@ long shapes (8 x 4.4K, 4 x 8.5K). Per case:
   sweep       split count, warps, stages and key tile
   no-rebuild  (global) the K!=V path over the same bytes (K and V the same tensor): what any key rebuild
               costs (its output is not attention of this layer; not checked)
+  flashinfer  (sliding, when installed: WITH_FLASHINFER=1 and the carried wheels) FlashInfer's paged decode,
+              CUDA-core and tensor-core kernels, over the same caches (issue 14 item 3)
 Every candidate's output is compared with the engine policy's (max abs difference, bf16).
 
     python3 benchmarks/decode_attention.py [--out FILE.json] [--quick]
@@ -119,6 +121,8 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
                          gbps=per_layer / us / 1e3 if us == us else None, splits=pol.num_splits,
                          warps=pol.num_warps, stages=pol.num_stages, block_n=pol.block_n,
                          rotated_pairs=rot))
+    if not layer["k_eq_v"] and not args.dry_run:
+        rows += flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref, args)
     if layer["k_eq_v"]:  # the same bytes through the K!=V path: what the key rebuild costs
         kv_opts = {k: v for k, v in opts.items() if k not in ("k_norm_weight", "inv_freq")} | dict(k_eq_v=False)
         pairs = [c.expand(2, *c.shape[1:]) for c in caches]
@@ -133,6 +137,49 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
         us = float("nan") if args.dry_run else graph_time_us(plain, replays=args.replays, calls=1) / n
         rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate="no-rebuild (K!=V path, same bytes)",
                          us=us, gbps=per_layer / us / 1e3 if us == us else None))
+    return rows
+
+
+def flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref, args) -> list[dict]:
+    """FlashInfer's paged decode (issue 14 item 3) on the same caches, when it is installed: the CUDA-core
+    kernel and the tensor-core one, each given the window's pages only (what the engine keeps) and the window
+    as window_left; compared with our kernel's output. Built on first use by FlashInfer's JIT (nvcc)."""
+    try:
+        import flashinfer
+    except ImportError:
+        return []
+    dev = q.device
+    w = layer["window"]
+    first_page = max(0, ctx - w) // PAGE if w is not None else 0
+    pages = tables.shape[1] - first_page
+    indptr = torch.arange(seqs + 1, dtype=torch.int32, device=dev) * pages
+    indices = tables[:, first_page:].reshape(-1).contiguous()
+    last = torch.full((seqs,), (ctx - 1) % PAGE + 1, dtype=torch.int32, device=dev)
+    rows = []
+    for tensor_cores in (False, True):
+        name = f"flashinfer {flashinfer.__version__} ({'tensor' if tensor_cores else 'CUDA'} cores)"
+        try:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(128 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True,
+                use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last)
+            wrapper.plan(indptr, indices, last, q.shape[1], layer["kv_heads"], layer["head_dim"], PAGE,
+                         window_left=-1 if w is None else w - 1, q_data_type=q.dtype, kv_data_type=q.dtype,
+                         sm_scale=opts["scale"])
+
+            def call(wrapper=wrapper):
+                for c in caches:
+                    out = wrapper.run(q, (c[0], c[1]))
+                return out
+
+            out = wrapper.run(q, (caches[0][0], caches[0][1]))
+            diff = (out.float() - ref.float()).abs().max().item()
+            us = graph_time_us(call, replays=args.replays, calls=1) / n
+            rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name, us=us, max_diff=diff,
+                             gbps=per_layer / us / 1e3))
+        except Exception as e:  # noqa: BLE001 - reported, not fatal (a JIT build or an API difference)
+            rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name,
+                             error=f"{type(e).__name__}: {e}"[:300]))
     return rows
 
 
@@ -164,7 +211,7 @@ def main():
             for r in rows:
                 if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx and \
                         (r["candidate"] in ("engine", "every key rebuilt (session 12)") or r is best
-                         or "rebuild" in r["candidate"] or "error" in r):
+                         or "rebuild" in r["candidate"] or "flashinfer" in r["candidate"] or "error" in r):
                     print(f"{r['layer']:8} S={seqs} ctx={ctx:5}  {r['candidate']:36} "
                           + (f"{r['us']:8.2f} us  {r['gbps'] or 0:7.0f} GB/s  diff {r.get('max_diff', 0):.1e}"
                              if "us" in r else r["error"]) + ("  <- best" if r is best else ""), flush=True)
