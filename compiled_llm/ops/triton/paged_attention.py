@@ -94,9 +94,10 @@ def _rope_base(inv, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart):
-    """Keys of the tile at positions kstart + n from the K=V cache: rope(v * k_norm_weight), both halves.
-    cos/sin((kstart + n) f) via the angle-sum formula: only head_dim/2 transcendentals per tile."""
+def _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, like):
+    """Keys of the tile at positions kstart + n from the K=V cache: rope(v * k_norm_weight), both halves, in
+    the dtype of `like` (the query's, for the dot). cos/sin((kstart + n) f) via the angle-sum formula: only
+    head_dim/2 transcendentals per tile."""
     ks = tl.zeros_like(inv) + kstart
     a = ks * inv
     a_err = tl.fma(ks, inv, -a)  # exact residual of the product, keeps large positions accurate
@@ -107,7 +108,7 @@ def _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart):
     s = sa * cos_b + ca * sin_b
     x1 = v1.to(tl.float32) * w1[None, :]
     x2 = v2.to(tl.float32) * w2[None, :]
-    return x1 * c - x2 * s, x2 * c + x1 * s
+    return (x1 * c - x2 * s).to(like.dtype), (x2 * c + x1 * s).to(like.dtype)
 
 
 @triton.jit
@@ -209,15 +210,13 @@ def _decode_kernel(
             r_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + r[None, :]
             v1r = tl.load(V + r_off, mask=pmask[:, None], other=0.0)
             v2r = tl.load(V + r_off + HALF, mask=pmask[:, None], other=0.0)
-            k1r, k2r = _rebuild_keys(v1r, v2r, w1r, w2r, invr, cos_b, sin_b, kstart)
+            k1r, k2r = _rebuild_keys(v1r, v2r, w1r, w2r, invr, cos_b, sin_b, kstart, q1)
             qk = tl.dot(q1, tl.trans(v1), input_precision=PREC) + tl.dot(q2, tl.trans(v2), input_precision=PREC)
-            qk += tl.dot(q1r, tl.trans(k1r.to(q1.dtype)), input_precision=PREC)
-            qk += tl.dot(q2r, tl.trans(k2r.to(q1.dtype)), input_precision=PREC)
+            qk += tl.dot(q1r, tl.trans(k1r), input_precision=PREC)
+            qk += tl.dot(q2r, tl.trans(k2r), input_precision=PREC)
         else:
             if K_EQ_V:
-                k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart)
-                k1 = k1.to(q1.dtype)
-                k2 = k2.to(q1.dtype)
+                k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
             else:
                 k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
             qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
@@ -448,9 +447,7 @@ def _prefill_kernel(
             k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
             k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
         elif K_EQ_V:
-            k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart)
-            k1 = k1.to(q1.dtype)
-            k2 = k2.to(q1.dtype)
+            k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
         else:
             k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
         qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
