@@ -46,7 +46,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.graph_timing import graph_time_us  # noqa: E402
-from compiled_llm.ops.triton.skinny_gemm import skinny_launch, skinny_mm  # noqa: E402
+from compiled_llm.ops.triton.skinny_gemm import (  # noqa: E402
+    TARGET_PROGRAMS_PER_SM, SkinnyLaunch, skinny_launch, skinny_mm)
 
 H, QKV, O_IN, GU, DOWN_IN = 2816, 8192, 4096, 4224, 2112  # 26B-A4B sliding layer, TP 1
 COPY_BW = 4.2e12
@@ -81,12 +82,33 @@ def make_layers(n: int, dev, dtype, scale: float = 0.02):
             for _ in range(n)]
 
 
+def tile_launch(tile: str, M: int, N: int, K: int) -> SkinnyLaunch | None:
+    """"default" (skinny_launch's choice) or "<block_n>x<block_k>w<warps>", with skinny_launch's K split rule
+    for that block_n (ptxas on sm_90a: the default 64 x 256 / 4 warps spills 256 bytes at 255 registers;
+    64 x 128 / 8 warps, 32 x 256 / 8 and 32 x 128 / 4 do not)."""
+    if tile == "default":
+        return None
+    bn, rest = tile.split("x")
+    bk, warps = (int(t) for t in rest.split("w"))
+    bn = int(bn)
+    target = TARGET_PROGRAMS_PER_SM * 132
+    n_blocks = triton.cdiv(N, bn) * triton.cdiv(M, 16)
+    split, steps = 1, triton.cdiv(K, bk)
+    while split < 8 and 2 * n_blocks < target and n_blocks * split < target and steps // (2 * split) >= 2:
+        split *= 2
+    return SkinnyLaunch(block_n=bn, block_k=bk, split_k=triton.cdiv(K, triton.cdiv(triton.cdiv(K, split), bk) * bk),
+                        num_warps=warps, num_stages=3, dot=True)
+
+
 def chain(h: torch.Tensor, layers, variant: str) -> torch.Tensor:
+    variant, _, tile = variant.partition("@")
     pdl = variant.startswith("pdl")
     level = 2 if variant == "pdl+prefetch" else (1 if pdl else 0)
 
     def mm(x, w):
-        return x @ w.t() if variant == "cublas" else skinny_mm(x, w, pdl=level)
+        if variant == "cublas":
+            return x @ w.t()
+        return skinny_mm(x, w, tile_launch(tile or "default", x.shape[0], w.shape[0], w.shape[1]), pdl=level)
 
     for wqkv, wo, wgu, wdown in layers:
         q = mm(rows(h, H, pdl), wqkv)
@@ -101,16 +123,20 @@ def main():
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--tiles", default="default,64x128w8,32x256w8,32x128w4",
+                    help="skinny GEMM tiles for the triton/pdl variants (each variant once per tile)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
     global H, QKV, O_IN, GU, DOWN_IN
     if args.dry_run:
-        dev, dtype, variants = "cpu", torch.float32, ["cublas", "triton"]
+        dev, dtype, variants = "cpu", torch.float32, ["cublas", "triton", "triton@32x128w4"]
         H, QKV, O_IN, GU, DOWN_IN = 64, 96, 48, 80, 40
         args.layers = 2
     else:
-        dev, dtype, variants = "cuda", torch.bfloat16, ["cublas", "triton", "pdl", "pdl+prefetch"]
+        dev, dtype = "cuda", torch.bfloat16
+        variants = ["cublas"] + [f"{v}@{t}" if t != "default" else v for t in args.tiles.split(",")
+                                 for v in ("triton", "pdl", "pdl+prefetch")]
     layers = make_layers(args.layers, dev, dtype)
     weight_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
     floor_us = weight_bytes / COPY_BW * 1e6
@@ -131,16 +157,18 @@ def main():
                 print(f"M={m} {v:13} ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             same = None
-            if v != "cublas" and "triton" in ref:
-                same = bool(torch.equal(y, ref["triton"]))
+            base = "triton" + ("@" + v.partition("@")[2] if "@" in v else "")
+            if v != "cublas" and base in ref:
+                same = bool(torch.equal(y, ref[base]))
             diff = (y.float() - ref["cublas"].float()).abs().max().item() if "cublas" in ref else None
-            launches = {"qkv": skinny_launch(m, QKV, H), "o": skinny_launch(m, H, O_IN),
-                        "gate_up": skinny_launch(m, GU, H), "down": skinny_launch(m, H, DOWN_IN)}
+            tile = v.partition("@")[2] or "default"
+            launches = {k: tile_launch(tile, m, n_, k_) or skinny_launch(m, n_, k_) for k, (n_, k_) in
+                        {"qkv": (QKV, H), "o": (H, O_IN), "gate_up": (GU, H), "down": (H, DOWN_IN)}.items()}
             row = dict(tokens=m, variant=v, step_us=us, layer_us=us / args.layers, pct_of_floor=floor_us / us * 100,
                        bitwise_equal_triton=same, max_diff_vs_cublas=diff,
                        split_k={k: lp.split_k for k, lp in launches.items()})
             out["rows"].append(row)
-            print(f"M={m} {v:13} {us:9.1f} us a step ({us / args.layers:6.1f} a layer, floor {floor_us:7.1f}: "
+            print(f"M={m} {v:24} {us:9.1f} us a step ({us / args.layers:6.1f} a layer, floor {floor_us:7.1f}: "
                   f"{floor_us / us * 100 if us == us else 0:5.1f}%)  equal to triton: {same}  vs cublas {diff:.2e}",
                   flush=True)
     print(f"done in {time.time() - t0:.0f}s")
