@@ -18,9 +18,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from compiled_llm.ops.attention import AttentionSpec  # noqa: E402
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context  # noqa: E402
-from compiled_llm.ops.rope import rope_inv_freq  # noqa: E402
+from compiled_llm.ops.rope import rope_inv_freq, rotated_pairs  # noqa: E402
 from graph_timing import graph_time_us  # noqa: E402
-from compiled_llm.ops.sparse import SPARSE_KEY, SparseMetadata  # noqa: E402
+from compiled_llm.ops.sparse import SPARSE_KEY, SparseMetadata, omnikv_select  # noqa: E402
 from compiled_llm.ops.sparse import sparse_attention as reference  # noqa: E402
 from compiled_llm.ops.triton import sparse_attention as T  # noqa: E402
 from compiled_llm.ops.triton.paged_attention import paged_decode  # noqa: E402
@@ -35,9 +35,10 @@ def setup(rows, ctx, budget, sink=4, recent=64, window=2044, dtype=torch.bfloat1
     tables = (torch.randperm(rows * nblk, device="cuda", generator=g) + 1).view(rows, nblk).int()
     inv = rope_inv_freq(D, 1e6, "proportional", partial_rotary_factor=0.25).cuda()
     knorm = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(dtype)
-    mk = lambda i, **kw: AttentionSpec(i, H, KVH, D, None, 0, 1.0, None, True, knorm, inv, **kw)
+    rot = rotated_pairs(D, "proportional", 0.25)  # Gemma 4's global layers: 64 of 256 angles rotate
+    mk = lambda i, **kw: AttentionSpec(i, H, KVH, D, None, 0, 1.0, None, True, knorm, inv, rotated_pairs=rot, **kw)
     specs = {0: mk(0, omnikv="filter"), 1: mk(1, omnikv="sparse")}
-    stream = AttentionSpec(2, H, KVH, D, window, 2, 1.0, None, True, knorm, inv, sink_tokens=sink)
+    stream = AttentionSpec(2, H, KVH, D, window, 2, 1.0, None, True, knorm, inv, rotated_pairs=rot, sink_tokens=sink)
     specs[2] = stream
     lens = [ctx - 7 * i for i in range(rows)]
     meta = AttentionMetadata(list(range(rows + 1)), lens, PAGE, {
@@ -107,13 +108,27 @@ def timing(rows, ctx, budget, reps=50):
     spec = c.layers[0]
     tables = meta.groups[None].block_tables
 
+    lens = meta.seq_lens_tensor
+
     def dense():
-        return paged_decode(q, cache, tables, meta.seq_lens_tensor, scale=1.0, k_eq_v=True, k_norm_weight=spec.k_norm_weight,
-                            inv_freq=spec.inv_freq, num_kv_heads=KVH, head_dim=D)
+        return paged_decode(q, cache, tables, lens, scale=1.0, k_eq_v=True, k_norm_weight=spec.k_norm_weight,
+                            inv_freq=spec.inv_freq, num_kv_heads=KVH, head_dim=D, rotated_pairs=spec.rotated_pairs)
+
+    def filter_attention():  # the filter layer's attention with the raw scores, and the head sum
+        return T.filter_decode(q, cache, tables, lens, scale=1.0, k_eq_v=True, k_norm_weight=spec.k_norm_weight,
+                               inv_freq=spec.inv_freq, num_kv_heads=KVH, head_dim=D, rotated_pairs=spec.rotated_pairs)
+
+    score = filter_attention()[1]
+    pos = torch.arange(score.shape[1], device="cuda")[None].expand(rows, -1)
+    lens64 = lens.long()
+
+    def select():  # the top-k of the filter layer's pick
+        return omnikv_select(score, pos, pos < lens64[:, None], lens64, budget, sm.sink, sm.recent)
 
     res = {}
     with set_forward_context(c):
         for name, fn in [("dense", dense), ("omnikv_filter", lambda: T.attention(q, 0)),
+                         ("filter_attention_and_sum", filter_attention), ("filter_select", select),
                          ("omnikv_sparse", lambda: T.attention(q, 1)), ("streamingllm", lambda: T.attention(q, 2))]:
             res[name + "_ms"] = round(graph_time_us(fn, reps, calls=1) / 1e3, 4)
     return dict(rows=rows, ctx=ctx, budget=budget, **res)

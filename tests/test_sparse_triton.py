@@ -90,7 +90,7 @@ def _spec(idx, *, heads, kv_heads, head_dim, softcap, k_eq_v, gen, window=None, 
     import torch
 
     from compiled_llm.ops.attention import AttentionSpec
-    from compiled_llm.ops.rope import rope_inv_freq
+    from compiled_llm.ops.rope import rope_inv_freq, rotated_pairs
 
     spec = AttentionSpec(layer_idx=idx, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                          sliding_window=window, cache_layer=idx if cache_layer is None else cache_layer,
@@ -100,6 +100,8 @@ def _spec(idx, *, heads, kv_heads, head_dim, softcap, k_eq_v, gen, window=None, 
     spec.inv_freq = rope_inv_freq(head_dim, 10000.0, "proportional", partial_rotary_factor=0.25)
     if k_eq_v:
         spec.k_norm_weight = 1.0 + 0.3 * torch.randn(head_dim, generator=gen)
+        if head_dim >= 512:  # the dense kernel (OmniKV filter layers) rebuilds only the rotated dims
+            spec.rotated_pairs = rotated_pairs(head_dim, "proportional", 0.25)
     return spec
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled_llm.ops.triton._common import _reduce_angle, _tanh, dot_precision
+from compiled_llm.ops.triton._common import _dot, _reduce_angle, _tanh, dot_f32, dot_precision
 
 # Per-step integers (split counts, batch sizes, block-table width) are marked do_not_specialize so that a
 # new value never triggers a fresh build mid-serving (Triton would otherwise specialise on ==1 / %16).
@@ -133,18 +133,22 @@ def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
-    Q, K, V, BlockTables, SeqLens, KNorm, InvFreq, Out, MidO, MidLse,
+    Q, K, V, BlockTables, SeqLens, KNorm, InvFreq, Out, MidO, MidLse, Raw,
     stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     stride_os, stride_oh,
-    stride_ms, stride_mh, stride_ls, stride_lh,
+    stride_ms, stride_mh, stride_ls, stride_lh, stride_rs, stride_rh,
     scale, softcap, window, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr, PARTIAL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
+    RAW: tl.constexpr = False, F32: tl.constexpr = False,
 ):
+    # RAW (OmniKV filter layers, ops/triton/sparse_attention.py): also store every key's log2-domain score per
+    # head, Raw[seq, head, pos], and the log-sum-exp (MidLse; the combine writes the total), so the tokens can
+    # be ranked by their attention probability without reading the keys a second time.
     # PARTIAL (K=V layers whose angles past ROT are zero, e.g. Gemma 4's global layers: 64 of 256): only the
     # first ROT dims of each half are rotated. Those keys are rebuilt in the loop; on the others the key is
     # v * k_norm_weight, so the weight goes on the query once (q * w, zero on the rotated dims) and the dot
@@ -211,46 +215,51 @@ def _decode_kernel(
             v1r = tl.load(V + r_off, mask=pmask[:, None], other=0.0)
             v2r = tl.load(V + r_off + HALF, mask=pmask[:, None], other=0.0)
             k1r, k2r = _rebuild_keys(v1r, v2r, w1r, w2r, invr, cos_b, sin_b, kstart, q1)
-            qk = tl.dot(q1, tl.trans(v1), input_precision=PREC) + tl.dot(q2, tl.trans(v2), input_precision=PREC)
-            qk += tl.dot(q1r, tl.trans(k1r), input_precision=PREC)
-            qk += tl.dot(q2r, tl.trans(k2r), input_precision=PREC)
+            qk = _dot(q1, tl.trans(v1), PREC, F32) + _dot(q2, tl.trans(v2), PREC, F32)
+            qk += _dot(q1r, tl.trans(k1r), PREC, F32)
+            qk += _dot(q2r, tl.trans(k2r), PREC, F32)
         else:
             if K_EQ_V:
                 k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
             else:
                 k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
-            qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
+            qk = _dot(q1, tl.trans(k1), PREC, F32) + _dot(q2, tl.trans(k2), PREC, F32)
         s = _scores(qk, scale, softcap, SOFTCAP)
+        if RAW:
+            tl.store(Raw + seq.to(tl.int64) * stride_rs + head[:, None] * stride_rh + pos[None, :], s,
+                     mask=hmask[:, None] & pmask[None, :])
         s = tl.where(pmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = p.to(v1.dtype)
-        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1, input_precision=PREC)
-        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2, input_precision=PREC)
+        acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
+        acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o1 = acc1 / l_safe[:, None]
     o2 = acc2 / l_safe[:, None]
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
     if DIRECT:
         o_ptr = Out + seq * stride_os + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, o1.to(Out.dtype.element_ty), mask=qmask)
         tl.store(o_ptr + HALF, o2.to(Out.dtype.element_ty), mask=qmask)
+        if RAW:  # MidLse is the caller's [seqs, heads] log-sum-exp here
+            tl.store(MidLse + seq * stride_ls + head * stride_lh, lse, mask=hmask)
     else:
         o_ptr = MidO + seq * stride_ms + head[:, None] * stride_mh + split * (2 * HALF) + d[None, :]
         tl.store(o_ptr, o1, mask=qmask)
         tl.store(o_ptr + HALF, o2, mask=qmask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(MidLse + seq * stride_ls + head * stride_lh + split, lse, mask=hmask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
-    MidO, MidLse, Out, num_splits,
-    stride_ms, stride_mh, stride_ls, stride_lh, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    MidO, MidLse, Out, Lse, num_splits,
+    stride_ms, stride_mh, stride_ls, stride_lh, stride_os, stride_oh, stride_es,
+    HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -260,7 +269,8 @@ def _combine_kernel(
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     denom = tl.sum(tl.exp2(lse - mx), 0)
-    denom = tl.where(denom > 0.0, denom, 1.0)
+    empty = denom == 0.0
+    denom = tl.where(empty, 1.0, denom)
     dv = tl.arange(0, BLOCK_DV)
     dmask = dv < HEAD_DIM
     o_base = MidO + seq * stride_ms + head * stride_mh + dv
@@ -269,6 +279,8 @@ def _combine_kernel(
         w = tl.exp2(tl.load(lse_ptr + i) - mx)
         acc += w * tl.load(o_base + i * HEAD_DIM, mask=dmask, other=0.0)
     tl.store(Out + seq * stride_os + head * stride_oh + dv, (acc / denom).to(Out.dtype.element_ty), mask=dmask)
+    if WRITE_LSE:  # the sequence's log2-domain log-sum-exp over every split
+        tl.store(Lse + seq * stride_es + head, tl.where(empty, float("-inf"), mx + tl.log2(denom)))
 
 
 def rotated_block(rotated_pairs: int | None, half: int) -> int:
@@ -302,10 +314,15 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
                  k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
                  inv_freq: torch.Tensor | None = None, num_kv_heads: int, head_dim: int,
                  max_seq_len: int | None = None, policy: AttnLaunch | None = None,
-                 out: torch.Tensor | None = None, rotated_pairs: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, rotated_pairs: int | None = None,
+                 raw: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (at position seq_len - 1). q: [num_seqs, num_heads(*head_dim)];
     seq_lens: [num_seqs] int32 on the device. Returns [num_seqs, num_heads, head_dim]. rotated_pairs (K=V):
-    inv_freq's leading nonzero angles, the rest zero (None: all rotate)."""
+    inv_freq's leading nonzero angles, the rest zero (None: all rotate). raw and lse (together; OmniKV's
+    filter layers): raw [num_seqs, num_heads, >= the block-table width x page] float32 receives every key's
+    log2-domain score at [seq, head, pos] (positions past seq_len untouched), lse [num_seqs, num_heads]
+    float32 each head's log2-domain log-sum-exp, so softmax(scores)[pos] = exp2(raw - lse)."""
+    assert (raw is None) == (lse is None), "raw scores and log-sum-exps come together"
     num_seqs = seq_lens.shape[0]
     q = q.view(num_seqs, -1, head_dim)
     assert q.stride(-1) == 1
@@ -327,33 +344,39 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
     splits = max(1, pol.num_splits)
     direct = splits == 1
     if direct:
-        mid_o, mid_lse = out, out
+        mid_o, mid_lse = out, (lse if lse is not None else out)
     else:
         mid_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    if raw is not None:
+        assert raw.shape[:2] == (num_seqs, num_heads) and raw.stride(-1) == 1 and raw.dtype == torch.float32
+        assert raw.shape[2] >= max_seq_len and lse.shape == (num_seqs, num_heads) and lse.dtype == torch.float32
+    rw = raw if raw is not None else out
     half = head_dim // 2
     rot = rotated_block(rotated_pairs, half) if k_eq_v else half
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, knw, inv, out, mid_o, mid_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, knw, inv, out, mid_o, mid_lse, rw,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), rw.stride(0), rw.stride(1),
         float(scale), float(softcap or 1.0), int(sliding_window or 0), splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half,
         BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n, ROT=rot, PARTIAL=k_eq_v and rot < half,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
-        PREC=dot_precision(q.dtype),
+        PREC=dot_precision(q.dtype), RAW=raw is not None, F32=dot_f32(q.dtype),
         num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:
+        le = lse if lse is not None else out
         _combine_kernel[(num_seqs, num_heads)](
-            mid_o, mid_lse, out, splits,
+            mid_o, mid_lse, out, le, splits,
             mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            le.stride(0),
             HEAD_DIM=head_dim, BLOCK_DV=triton.next_power_of_2(head_dim),
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            BLOCK_S=triton.next_power_of_2(splits), WRITE_LSE=lse is not None, num_warps=4,
         )
     return out
 

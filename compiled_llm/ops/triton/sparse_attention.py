@@ -1,11 +1,10 @@
 """Sparse-KV attention in Triton: the `sparse_attention` op's CUDA provider (StreamingLLM, OmniKV;
 ops/sparse.py holds the reference and the method's definition, docs/sparse_kv.md).
 
-One kernel serves every case. A program owns one query row (a decode token, or under StreamingLLM one
+The sparse layers' kernel: a program owns one query row (a decode token, or under StreamingLLM one
 prefill token), one KV head and one split-K chunk of that row's *key list*, and reads only the keys in
 it, straight from the paged cache (no [rows, ctx, heads, dim] gather):
 
-- MODE 0, dense: positions 0 .. len-1 (OmniKV filter layers; also writes each head's log-sum-exp);
 - MODE 1, index: the positions in a [rows, budget] int32 list, -1 padded (OmniKV sparse layers read the
   filter layer's pick);
 - MODE 2, sinks + window: positions [0, sink) that are not inside the window, scored against the query
@@ -14,14 +13,20 @@ it, straight from the paged cache (no [rows, ctx, heads, dim] gather):
 
 K=V layers rebuild the keys from the cached values at each key's own position (rope of v * k_norm_weight),
 as the dense kernels do. Rows may map to block-table rows (`TabRow`): a prefill chunk's tokens share their
-sequence's table. OmniKV filter layers then run a second kernel that re-reads the keys tile by tile and
-writes, per row and position, the attention probability summed over all heads (from the log-sum-exps of
-the first pass): [rows, ctx] float32, which omnikv_select ranks. Nothing in the decode path syncs with the
-host or changes shape from step to step, so CUDA graphs can capture it (the split count depends only on
-the batch size and the fixed key-list width).
+sequence's table.
+
+OmniKV filter layers (MODE 0, dense) attend with the dense decode kernel (paged_attention.paged_decode),
+which also stores every key's log2-domain score per head and each head's log-sum-exp; a small kernel then
+sums the heads' probabilities exp2(score - lse) per position, [rows, ctx] float32, which omnikv_select
+ranks. The keys are read once (session 8's version read them a second time to re-score them, with every
+key dim rebuilt: 4.2x a dense layer at 64K). Nothing in the decode path syncs with the host or changes
+shape from step to step, so CUDA graphs can capture it (the split count depends only on the batch size
+and the fixed key-list width).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -31,7 +36,8 @@ from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.sparse import SPARSE_KEY, _streaming_shift, index_buffer, omnikv_select
 from compiled_llm.ops.triton._common import _dot, _reduce_angle, dot_f32, dot_precision
-from compiled_llm.ops.triton.paged_attention import _cached_keys, _scores, attention_launch_policy, paged_prefill
+from compiled_llm.ops.triton.paged_attention import (_cached_keys, _combine_kernel, _scores, attention_launch_policy,
+                                                     paged_decode, paged_prefill)
 
 DENSE, INDEX, STREAMING = 0, 1, 2
 @triton.jit
@@ -54,10 +60,7 @@ def _key_positions(Index, row, length, j0, n, end, n_keys, sink, window, stride_
     j = j0 + n
     jm = j < end
     is_sink = j0 < 0  # False (a scalar of the right type)
-    if MODE == 0:
-        pos = j
-        ok = jm & (pos < length)
-    elif MODE == 1:
+    if MODE == 1:
         pos = tl.load(Index + row.to(tl.int64) * stride_ix + j, mask=jm, other=-1)
         ok = jm & (pos >= 0) & (pos < length)
     else:
@@ -68,18 +71,18 @@ def _key_positions(Index, row, length, j0, n, end, n_keys, sink, window, stride_
     return tl.where(ok, pos, 0), ok, is_sink
 
 
-@triton.jit(do_not_specialize=["stride_zs", "stride_zh", "stride_bt", "stride_ix", "stride_es", "n_keys", "sink", "window",
+@triton.jit(do_not_specialize=["stride_zs", "stride_zh", "stride_bt", "stride_ix", "n_keys", "sink", "window",
                                "num_splits"])
 def _sparse_decode_kernel(
-    Q, QShift, K, V, BlockTables, TabRow, Lens, Index, KNorm, InvFreq, Out, MidO, MidLse, Lse,
+    Q, QShift, K, V, BlockTables, TabRow, Lens, Index, KNorm, InvFreq, Out, MidO, MidLse,
     stride_qs, stride_qh, stride_zs, stride_zh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ix,
     stride_os, stride_oh,
-    stride_ms, stride_mh, stride_ls, stride_lh, stride_es,
+    stride_ms, stride_mh, stride_ls, stride_lh,
     scale, softcap, n_keys, sink, window, num_splits,
-    MODE: tl.constexpr, ROWMAP: tl.constexpr, WRITE_LSE: tl.constexpr,
+    MODE: tl.constexpr, ROWMAP: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr,
     DIRECT: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
@@ -91,9 +94,7 @@ def _sparse_decode_kernel(
     tab = row
     if ROWMAP:
         tab = tl.load(TabRow + row)
-    if MODE == 0:
-        total = length
-    elif MODE == 1:
+    if MODE == 1:
         total = length * 0 + n_keys
     else:
         total = length * 0 + tl.cdiv(sink, BLOCK_N) * BLOCK_N + window
@@ -167,8 +168,6 @@ def _sparse_decode_kernel(
         o_ptr = Out + row.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, o1.to(Out.dtype.element_ty), mask=qmask)
         tl.store(o_ptr + HALF, o2.to(Out.dtype.element_ty), mask=qmask)
-        if WRITE_LSE:
-            tl.store(Lse + row.to(tl.int64) * stride_es + head, lse, mask=hmask)
     else:
         o_ptr = MidO + row.to(tl.int64) * stride_ms + head[:, None] * stride_mh + split * (2 * HALF) + d[None, :]
         tl.store(o_ptr, o1, mask=qmask)
@@ -176,96 +175,23 @@ def _sparse_decode_kernel(
         tl.store(MidLse + row.to(tl.int64) * stride_ls + head * stride_lh + split, lse, mask=hmask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_es"])
-def _combine_kernel(
-    MidO, MidLse, Out, Lse, num_splits,
-    stride_ms, stride_mh, stride_ls, stride_lh, stride_os, stride_oh, stride_es,
-    HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
-):
-    """Merges the split-K partial results (log2-domain log-sum-exps); optionally writes the row's total."""
+@triton.jit(do_not_specialize=["stride_rs", "stride_rh", "stride_es", "stride_sc"])
+def _filter_sum_kernel(Raw, Lse, Lens, Score, width, stride_rs, stride_rh, stride_es, stride_sc,
+                       HEADS: tl.constexpr, BLOCK_HH: tl.constexpr, BLOCK: tl.constexpr):
+    """Score[row, pos] = sum over the heads of exp2(Raw[row, head, pos] - Lse[row, head]) (each head's
+    attention probability), 0 at positions >= the row's length. Grid: (rows, tiles of BLOCK positions)."""
     row = tl.program_id(0)
-    head = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
-    lse_ptr = MidLse + row.to(tl.int64) * stride_ls + head * stride_lh
-    lse = tl.load(lse_ptr + sp, mask=sp < num_splits, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    denom = tl.sum(tl.exp2(lse - mx), 0)
-    empty = denom == 0.0
-    denom = tl.where(empty, 1.0, denom)
-    dv = tl.arange(0, BLOCK_DV)
-    dmask = dv < HEAD_DIM
-    o_base = MidO + row.to(tl.int64) * stride_ms + head * stride_mh + dv
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    for i in range(0, num_splits):
-        w = tl.exp2(tl.load(lse_ptr + i) - mx)
-        acc += w * tl.load(o_base + i * HEAD_DIM, mask=dmask, other=0.0)
-    tl.store(Out + row.to(tl.int64) * stride_os + head * stride_oh + dv, (acc / denom).to(Out.dtype.element_ty),
-             mask=dmask)
-    if WRITE_LSE:
-        tl.store(Lse + row.to(tl.int64) * stride_es + head, tl.where(empty, float("-inf"), mx + tl.log2(denom)))
-
-
-@triton.jit(do_not_specialize=["stride_bt", "stride_es", "stride_sc"])
-def _filter_score_kernel(
-    Q, K, V, BlockTables, TabRow, Lens, Lse, KNorm, InvFreq, Score,
-    stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_es, stride_sc,
-    scale, softcap,
-    KV_HEADS: tl.constexpr, ROWMAP: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """Score[row, pos] = sum over every head of softmax(q k)[pos], for one tile of positions (0 past the
-    row's length): the keys are read again tile by tile, the probabilities come from the first pass's
-    log-sum-exps. Grid: (rows, tiles over the key-list width)."""
-    row = tl.program_id(0)
-    tile = tl.program_id(1)
+    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     length = tl.load(Lens + row)
-    tab = row
-    if ROWMAP:
-        tab = tl.load(TabRow + row)
-    n = tl.arange(0, BLOCK_N)
-    pos = tile * BLOCK_N + n
     ok = pos < length
-    total = tl.zeros([BLOCK_N], tl.float32)
-    if tile * BLOCK_N < length:
-        pos_c = tl.where(ok, pos, 0)
-        page = tl.load(BlockTables + tab.to(tl.int64) * stride_bt + pos_c // PAGE, mask=ok, other=0).to(tl.int64)
-        slot = pos_c % PAGE
-        h = tl.arange(0, BLOCK_H)
-        hmask = h < GROUP
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < HALF
-        qmask = hmask[:, None] & dmask[None, :]
-        kvmask = ok[:, None] & dmask[None, :]
-        if K_EQ_V:
-            w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
-            w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-            inv = tl.load(InvFreq + d, mask=dmask, other=0.0).to(tl.float32)
-        for kvh in range(KV_HEADS):
-            head = kvh * GROUP + h
-            q_ptr = Q + row.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :]
-            q1 = tl.load(q_ptr, mask=qmask, other=0.0)
-            q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
-            if K_EQ_V:
-                v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
-                v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
-                v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
-                k1, k2 = _keys_at(v1, v2, w1, w2, inv, pos_c)
-                k1 = k1.to(q1.dtype)
-                k2 = k2.to(q1.dtype)
-            else:
-                k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
-            qk = _dot(q1, tl.trans(k1), PREC, DOT_F32) + _dot(q2, tl.trans(k2), PREC, DOT_F32)
-            s = _scores(qk, scale, softcap, SOFTCAP)
-            lse = tl.load(Lse + row.to(tl.int64) * stride_es + head, mask=hmask, other=0.0)
-            p = tl.exp2(s - lse[:, None])
-            total += tl.sum(tl.where(hmask[:, None] & ok[None, :], p, 0.0), 0)
-    tl.store(Score + row.to(tl.int64) * stride_sc + pos, total)
+    hh = tl.arange(0, BLOCK_HH)
+    hm = hh < HEADS
+    lse = tl.load(Lse + row.to(tl.int64) * stride_es + hh, mask=hm, other=0.0)
+    m = hm[:, None] & ok[None, :]
+    raw = tl.load(Raw + row.to(tl.int64) * stride_rs + hh[:, None] * stride_rh + pos[None, :], mask=m,
+                  other=float("-inf"))
+    total = tl.sum(tl.where(m, tl.exp2(raw - lse[:, None]), 0.0), 0)
+    tl.store(Score + row.to(tl.int64) * stride_sc + pos, total, mask=pos < width)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -284,14 +210,13 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                   k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
                   inv_freq: torch.Tensor | None = None, index: torch.Tensor | None = None,
                   q_shift: torch.Tensor | None = None, sink: int = 0, window: int = 0,
-                  tab_rows: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  tab_rows: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
                   block_n: int | None = None) -> torch.Tensor:
-    """One query per row, attending to the keys its mode lists (module doc). q: [rows, heads(*head_dim)];
-    lens: [rows] int32, keys at positions < lens (the query's position + 1); tab_rows: [rows] int32 block-table
-    row of each query row (default: the row itself); index: [rows, budget] int32 (MODE 1); q_shift: q as the
-    sinks see it (MODE 2); lse: [rows, heads] float32, filled with each head's log2-domain log-sum-exp.
-    Returns [rows, heads, head_dim]."""
+    """One query per row, attending to the keys its mode lists (module doc; INDEX or STREAMING). q: [rows,
+    heads(*head_dim)]; lens: [rows] int32, keys at positions < lens (the query's position + 1); tab_rows:
+    [rows] int32 block-table row of each query row (default: the row itself); index: [rows, budget] int32
+    (MODE 1); q_shift: q as the sinks see it (MODE 2). Returns [rows, heads, head_dim]."""
     rows = lens.shape[0]
     q = q.reshape(rows, -1, head_dim)
     assert q.stride(-1) == 1
@@ -302,9 +227,8 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     page = cache.shape[2]
     assert page & (page - 1) == 0, "page size must be a power of two"
     knw, inv = _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim)
-    if mode == DENSE:
-        width = block_tables.shape[1] * page
-    elif mode == INDEX:
+    assert mode in (INDEX, STREAMING), "dense rows (OmniKV filter layers) go through filter_decode"
+    if mode == INDEX:
         assert index is not None and index.shape[0] >= rows and index.stride(-1) == 1
         width = index.shape[1]
     else:
@@ -324,73 +248,66 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     else:
         mid_o = torch.empty(rows, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(rows, num_heads, splits, dtype=torch.float32, device=q.device)
-    lse_t = lse if lse is not None else out
     qs = q_shift if q_shift is not None else q
     ix = index if index is not None else lens
     tr = tab_rows if tab_rows is not None else lens
     half = head_dim // 2
     _sparse_decode_kernel[(rows, num_kv_heads, splits)](
-        q, qs, k_cache, v_cache, block_tables, tr, lens, ix, knw, inv, out, mid_o, mid_lse, lse_t,
+        q, qs, k_cache, v_cache, block_tables, tr, lens, ix, knw, inv, out, mid_o, mid_lse,
         q.stride(0), q.stride(1), qs.stride(0), qs.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), ix.stride(0),
         out.stride(0), out.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), lse_t.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1),
         float(scale), float(softcap or 1.0), int(index.shape[1] if mode == INDEX else 0), int(sink), int(window),
         splits,
-        MODE=mode, ROWMAP=tab_rows is not None, WRITE_LSE=lse is not None,
+        MODE=mode, ROWMAP=tab_rows is not None,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_D=triton.next_power_of_2(half),
         PAGE=page, BLOCK_N=bn, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
         PREC=dot_precision(q.dtype), DOT_F32=dot_f32(q.dtype), num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:
         _combine_kernel[(rows, num_heads)](
-            mid_o, mid_lse, out, lse_t, splits,
-            mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-            lse_t.stride(0),
+            mid_o, mid_lse, out, out, splits,
+            mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), 0,
             HEAD_DIM=head_dim, BLOCK_DV=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(splits),
-            WRITE_LSE=lse is not None, num_warps=4,
+            num_warps=4,
         )
     return out
 
 
-def filter_scores(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
-                  lse: torch.Tensor, *, scale: float, num_kv_heads: int, head_dim: int, softcap: float | None = None,
+def filter_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, *,
+                  scale: float, num_kv_heads: int, head_dim: int, softcap: float | None = None,
                   k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
-                  inv_freq: torch.Tensor | None = None, tab_rows: torch.Tensor | None = None,
-                  block_n: int = 32) -> torch.Tensor:
-    """[rows, block-table width x page] float32: each position's attention probability summed over the
-    heads (0 past a row's length), from the log-sum-exps `lse` [rows, heads] of sparse_decode (MODE 0)."""
+                  inv_freq: torch.Tensor | None = None, rotated_pairs: int | None = None,
+                  out: torch.Tensor | None = None, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An OmniKV filter layer's decode rows (row r at position lens[r] - 1 of block-table row r): dense
+    attention, and each position's attention probability summed over the heads. Returns (out [rows, heads,
+    head_dim], score [rows, block-table width x page] float32, 0 past a row's length). One pass over the
+    keys: the dense decode kernel stores the scores and log-sum-exps, _filter_sum_kernel turns them into
+    probabilities (reading 4 bytes a head a position, not the keys again)."""
     rows = lens.shape[0]
-    q = q.reshape(rows, -1, head_dim)
-    num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
-    k_cache, v_cache = cache[0], cache[-1]
     page = cache.shape[2]
     width = block_tables.shape[1] * page
-    if k_eq_v and head_dim >= 256:
-        block_n = min(block_n, 16)  # the in-loop key rebuild keeps fp32 cos/sin tiles live
-    tiles = triton.cdiv(width, block_n)
-    score = torch.empty(rows, tiles * block_n, dtype=torch.float32, device=q.device)
-    if rows == 0:
-        return score[:, :width]
-    knw, inv = _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim)
-    half = head_dim // 2
-    tr = tab_rows if tab_rows is not None else lens
-    _filter_score_kernel[(rows, tiles)](
-        q, k_cache, v_cache, block_tables, tr, lens, lse, knw, inv, score,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), lse.stride(0), score.stride(0),
-        float(scale), float(softcap or 1.0),
-        KV_HEADS=num_kv_heads, ROWMAP=tab_rows is not None,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_D=triton.next_power_of_2(half),
-        PAGE=page, BLOCK_N=block_n, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, PREC=dot_precision(q.dtype),
-        DOT_F32=dot_f32(q.dtype), num_warps=4, num_stages=2,
-    )
-    return score[:, :width]
+    num_heads = q.shape[-1] // head_dim if q.dim() == 2 else q.shape[1]
+    raw = torch.empty(rows, num_heads, width, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, num_heads, dtype=torch.float32, device=q.device)
+    score = torch.empty(rows, width, dtype=torch.float32, device=q.device)
+    pol = attention_launch_policy(rows, width, head_dim, num_kv_heads=num_kv_heads, k_eq_v=k_eq_v,
+                                  rotated_pairs=rotated_pairs)
+    if num_splits is not None:
+        pol = dataclasses.replace(pol, num_splits=num_splits)
+    out = paged_decode(q, cache, block_tables, lens, scale=scale, softcap=softcap, k_eq_v=k_eq_v,
+                       k_norm_weight=k_norm_weight, inv_freq=inv_freq, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, max_seq_len=width, policy=pol, out=out, rotated_pairs=rotated_pairs,
+                       raw=raw, lse=lse)
+    if rows:
+        block = 256
+        _filter_sum_kernel[(rows, triton.cdiv(width, block))](
+            raw, lse, lens, score, width, raw.stride(0), raw.stride(1), lse.stride(0), score.stride(0),
+            HEADS=num_heads, BLOCK_HH=triton.next_power_of_2(num_heads), BLOCK=block, num_warps=4)
+    return out, score
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -411,8 +328,9 @@ def _kw(spec, source) -> dict:
 
 
 def _key(spec, source, dtype, mode: int) -> tuple:
+    rot = source.rotated_pairs if source.k_eq_v and mode == DENSE else None  # the dense kernel's partial rebuild
     return (dtype, spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.softcap is not None,
-            source.k_eq_v, mode)
+            source.k_eq_v, mode, rot)
 
 
 def _mode(spec) -> int:
@@ -435,9 +353,10 @@ def _rows(q, out, spec, source, cache, tables, lens, sm, tab_rows=None, index_ro
         index = sm.index[:rows] if index_rows is None else sm.index[index_rows]
         sparse_decode(q, cache, tables, lens, mode=mode, index=index, tab_rows=tab_rows, out=out, **kw)
     else:
-        lse = torch.empty(rows, spec.num_heads, dtype=torch.float32, device=q.device)
-        sparse_decode(q, cache, tables, lens, mode=mode, tab_rows=tab_rows, lse=lse, out=out, **kw)
-        score = filter_scores(q, cache, tables, lens, lse, tab_rows=tab_rows, **kw)
+        if tab_rows is not None:  # the decode rows of a mixed step (eager): their sequences' block-table rows
+            tables = tables.index_select(0, tab_rows.long())
+        _, score = filter_decode(q.reshape(rows, -1), cache, tables, lens, out=out,
+                                 rotated_pairs=source.rotated_pairs, **kw)
         width = score.shape[1]
         pos = torch.arange(width, device=q.device)[None].expand(rows, -1)
         lens64 = lens.long()
@@ -506,10 +425,13 @@ def _keys(facts: dict) -> list:
     return sorted(keys, key=repr)
 
 
+SPLIT_BUILDS = [1 << i for i in range(7)]  # the launch policy's split counts, 1 to 64
+
+
 def _compile(key, device) -> None:
-    """Each mode's direct and split-K builds (and the combine kernel at each split count), and the scoring
-    kernel, on a throwaway cache."""
-    _, dtype, head_dim, group, kv_heads, softcap, k_eq_v, mode = key
+    """Each mode's direct and split-K builds (and the combine kernel), on a throwaway cache; filter layers:
+    the dense decode kernel with its raw scores, and the head-sum kernel."""
+    _, dtype, head_dim, group, kv_heads, softcap, k_eq_v, mode, rot = key
     page, width, rows = 16, 64, 2
     cache = torch.zeros(1 if k_eq_v else 2, width, page, kv_heads, head_dim, dtype=dtype, device=device)
     tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
@@ -518,18 +440,18 @@ def _compile(key, device) -> None:
     kw = dict(scale=1.0, softcap=30.0 if softcap else None, k_eq_v=k_eq_v, num_kv_heads=kv_heads, head_dim=head_dim,
               k_norm_weight=torch.ones(head_dim, dtype=dtype, device=device) if k_eq_v else None,
               inv_freq=torch.zeros(head_dim // 2, device=device) if k_eq_v else None)
+    if mode == DENSE:
+        for splits in SPLIT_BUILDS:  # direct, and the combine's build at each power-of-two split count
+            filter_decode(q, cache, tables, lens, rotated_pairs=rot, num_splits=splits, **kw)
+        return
     extra = {}
     if mode == INDEX:
         extra["index"] = torch.zeros(rows, 64, dtype=torch.int32, device=device)
     elif mode == STREAMING:
         extra.update(q_shift=q, sink=4, window=60)
-    lse = torch.empty(rows, kv_heads * group, dtype=torch.float32, device=device)
     for tab_rows in (None, lens * 0):  # decode rows; rows mapped to block-table rows (prefill steps)
-        for splits in [1 << i for i in range(8)]:
-            sparse_decode(q, cache, tables, lens, mode=mode, num_splits=splits, tab_rows=tab_rows,
-                          lse=lse if mode == DENSE else None, **extra, **kw)
-        if mode == DENSE:
-            filter_scores(q, cache, tables, lens, lse, tab_rows=tab_rows, **kw)
+        for splits in SPLIT_BUILDS:
+            sparse_decode(q, cache, tables, lens, mode=mode, num_splits=splits, tab_rows=tab_rows, **extra, **kw)
 
 
 register_kernel(JitKernel("sparse_decode", "sparse_attention", "triton", _keys, _compile))
