@@ -96,6 +96,11 @@ def kv_bytes_in_use(engine) -> int:
 
 
 def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
+    """The batch from submission to its last token. Prefill seconds: until every request has its first token.
+    Decode tokens/s: over the steps in which every request of the batch decodes (after the last prefill
+    chunk and before the first request finishes): chunked prefill staggers the requests, so with long
+    prompts the first ones decode while the last ones still prefill, and only those steps run the whole
+    batch (output must exceed the prefill steps for there to be any: None otherwise)."""
     eng = llm.engine
     before = eng.get_stats()
     if torch.cuda.is_available():
@@ -106,19 +111,24 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
     sync()
     t0 = time.perf_counter()
     t_first = None
+    started: set[str] = set()
+    full_steps, full_tokens, full_s = 0, 0, 0.0
     peak_kv = 0
     while eng.has_unfinished_requests():
+        t_a = time.perf_counter()
         outs = eng.step()
+        t_b = time.perf_counter()
+        if t_first is not None and len(outs) == len(prompts) and not any(o.finished for o in outs):
+            full_steps, full_tokens, full_s = full_steps + 1, full_tokens + len(outs), full_s + (t_b - t_a)
         peak_kv = max(peak_kv, kv_bytes_in_use(eng))
-        if t_first is None and outs and all(len(o.outputs[0].token_ids) >= 1 for o in outs) \
-                and len(outs) == len(prompts):
+        started.update(o.request_id for o in outs if o.outputs[0].token_ids)
+        if t_first is None and len(started) == len(prompts):
             sync()
             t_first = time.perf_counter()
     sync()
-    t_end = time.perf_counter()
     after = eng.get_stats()
-    decode_tokens = len(prompts) * (output - 1)
-    row = {"prefill_s": round(t_first - t0, 3), "decode_tok_s": round(decode_tokens / max(t_end - t_first, 1e-9), 2),
+    row = {"prefill_s": round(t_first - t0, 3) if t_first is not None else None,
+           "decode_tok_s": round(full_tokens / full_s, 2) if full_steps else None, "full_batch_steps": full_steps,
            "peak_kv_MiB": round(peak_kv / 2 ** 20, 2)}
     if torch.cuda.is_available():
         row["peak_gpu_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)

@@ -473,7 +473,8 @@ def test_tensor_parallel_matches_one_process(tiny_ckpt, tiny_llms, method):
 
 @pytest.mark.slow
 def test_benchmark_smoke_on_cpu(tmp_path):
-    """benchmarks/sparse_kv.py at tiny sizes: every method runs, StreamingLLM holds less KV than dense."""
+    """benchmarks/sparse_kv.py at tiny sizes: every method runs, StreamingLLM holds less KV than dense; two
+    requests whose prefills are staggered (one prompt a step) still give decode steps over the whole batch."""
     import subprocess
     import sys
     from pathlib import Path
@@ -481,13 +482,15 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, str(root / "benchmarks" / "sparse_kv.py"), "--tiny", "--device", "cpu", "--dtype",
            "float32", "--lengths", "384", "--output", "6", "--sparse-window", "28", "--omnikv-budget", "32",
-           "--omnikv-recent", "8", "--out", str(tmp_path)]
+           "--omnikv-recent", "8", "--batch", "2", "--max-num-batched-tokens", "384", "--out", str(tmp_path)]
     subprocess.run(cmd, check=True, cwd=root, capture_output=True, timeout=300)
     rows = json.loads(next(tmp_path.glob("sparse_kv_tiny_*.json")).read_text())["rows"]
     by = {r["method"]: r for r in rows}
     assert set(by) == {"dense", "streamingllm", "omnikv"}
     assert by["streamingllm"]["peak_kv_MiB"] < by["dense"]["peak_kv_MiB"]
     assert by["omnikv"]["attended_per_cached"] < 1.0
+    for r in rows:  # prefill ends at step 2; both decode in steps 3-5 (the first finishes at step 6)
+        assert r["full_batch_steps"] == 3 and r["decode_tok_s"] > 0 and r["prefill_s"] > 0, r
 
 
 @pytest.mark.slow
