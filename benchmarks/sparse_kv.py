@@ -95,6 +95,12 @@ def kv_bytes_in_use(engine) -> int:
     return sum(p.num_used * bm.block_bytes[g] for g, p in bm.pools.items())
 
 
+def compiled_summary(llm: LLM) -> dict:
+    """The compiler's report (whole-graph decode sizes and replays); {} when the model runs eager."""
+    compiler = llm.engine.executor.runner.compiler
+    return compiler.summary() if compiler is not None else {}
+
+
 def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
     """The batch from submission to its last token. Prefill seconds: until every request has its first token.
     Decode tokens/s: over the steps in which every request of the batch decodes (after the last prefill
@@ -103,6 +109,7 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
     batch (output must exceed the prefill steps for there to be any: None otherwise)."""
     eng = llm.engine
     before = eng.get_stats()
+    replays0 = compiled_summary(llm).get("whole_graph_replays", 0)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
@@ -127,9 +134,13 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
             t_first = time.perf_counter()
     sync()
     after = eng.get_stats()
+    summary = compiled_summary(llm)
     row = {"prefill_s": round(t_first - t0, 3) if t_first is not None else None,
            "decode_tok_s": round(full_tokens / full_s, 2) if full_steps else None, "full_batch_steps": full_steps,
-           "peak_kv_MiB": round(peak_kv / 2 ** 20, 2)}
+           "peak_kv_MiB": round(peak_kv / 2 ** 20, 2),
+           # decode steps that replayed one CUDA graph of the whole forward (sparse attention included)
+           "whole_graph_steps": summary.get("whole_graph_replays", 0) - replays0,
+           "whole_graph_sizes": summary.get("whole_graph_decode_sizes")}
     if torch.cuda.is_available():
         row["peak_gpu_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
     if "sparse_attended_tokens" in after:

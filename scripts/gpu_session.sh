@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# moe_unsorted moe_align router sparse sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
+# moe_unsorted moe_align router sparse sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -60,6 +60,7 @@ for step in $steps; do
                  --out "$OUT/moe_align.json" ;;  # the one-program alignment against the sort-based one (prefill sizes)
     router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 --out "$OUT/router_kernel.json" ;;
     sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ;;
+    sparse_check) run sparse_check 200 python3 scripts/check_sparse_gpu.py --out "$OUT/sparse_check.json" ;;  # tokens, whole graph
     sparse_kv)  # issue 19: 26B-A4B end to end at long prompts, one method per step (SPARSE_METHODS, _LENGTHS, _BATCH)
       run sparse_kv_${SPARSE_METHODS:-dense} 300 python3 benchmarks/sparse_kv.py --config gemma-4-26b-a4b \
         --methods ${SPARSE_METHODS:-dense} --lengths ${SPARSE_LENGTHS:-64k} --batch ${SPARSE_BATCH:-16} \

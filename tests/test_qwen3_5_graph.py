@@ -82,7 +82,8 @@ def test_compiled_step_builds_no_device_tensor_from_the_host(qwen_ckpt):
 @pytest.mark.parametrize("name", sorted(WIDE))
 def test_stateful_models_may_capture_decode_whole(qwen_ckpt, name):
     """With the providers a GPU gets (Triton attention and state ops, declared capturable), the compiler lets
-    a Qwen3.5 model capture its decode step as one graph; sparse KV and pipeline stages still may not, nor a model whose
+    a Qwen3.5 model capture its decode step as one graph; pipeline stages still may not, nor sparse KV without a
+    capturable sparse kernel chosen (none here), nor a model whose
     state op runs on its (uncapturable) reference."""
     import json
 
@@ -100,7 +101,7 @@ def test_stateful_models_may_capture_decode_whole(qwen_ckpt, name):
         select_providers("cpu", torch.bfloat16, specs, model_facts(cfg, block_size=16), caps=gpu)
         assert all(OPS[op].capturable() for op in ("causal_conv1d", "gated_delta_rule", "attention"))
         assert whole_graph_decode_ok(stateful=True)
-        assert not whole_graph_decode_ok(stateful=True, sparse=True)
+        assert not whole_graph_decode_ok(stateful=True, sparse=True)  # no sparse layer resolved to a capturable kernel
         assert not whole_graph_decode_ok(stateful=True, pipeline=True)
         select_providers("cpu", torch.bfloat16, specs, model_facts(cfg, block_size=16), "gated_delta_rule=reference",
                          caps=gpu)

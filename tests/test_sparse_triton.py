@@ -310,6 +310,7 @@ def test_cuda_resolves_sparse_layers_to_the_capturable_kernel():
     attention op stays capturable too); dense layers keep theirs; on the CPU the reference serves them."""
     import torch
 
+    from compiled_llm.compiler import whole_graph_decode_ok
     from compiled_llm.ops.attention import AttentionSpec
     from compiled_llm.ops.registry import OPS, Capabilities, preserved_choices, select_providers
 
@@ -322,10 +323,43 @@ def test_cuda_resolves_sparse_layers_to_the_capturable_kernel():
         assert table["sparse_attention"] == {1: "triton", 3: "triton"}
         assert table["attention"] == {i: "triton" for i in specs}
         assert OPS["sparse_attention"].capturable() and OPS["attention"].capturable()
+        assert whole_graph_decode_ok(stateful=False, sparse=True)  # decode captured whole, sparse layers in it
+        assert not whole_graph_decode_ok(stateful=False, sparse=True, pipeline=True)
         cpu = Capabilities("cpu", None, frozenset({"triton"}))
         table = select_providers("cpu", torch.float32, specs, {"block_size": 16}, caps=cpu)
         assert table["sparse_attention"] == {1: "reference", 3: "reference"}
         assert not OPS["sparse_attention"].capturable()
+        assert not whole_graph_decode_ok(stateful=False, sparse=True)
+
+
+def test_whole_graph_decode_only_for_steps_of_decode_rows(monkeypatch):
+    """A step replays the whole-forward graph only when every row is a decode row: a one-token row that
+    ends a prompt (OmniKV attends it densely; the capture attended sparsely) runs the pieces. The decision
+    reads the step's extras (SparseMetadata.whole_graph_ok); CUDA graphs faked, the replay recorded."""
+    import torch
+
+    from compiled_llm.compiler.backend import CompilerConfig
+    from compiled_llm.compiler.cuda_graph import BatchDescriptor
+    from compiled_llm.compiler.model import CompiledModel, RunState
+    from compiled_llm.compiler.warmup import dummy_context
+    from compiled_llm.ops.attention import AttentionSpec
+    from compiled_llm.ops.context import set_forward_context
+    from compiled_llm.ops.sparse import SPARSE_KEY, SparseMetadata
+
+    monkeypatch.setattr("compiled_llm.compiler.model.RunState", lambda cudagraphs: RunState(cudagraphs=True))
+    cm = CompiledModel(torch.nn.Linear(2, 2), CompilerConfig(batch_sizes=[2], cudagraphs=True), "cpu", whole_graph=True)
+    ran = []
+    whole = BatchDescriptor(2, whole=True)
+    cm.full.graphs[whole] = object()  # as if captured
+    monkeypatch.setattr(cm.full, "replay", lambda desc, args=(): ran.append("whole") or torch.zeros(2, 2))
+    monkeypatch.setattr(cm, "_forward", lambda ids, pos, size, inter=None: ran.append("pieces") or torch.zeros(2, 2))
+    spec = AttentionSpec(layer_idx=0, num_heads=2, num_kv_heads=1, head_dim=8, sliding_window=None, cache_layer=0)
+    for decode, want in (([True, True], "whole"), ([True, False], "pieces")):
+        ctx = dummy_context({0: spec}, {}, 16, 2, 1, "cpu")
+        ctx.extra[SPARSE_KEY] = SparseMetadata(decode=decode)
+        with set_forward_context(ctx):
+            cm(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+        assert ran[-1] == want, (decode, ran)
 
 
 def test_reference_filter_scores_block_by_block(monkeypatch):

@@ -94,11 +94,14 @@ def enable_symm_mem(group_name: str | None) -> None:
 def whole_graph_decode_ok(stateful: bool, sparse: bool = False, pipeline: bool = False) -> bool:
     """Whether decode may be captured as one CUDA graph (with CUDA; CompiledModel adds that and the config):
     every split op the model runs has a capturable provider chosen (attention; for a model with recurrent
-    state also the state ops, which read the step's layout from static buffers). Sparse KV's ops read
-    per-step host metadata, and a later pipeline stage's inputs have no static buffers: not for them."""
-    if sparse or pipeline:
+    state also the state ops, which read the step's layout from static buffers; with sparse KV the sparse
+    attention op, whose decode rows read only static buffers: steps with a row that is not a decode row
+    run piecewise, CompiledModel asks the step's extras). A later pipeline stage's inputs have no static
+    buffers: not for it."""
+    if pipeline:
         return False
     ops = [OPS["attention"]] + ([spec for spec in OPS.values() if spec.recurrent_state] if stateful else [])
+    ops += [OPS["sparse_attention"]] if sparse else []
     return all(spec.capturable() for spec in ops)
 
 

@@ -11,6 +11,7 @@ graphs replay one at a time.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -58,6 +59,7 @@ class CUDAGraphWrapper:
         self.name = name
         self.pool = pool
         self.graphs: dict[BatchDescriptor, CapturedGraph] = {}
+        self.replays: Counter[BatchDescriptor] = Counter()  # explicit replays (replay()), by descriptor
 
     def run(self, desc: BatchDescriptor, fn: Callable, args=()) -> Any:
         if torch.cuda.is_current_stream_capturing():  # inside an outer capture: it records these kernels
@@ -74,6 +76,7 @@ class CUDAGraphWrapper:
         return graph
 
     def replay(self, desc: BatchDescriptor, args=()) -> Any:
+        self.replays[desc] += 1
         return self.graphs[desc].replay(args)
 
     def drop(self, desc: BatchDescriptor) -> None:

@@ -239,7 +239,10 @@ class CompiledModel:
             return _first(self._forward(buf.ids, buf.pos, size, inter), n)
         ctx = get_forward_context()
         whole = BatchDescriptor(size, whole=True)
-        full = whole in self.full and len(ctx.attn_metadata.seq_lens) == n  # a decode batch
+        # a decode batch, and no forward-context extra that needs this step run piecewise (sparse KV: a
+        # one-token row that is the last token of a prompt, which OmniKV attends densely)
+        full = (whole in self.full and len(ctx.attn_metadata.seq_lens) == n
+                and all(getattr(v, "whole_graph_ok", True) for v in ctx.extra.values()))
         with set_forward_context(buf.stage(ctx, n, full)):
             out = self.full.replay(whole) if full else self._forward(buf.ids, buf.pos, size, inter)
         return _first(out, n)
@@ -300,6 +303,7 @@ class CompiledModel:
             "static_sizes": self.sizes,
             "captured_graphs": graphs,
             "whole_graph_decode_sizes": sorted(d.tokens for d in self.full),
+            "whole_graph_replays": sum(self.full.replays.values()),  # decode steps that ran the whole graph
             "decode_timings_ms": {str(k): v for k, v in self.decode_timings.items()},
             "ahead_of_time": None if self.aot is None else self.aot.status(),
         }

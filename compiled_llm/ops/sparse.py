@@ -60,6 +60,11 @@ class SparseMetadata:
     def all_decode(self) -> bool:
         return bool(self.decode) and all(self.decode)
 
+    @property
+    def whole_graph_ok(self) -> bool:
+        """A whole-forward CUDA graph was captured with every row a decode row (compiler/model.py asks)."""
+        return self.all_decode
+
 
 _INDEX: dict[tuple[str, int], torch.Tensor] = {}
 

@@ -171,8 +171,9 @@ class ModelRunner(KVCachePlanner):
             layout = StateLayout.build([i % num_slots for i in range(num_seqs)], [has_state] * num_seqs,
                                        ctx.attn_metadata.query_start_loc, self.device)
             ctx.extra[STATE_KEY] = StateMetadata(caches=state_caches, layout=layout)
-        if self.sparse is not None:
-            ctx.extra[SPARSE_KEY] = self.sparse.decode_metadata([False] * num_seqs)
+        if self.sparse is not None:  # one token a sequence: decode rows (what a whole-graph capture must see)
+            one = ctx.attn_metadata.query_start_loc[-1] == num_seqs
+            ctx.extra[SPARSE_KEY] = self.sparse.decode_metadata([one] * num_seqs)
         return ctx
 
     # ---- one step ------------------------------------------------------------------------
