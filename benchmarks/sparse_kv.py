@@ -101,12 +101,14 @@ def compiled_summary(llm: LLM) -> dict:
     return compiler.summary() if compiler is not None else {}
 
 
-def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
+def run_one(llm: LLM, prompts: list[list[int]], output: int, profile: tuple[int, Path] | None = None) -> dict:
     """The batch from submission to its last token. Prefill seconds: until every request has its first token.
     Decode tokens/s: over the steps in which every request of the batch decodes (after the last prefill
     chunk and before the first request finishes): chunked prefill staggers the requests, so with long
     prompts the first ones decode while the last ones still prefill, and only those steps run the whole
-    batch (output must exceed the prefill steps for there to be any: None otherwise)."""
+    batch (output must exceed the prefill steps for there to be any: None otherwise). profile (steps,
+    file stem): those many whole-batch steps under torch.profiler, the kernels by time into stem.txt and one
+    step's kernels in launch order into stem_sequence.txt."""
     eng = llm.engine
     before = eng.get_stats()
     replays0 = compiled_summary(llm).get("whole_graph_replays", 0)
@@ -121,17 +123,34 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
     started: set[str] = set()
     full_steps, full_tokens, full_s = 0, 0, 0.0
     peak_kv = 0
+    prof, prof_steps = None, 0
     while eng.has_unfinished_requests():
+        if profile and prof is None and t_first is not None and prof_steps == 0:
+            sync()
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            acts += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
         t_a = time.perf_counter()
         outs = eng.step()
         t_b = time.perf_counter()
-        if t_first is not None and len(outs) == len(prompts) and not any(o.finished for o in outs):
+        if (prof is None and t_first is not None and len(outs) == len(prompts)
+                and not any(o.finished for o in outs)):  # (profiled steps not timed)
             full_steps, full_tokens, full_s = full_steps + 1, full_tokens + len(outs), full_s + (t_b - t_a)
+        if prof is not None:
+            prof_steps += 1
+            if prof_steps == profile[0]:
+                sync()
+                prof.__exit__(None, None, None)
+                write_profile(prof, prof_steps, profile[1])
+                prof = None
         peak_kv = max(peak_kv, kv_bytes_in_use(eng))
         started.update(o.request_id for o in outs if o.outputs[0].token_ids)
         if t_first is None and len(started) == len(prompts):
             sync()
             t_first = time.perf_counter()
+    if prof is not None:  # the run ended inside the window
+        prof.__exit__(None, None, None)
     sync()
     after = eng.get_stats()
     summary = compiled_summary(llm)
@@ -150,6 +169,20 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int) -> dict:
     return row
 
 
+def write_profile(prof, steps: int, stem: Path) -> None:
+    cuda = torch.cuda.is_available()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                      row_limit=40, max_name_column_width=90)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.elapsed_us() for e in events) / 1e3 / steps
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".txt").write_text(f"{steps} steps, {busy:.2f} ms of kernels a step\n{table}")
+    stem.with_name(stem.name + "_sequence.txt").write_text("".join(
+        f"{e.time_range.elapsed_us():9.2f} us  {e.name[:110]}\n" for e in events[: len(events) // steps]))
+    print(f"profile: {busy:.2f} ms of kernels a step -> {stem}.txt", flush=True)
+
+
 def bench(args) -> list[dict]:
     lengths = parse_lengths(args.lengths)
     max_len = max(lengths) + args.output + 64
@@ -162,8 +195,9 @@ def bench(args) -> list[dict]:
         run_one(llm, [torch.randint(10, vocab - 1, (min(lengths[0], 512),), generator=g).tolist()], 4)  # warm-up
         for n in lengths:
             prompts = torch.randint(10, vocab - 1, (args.batch, n), generator=g).tolist()
+            stem = Path(args.out) / f"sparse_kv_profile_{name}_{n}"
             row = {"method": name, "input": n, "batch": args.batch, "output": args.output,
-                   **run_one(llm, prompts, args.output)}
+                   **run_one(llm, prompts, args.output, (args.profile_steps, stem) if args.profile_steps else None)}
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
@@ -246,6 +280,9 @@ def main(argv=None) -> int:
                     help="fraction of the GPU's total memory the engine may use; the start-up profile run "
                          "measures what the PyTorch attention paths' scores take and leaves room for them")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile this many whole-batch decode steps (torch.profiler): kernels by time, and one "
+                         "step's kernels in launch order, into --out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)

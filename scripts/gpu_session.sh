@@ -64,7 +64,7 @@ for step in $steps; do
     sparse_kv)  # issue 19: 26B-A4B end to end at long prompts, one method per step (SPARSE_METHODS, _LENGTHS, _BATCH)
       run sparse_kv_${SPARSE_METHODS:-dense} 300 python3 benchmarks/sparse_kv.py --config gemma-4-26b-a4b \
         --methods ${SPARSE_METHODS:-dense} --lengths ${SPARSE_LENGTHS:-64k} --batch ${SPARSE_BATCH:-16} \
-        --output ${SPARSE_OUTPUT:-256} --max-num-batched-tokens 8192 --out "$OUT" ;;
+        --output ${SPARSE_OUTPUT:-256} --max-num-batched-tokens 8192 --profile-steps ${SPARSE_PROFILE:-0} --out "$OUT" ;;
     pdl_chain) run pdl_chain 200 python3 benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" ;;  # PDL + L2 prefetch A/B
     decode_attn) run decode_attn 240 python3 benchmarks/decode_attention.py ${DECODE_ATTN_ARGS:-} \
                    --out "$OUT/decode_attention.json" ;;  # decode attention policies, KV read from HBM (issue 14)
