@@ -140,6 +140,7 @@ class BlockManager:
                     if b >= 0:
                         self.pools[g].touch(b)
                 seq.block_tables[g] = list(table)
+                seq.released_to.pop(g, None)  # a new table: commit looks from the sinks again
             seq.num_computed_tokens = seq.num_cached_tokens = plan.num_blocks * self.block_size
             if plan.state_from is not None:
                 self.snapshots.move_to_end(seq.block_hashes[plan.num_blocks - 1])
@@ -170,10 +171,17 @@ class BlockManager:
             if g is None:
                 continue
             table = seq.block_tables.get(g, [])
-            for b in range(self._sink_blocks(g), min(self._window_blocks(g, seq.num_computed_tokens), len(table))):
+            # blocks before released_to[g] are released already: each step looks at the blocks that just left
+            # the window, not at every block since the sinks (at 64K tokens that was 4K blocks a sequence a
+            # windowed group a step, milliseconds of host time)
+            lo = max(self._sink_blocks(g), seq.released_to.get(g, 0))
+            hi = min(self._window_blocks(g, seq.num_computed_tokens), len(table))
+            for b in range(lo, hi):
                 if table[b] >= 0:
                     pool.release(table[b])
                     table[b] = -1
+            if hi > lo:
+                seq.released_to[g] = hi
 
     def free(self, seq: Sequence) -> None:
         """Release every block; the tail goes last so that it is evicted last."""
@@ -182,6 +190,7 @@ class BlockManager:
                 if b >= 0:
                     self.pools[g].release(b)
         seq.block_tables = {}
+        seq.released_to = {}
         if seq.pending_snapshot is not None:  # its step will not be committed (abort, preemption)
             self.free_snapshot_slots.append(seq.pending_snapshot[0])
             seq.pending_snapshot = None

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from compiled_llm.config import EngineConfig
@@ -213,8 +214,11 @@ class ModelRunner(KVCachePlanner):
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
         width = max(len(item.seq.block_tables[g]) for item in batch for g in groups)
         metas = {}
-        for g in groups:
-            tables = [item.seq.block_tables[g] + [-1] * (width - len(item.seq.block_tables[g])) for item in batch]
+        for g in groups:  # through numpy: torch.tensor of the nested lists took 5 ms at 16 x 64K tokens a group
+            tables = np.full((len(batch), width), -1, dtype=np.int32)
+            for i, item in enumerate(batch):
+                t = item.seq.block_tables[g]
+                tables[i, :len(t)] = np.fromiter(t, np.int32, len(t))
             metas[g] = GroupMetadata(to_device(tables, torch.int32, dev), to_device(slots[g], torch.long, dev))
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas)
         # made here without a stream sync (the attention kernels would make them with one); on the CPU too, where

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from compiled_llm.sampling_params import SamplingParams
@@ -138,11 +139,11 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def to_device(data: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking copy: a plain
-    `torch.tensor(..., device=cuda)` waits for the stream to drain, which would stall the next step's
-    preparation behind the step still running (async scheduling)."""
-    t = torch.tensor(data, dtype=dtype)
+def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list (or numpy array) as a tensor on `device`. On CUDA through pinned memory and a non-blocking
+    copy: a plain `torch.tensor(..., device=cuda)` waits for the stream to drain, which would stall the next
+    step's preparation behind the step still running (async scheduling)."""
+    t = torch.from_numpy(data).to(dtype) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
     if torch.device(device).type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)

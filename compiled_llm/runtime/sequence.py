@@ -37,6 +37,7 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, tokens that came from the prefix cache at admission
         self.pending_token = False  # the last token is a placeholder for one still on the device (async scheduling)
         self.block_tables: dict[int | None, list[int]] = {}  # kv group -> block ids (-1: released)
+        self.released_to: dict[int | None, int] = {}  # windowed group -> blocks before this index are released
         self.block_hashes: list[int] = []  # hash chain of the full blocks of token_ids
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models) while it holds blocks
         # prefix caching of hybrid models (block_manager.py): the snapshot slot its scheduled step saves to and
