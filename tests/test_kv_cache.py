@@ -24,6 +24,39 @@ def test_sliding_group_releases_blocks_out_of_window():
     assert bm.pools[8].num_used == 2 and bm.pools[None].num_used == 10
 
 
+def test_commit_releases_only_the_blocks_that_left_the_window(monkeypatch):
+    """Decode steps: each commit releases the block that just left the window (once) and reads no block
+    before the last release (Sequence.released_to), not every block since the sinks; a free starts the
+    look from the sinks again."""
+    bm = BlockManager({None: 64, 8: 64}, block_size=4, enable_prefix_caching=False)
+    seq = _seq(list(range(40)))
+    bm.allocate(seq, 40)
+    seq.num_computed_tokens = 40
+    bm.commit(seq)
+    assert seq.released_to == {8: 8} and bm.pools[8].num_used == 2
+
+    class Counting(list):  # counts the entries commit reads
+        reads = 0
+
+        def __getitem__(self, i):
+            Counting.reads += 1
+            return super().__getitem__(i)
+
+    seq.block_tables[8] = Counting(seq.block_tables[8])
+    released = []
+    monkeypatch.setattr(bm.pools[8], "release", lambda b, real=bm.pools[8].release: released.append(b) or real(b))
+    for _ in range(12):  # 12 decode tokens: positions 40..51, three more blocks leave the window
+        seq.token_ids.append(7)
+        bm.allocate(seq, 1)
+        seq.num_computed_tokens += 1
+        bm.commit(seq)
+    assert len(released) == 3 == len(set(released)) and seq.released_to[8] == 11
+    assert Counting.reads <= 6  # the three blocks that left (read, then written); from the sinks each step: 100+
+    assert seq.block_tables[8][:11] == [-1] * 11 and bm.pools[8].num_used == 2
+    bm.free(seq)
+    assert seq.released_to == {} and bm.pools[8].num_used == 0
+
+
 def test_prefix_plan_needs_window_blocks_only():
     bm = BlockManager({None: 64, 8: 64}, block_size=4, enable_prefix_caching=True)
     a = _seq(list(range(40)))
