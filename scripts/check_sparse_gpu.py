@@ -19,19 +19,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
+from sparse_kv import TINY  # noqa: E402
 
-CONFIG = {
-    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 128,
-    "intermediate_size": 192, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 32, "global_head_dim": 64, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
-    "sliding_window": 32, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
-    "layer_types": (["sliding_attention"] * 2 + ["full_attention"]) * 2, "tie_word_embeddings": True,
-    "torch_dtype": "float32", "eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0,
-    "max_position_embeddings": 4096,
-}
+# benchmarks/sparse_kv.py's tiny Gemma 4 with head dims 32 / 64 (the Triton kernels' smallest), wider
+CONFIG = dict(TINY, hidden_size=128, intermediate_size=192, head_dim=32, global_head_dim=64, max_position_embeddings=4096)
 METHODS = {"omnikv": dict(sparse_method="omnikv", sparse_sink_tokens=4, omnikv_budget=48, omnikv_recent=8),
            "streamingllm": dict(sparse_method="streamingllm", sparse_sink_tokens=4, sparse_window=44)}
 
