@@ -95,16 +95,30 @@ def test_abort_while_a_step_is_in_flight(engines):
     assert engine.block_manager.usage() == 0.0
 
 
-def test_async_scheduling_is_refused_with_a_warning_where_it_cannot_run(caplog):
-    llm = make(True, sparse_method="streamingllm", sparse_window=32, sparse_sink_tokens=4)
-    assert not llm.engine.async_scheduling
-    assert any("async scheduling is off: sparse KV" in r.getMessage() for r in caplog.records)
+@pytest.mark.parametrize("method", [dict(sparse_method="streamingllm", sparse_window=12, sparse_sink_tokens=2),
+                                    dict(sparse_method="omnikv", omnikv_budget=10, omnikv_recent=3,
+                                         sparse_sink_tokens=2)], ids=["streamingllm", "omnikv"])
+def test_sparse_kv_async_steps_equal_synchronous(method):
+    """Sparse KV methods step asynchronously too (one process): StreamingLLM's window releases (a step's
+    commit after the next one is launched: that step no longer reads the released blocks) and OmniKV's
+    pick (written and read on the device within one forward) give the synchronous engine's tokens; chunked
+    prefills (16-token steps) beside decode rows. At 64K x 16 on the H200 the synchronous sparse engines lost
+    the host overlap that dense had (benchmarks/NOTES.md, session 14)."""
+    kw = dict(method, block_size=4, max_num_batched_tokens=16)
+    prompts = [p * 4 for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (25, 17, 3, 30, 9, 12)]
+    sync, fast = make(False, **kw), make(True, **kw)
+    want = outputs(sync, prompts, params)
+    assert outputs(fast, prompts, params) == want
+    assert fast.engine.async_steps > 0 and fast.engine.sync_steps == 0
+    assert fast.engine.get_stats()["sparse_attended_tokens"] > 0
+    assert_all_blocks_back(fast)
 
 
 def test_default_is_on_for_one_cuda_process_and_silently_off_elsewhere(caplog):
     """Unset, async scheduling turns on where it overlaps host and device (CUDA, one process or tensor parallel,
-    without a sparse KV method: 697 -> 770 tok/s on one H200) and stays off without a word elsewhere; asked for
-    where it cannot run (pipeline parallel), it says why."""
+    sparse KV methods in one process: 697 -> 770 tok/s on one H200) and stays off without a word elsewhere;
+    asked for where it cannot run (pipeline parallel, sparse KV under tensor parallelism), it says why."""
     from types import SimpleNamespace
 
     from compiled_llm.config import EngineConfig
@@ -112,18 +126,22 @@ def test_default_is_on_for_one_cuda_process_and_silently_off_elsewhere(caplog):
 
     assert EngineConfig().async_scheduling is None
 
-    def decide(asked, device="cuda", pp=1, sparse=None):  # the config as resolve_device leaves it
+    def decide(asked, device="cuda", pp=1, sparse=None, tp=1):  # the config as resolve_device leaves it
         executor = SimpleNamespace(supports_async_scheduling=pp == 1, sparse=sparse,
                                    async_refusal="pipeline-parallel stages step synchronously")
-        return async_scheduling_possible(SimpleNamespace(device=device, async_scheduling=asked), executor)
+        return async_scheduling_possible(SimpleNamespace(device=device, async_scheduling=asked,
+                                                         tensor_parallel_size=tp), executor)
 
     caplog.clear()
     assert decide(None) and decide(True) and not decide(False)  # one process or tensor parallel
     assert not decide(None, device="cpu") and decide(True, device="cpu")
-    assert not decide(None, pp=2) and not decide(None, sparse="streamingllm")
+    assert not decide(None, pp=2) and decide(None, sparse="streamingllm") and decide(None, tp=2)
+    assert not decide(None, sparse="omnikv", tp=2)
     assert not any("async scheduling" in r.getMessage() for r in caplog.records)
     assert not decide(True, pp=2)
     assert any("async scheduling is off: pipeline-parallel" in r.getMessage() for r in caplog.records)
+    assert not decide(True, sparse="omnikv", tp=2)
+    assert any("async scheduling is off: sparse KV methods under tensor" in r.getMessage() for r in caplog.records)
 
 
 def test_server_front_streams_async_steps_like_synchronous_ones(engines):

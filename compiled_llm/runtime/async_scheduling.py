@@ -43,14 +43,17 @@ class InFlight:
 
 def async_scheduling_possible(config: EngineConfig, executor) -> bool:
     """Asked for (True): on, or a warning saying why not. Default (None): on where it can overlap the host
-    with the device (CUDA, one process or tensor parallel, no sparse KV method), silently off elsewhere."""
+    with the device (CUDA, one process or tensor parallel; sparse KV methods in one process), silently off
+    elsewhere."""
     if config.async_scheduling is False:
         return False
     why = None
     if not executor.supports_async_scheduling:
         why = executor.async_refusal
-    elif executor.sparse is not None:
-        why = "sparse KV methods step synchronously"
+    elif executor.sparse is not None and getattr(config, "tensor_parallel_size", 1) > 1:
+        # (one process: tokens equal the synchronous engine's, tests/test_async_scheduling.py; under tensor
+        # parallelism not checked yet)
+        why = "sparse KV methods under tensor parallelism step synchronously"
     elif config.async_scheduling is None and not str(config.device).startswith("cuda"):
         return False  # the CPU runs each step as it is launched: nothing to overlap
     if why:
