@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from configs import PRESETS, config_dict  # noqa: E402
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
+from compiled_llm.runtime.block_pool import group_window  # noqa: E402
 
 TINY = {
     "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64,
@@ -93,6 +94,24 @@ def sync():
 def kv_bytes_in_use(engine) -> int:
     bm = engine.block_manager
     return sum(p.num_used * bm.block_bytes[g] for g, p in bm.pools.items())
+
+
+def kv_batch_limit(llm: LLM, tokens: int) -> int:
+    """How many sequences of `tokens` tokens (prompt and output) the engine's KV pools hold at once: per KV
+    group, its blocks over what one such sequence holds at most in decode (a full-attention group every block; a
+    windowed group, StreamingLLM's included, its sink blocks and the window's: docs/sparse_kv.md's bound), the
+    smallest over the groups. The batch a method fits, before max_num_seqs (a prefill chunk holds a few more
+    blocks while it runs)."""
+    bm = llm.engine.block_manager
+    bs = bm.block_size
+    fits = []
+    for g, pool in bm.pools.items():
+        if g is None:
+            need = -(-tokens // bs)
+        else:
+            need = min(-(-tokens // bs), bm._sink_blocks(g) + -(-(group_window(g) + bs) // bs) + 1)  # docs/sparse_kv.md
+        fits.append(pool.num_blocks // max(1, need))
+    return min(fits)
 
 
 def compiled_summary(llm: LLM) -> dict:
@@ -197,6 +216,7 @@ def bench(args) -> list[dict]:
             prompts = torch.randint(10, vocab - 1, (args.batch, n), generator=g).tolist()
             stem = Path(args.out) / f"sparse_kv_profile_{name}_{n}"
             row = {"method": name, "input": n, "batch": args.batch, "output": args.output,
+                   "kv_batch_limit": kv_batch_limit(llm, n + args.output),
                    **run_one(llm, prompts, args.output, (args.profile_steps, stem) if args.profile_steps else None)}
             rows.append(row)
             print(json.dumps(row), flush=True)
