@@ -58,7 +58,8 @@ for step in $steps; do
                     --out "$OUT/moe_unsorted.json" ;;  # one token's pairs unsorted (no alignment launch) vs aligned
     moe_align) run moe_align 100 python3 benchmarks/moe_kernels.py --tokens 128,512,1024,2048,8192 \
                  --out "$OUT/moe_align.json" ;;  # the one-program alignment against the sort-based one (prefill sizes)
-    router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 --out "$OUT/router_kernel.json" ;;
+    router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 ${ROUTER_ARGS:-} \
+              --out "$OUT/router_kernel.json" ;;  # Qwen3.5's shape: ROUTER_ARGS="--experts 256 --hidden 2048 --sweep"
     sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ;;
     sparse_check) run sparse_check 200 python3 scripts/check_sparse_gpu.py --out "$OUT/sparse_check.json" ;;  # tokens, whole graph
     sparse_kv)  # issue 19: 26B-A4B end to end at long prompts, one method per step (SPARSE_METHODS, _LENGTHS, _BATCH)
