@@ -131,7 +131,31 @@ def timing(rows, ctx, budget, reps=50):
                          ("filter_attention_and_sum", filter_attention), ("filter_select", select),
                          ("omnikv_sparse", lambda: T.attention(q, 1)), ("streamingllm", lambda: T.attention(q, 2))]:
             res[name + "_ms"] = round(graph_time_us(fn, reps, calls=1) / 1e3, 4)
+    res.update(host_cache(q, cache, tables, lens, spec, sm.index[:rows], reps))
     return dict(rows=rows, ctx=ctx, budget=budget, **res)
+
+
+def host_cache(q, cache, tables, lens, spec, index, reps) -> dict:
+    """Issue 19 item 2's first question: the sparse layer's kernel reading the picked keys from a pinned host
+    copy of the cache (through the device's mapping of pinned memory, over PCIe) against the device cache;
+    outputs must be equal. An error (e.g. Triton refusing the host pointer) is reported, not raised."""
+    kw = dict(mode=T.INDEX, index=index, scale=1.0, num_kv_heads=KVH, head_dim=D, k_eq_v=True,
+              k_norm_weight=spec.k_norm_weight, inv_freq=spec.inv_freq)
+    try:
+        host = cache.cpu().pin_memory()
+        dev_out = T.sparse_decode(q, cache, tables, lens, **kw)
+        host_out = T.sparse_decode(q, host, tables, lens, **kw)
+        torch.cuda.synchronize()
+        out = {"sparse_host_cache_equal": bool(torch.equal(dev_out, host_out)),
+               "sparse_device_cache_ms": round(graph_time_us(lambda: T.sparse_decode(q, cache, tables, lens, **kw),
+                                                             reps, calls=1) / 1e3, 4),
+               "sparse_host_cache_ms": round(graph_time_us(lambda: T.sparse_decode(q, host, tables, lens, **kw),
+                                                           reps, calls=1) / 1e3, 4)}
+        picked = int((index >= 0).sum()) * KVH * D * cache.element_size()
+        out["host_cache_GB_s"] = round(picked / (out["sparse_host_cache_ms"] * 1e-3) / 1e9, 1)
+        return out
+    except Exception as e:  # noqa: BLE001
+        return {"sparse_host_cache_error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def main():
