@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# moe_unsorted moe_align router sparse sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
+# moe_unsorted moe_align router sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -61,6 +61,7 @@ for step in $steps; do
     router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 ${ROUTER_ARGS:-} \
               --out "$OUT/router_kernel.json" ;;  # Qwen3.5's shape: ROUTER_ARGS="--experts 256 --hidden 2048 --sweep"
     sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ;;
+    sparse_host) run sparse_host 120 python3 benchmarks/sparse_attention_kernel.py --lengths 65536 --host-cache ;;  # issue 19 item 2
     sparse_check) run sparse_check 200 python3 scripts/check_sparse_gpu.py --out "$OUT/sparse_check.json" ;;  # tokens, whole graph
     sparse_kv)  # issue 19: 26B-A4B end to end at long prompts, one method per step (SPARSE_METHODS, _LENGTHS, _BATCH)
       run sparse_kv_${SPARSE_METHODS:-dense} 300 python3 benchmarks/sparse_kv.py --config gemma-4-26b-a4b \
