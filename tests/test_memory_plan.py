@@ -237,3 +237,22 @@ def test_profile_run_on_pipeline_stages(tiny_ckpt, monkeypatch):
         set_parallel_state(ParallelState())
     assert shapes[0] == ([], [])
     assert shapes[1][0] == ["hidden_states"] and shapes[1][1] == [torch.Size([16, 64])]
+
+
+def test_gpu_plan_reserves_the_omnikv_decode_workspace(tiny_ckpt, monkeypatch):
+    """OmniKV's filter layer keeps [rows, heads, width] float32 scores in a decode step (inside the captured
+    decode graph for good), which the profiled prefill step does not show: the plan takes the larger of the
+    two from the KV budget, so a long max_model_len with many sequences does not run out at capture."""
+    folder, _ = tiny_ckpt("all")
+    r = ModelRunner(EngineConfig(model=str(folder), block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+                                 sparse_method="omnikv", omnikv_budget=16, omnikv_recent=4))
+    heads = max(r.specs[i].num_heads for i, role in r.sparse.roles.items() if role == "filter")
+    ws = r.sparse.decode_workspace_bytes(4, 64)
+    assert ws == 4 * 64 * 4 * (heads + 4) > 0
+    total, in_use = 1000 * 2**20 + GPU_MARGIN_BYTES, 300 * 2**20
+    for peak in (0, 10 * ws):  # the workspace counts where it is the larger, the profiled peak where that is
+        _as_gpu(monkeypatch, r, {"total_bytes": total, "in_use_bytes": in_use, "weights_bytes": 200 * 2**20,
+                                 "activation_peak_bytes": peak})
+        r.plan_blocks(64)
+        assert r.memory_profile["decode_workspace_bytes"] == ws
+        assert r.memory_profile["kv_cache_bytes"] == int(total * 0.9) - (in_use + max(peak, ws) + GPU_MARGIN_BYTES)

@@ -82,9 +82,13 @@ class KVCachePlanner:
         """The KV cache's bytes on the GPU (runtime/memory.py): measured, then planned; kept in
         memory_profile. Raises ValueError when one max_model_len sequence would not fit."""
         m = self.measure_memory(max_model_len)
+        # what a decode step needs beyond the profiled prefill step: OmniKV's filter-layer scores (runtime/sparse_kv.py)
+        sparse = getattr(self, "sparse", None)
+        m["decode_workspace_bytes"] = (sparse.decode_workspace_bytes(self.config.max_num_seqs, max_model_len)
+                                       if sparse is not None else 0)
         need = one_sequence_bytes(block_bytes, max_model_len, self.block_size) + self.state_bytes()
         budget = kv_cache_budget(m["total_bytes"], self.config.gpu_memory_utilization, m["in_use_bytes"],
-                                 m["activation_peak_bytes"], need, max_model_len)
+                                 max(m["activation_peak_bytes"], m["decode_workspace_bytes"]), need, max_model_len)
         self.memory_profile = dict(m, margin_bytes=GPU_MARGIN_BYTES, kv_cache_bytes=budget)
         return budget
 
@@ -157,10 +161,10 @@ class KVCachePlanner:
         m["kv_blocks"] = dict(counts)
         blocks = {("full" if g is None else f"window {g}"): n for g, n in counts.items()}
         log.info("GPU memory: %g x %s total; in use after loading %s (weights %s), activation peak %s of a "
-                 "%d-token step, margin %s; KV cache %s: blocks per group %s", self.config.gpu_memory_utilization,
-                 gib(m["total_bytes"]), gib(m["in_use_bytes"]), gib(m["weights_bytes"]),
-                 gib(m["activation_peak_bytes"]), self.config.max_num_batched_tokens, gib(m["margin_bytes"]),
-                 gib(m["kv_cache_bytes"]), blocks)
+                 "%d-token step, decode workspace %s, margin %s; KV cache %s: blocks per group %s",
+                 self.config.gpu_memory_utilization, gib(m["total_bytes"]), gib(m["in_use_bytes"]),
+                 gib(m["weights_bytes"]), gib(m["activation_peak_bytes"]), self.config.max_num_batched_tokens,
+                 gib(m.get("decode_workspace_bytes", 0)), gib(m["margin_bytes"]), gib(m["kv_cache_bytes"]), blocks)
 
     def state_bytes(self) -> int:
         """Bytes of all recurrent-state slots, prefix snapshots included (taken from the KV budget)."""
