@@ -32,3 +32,13 @@ def graph_time_us(fn: Callable, replays: int = 50, calls: int = 10, before: Call
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def start_profiler() -> torch.profiler.profile:
+    """A torch.profiler session, entered: CPU events, and the device's kernels where there is a GPU (the caller
+    exits it after the steps it wants)."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    acts += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    prof = torch.profiler.profile(activities=acts)
+    prof.__enter__()
+    return prof

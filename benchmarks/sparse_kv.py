@@ -29,9 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from configs import PRESETS, config_dict  # noqa: E402
+from graph_timing import start_profiler  # noqa: E402
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
-from compiled_llm.runtime.block_pool import group_window  # noqa: E402
+from compiled_llm.runtime.memory import sequence_blocks  # noqa: E402
 
 TINY = {
     "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64,
@@ -98,20 +99,11 @@ def kv_bytes_in_use(engine) -> int:
 
 def kv_batch_limit(llm: LLM, tokens: int) -> int:
     """How many sequences of `tokens` tokens (prompt and output) the engine's KV pools hold at once: per KV
-    group, its blocks over what one such sequence holds at most in decode (a full-attention group every block; a
-    windowed group, StreamingLLM's included, its sink blocks and the window's: docs/sparse_kv.md's bound), the
-    smallest over the groups. The batch a method fits, before max_num_seqs (a prefill chunk holds a few more
-    blocks while it runs)."""
+    group, its blocks over what one such sequence needs there (runtime/memory.py sequence_blocks, the engine's
+    own capacity rule: every block in a full-attention group, sinks and window in a windowed one), the
+    smallest over the groups. The batch a method fits, before max_num_seqs."""
     bm = llm.engine.block_manager
-    bs = bm.block_size
-    fits = []
-    for g, pool in bm.pools.items():
-        if g is None:
-            need = -(-tokens // bs)
-        else:
-            need = min(-(-tokens // bs), bm._sink_blocks(g) + -(-(group_window(g) + bs) // bs) + 1)  # docs/sparse_kv.md
-        fits.append(pool.num_blocks // max(1, need))
-    return min(fits)
+    return min(pool.num_blocks // sequence_blocks(g, tokens, bm.block_size) for g, pool in bm.pools.items())
 
 
 def compiled_summary(llm: LLM) -> dict:
@@ -146,10 +138,7 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int, profile: tuple[int,
     while eng.has_unfinished_requests():
         if profile and prof is None and t_first is not None and prof_steps == 0:
             sync()
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            acts += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-            prof = torch.profiler.profile(activities=acts)
-            prof.__enter__()
+            prof = start_profiler()
         t_a = time.perf_counter()
         outs = eng.step()
         t_b = time.perf_counter()

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
+from graph_timing import start_profiler  # noqa: E402
 
 # bfloat16 rows pass when the compiled engine's logprobs are as close to float32 eager's (teacher-forced, top-5
 # tokens of 18 steps) as bfloat16 eager's are, within this ratio and slack (nats): token agreement alone cannot
@@ -321,10 +322,7 @@ def profile(llm: LLM, prompts: list[dict], out_tokens: int, tag: str = "") -> di
             host_done = True
         if decode_seen == prof_at and prof is None:
             sync()
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            acts += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-            prof = torch.profiler.profile(activities=acts)
-            prof.__enter__()
+            prof = start_profiler()
             prof_t = time.perf_counter()
         t = time.perf_counter()
         outs = engine.step()

@@ -22,7 +22,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 class KVCachePlanner:
     """Needs from the runner: config, device, dtype, specs, kv_groups, block_size, state_specs,
-    num_state_slots, model, memory_profile, _kv_tensors, _state_tensors, _add_extras."""
+    num_state_slots, sparse, model, memory_profile, _kv_tensors, _state_tensors, _add_extras."""
 
     def group_block_bytes(self) -> dict[int | None, int]:
         """Bytes one block takes across all layers of each KV group."""
@@ -83,9 +83,8 @@ class KVCachePlanner:
         memory_profile. Raises ValueError when one max_model_len sequence would not fit."""
         m = self.measure_memory(max_model_len)
         # what a decode step needs beyond the profiled prefill step: OmniKV's filter-layer scores (runtime/sparse_kv.py)
-        sparse = getattr(self, "sparse", None)
-        m["decode_workspace_bytes"] = (sparse.decode_workspace_bytes(self.config.max_num_seqs, max_model_len)
-                                       if sparse is not None else 0)
+        m["decode_workspace_bytes"] = (self.sparse.decode_workspace_bytes(self.config.max_num_seqs, max_model_len)
+                                       if self.sparse is not None else 0)
         need = one_sequence_bytes(block_bytes, max_model_len, self.block_size) + self.state_bytes()
         budget = kv_cache_budget(m["total_bytes"], self.config.gpu_memory_utilization, m["in_use_bytes"],
                                  max(m["activation_peak_bytes"], m["decode_workspace_bytes"]), need, max_model_len)

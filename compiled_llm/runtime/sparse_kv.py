@@ -164,15 +164,14 @@ class SparseKV:
         """OmniKV: the token choice of the last filter layer, one row per sequence of the last step."""
         return index_buffer(0, self.cfg.budget, self.device) if self.method == "omnikv" else None
 
-    def decode_workspace_bytes(self, rows: int, max_model_len: int, block_size: int | None = None) -> int:
+    def decode_workspace_bytes(self, rows: int, max_model_len: int) -> int:
         """Device memory a decode step of `rows` sequences takes beyond the weights and the KV cache, over the
         prefill step the start-up profiles: OmniKV's filter layer keeps each key's score per head and the
         heads' summed probabilities ([rows, heads, width] and [rows, width] float32, width the block-table
         width in tokens), and the top-k's copies of the latter (~3 more). StreamingLLM: 0."""
         if self.method != "omnikv":
             return 0
-        bs = block_size or self.block_size
-        width = -(-max_model_len // bs) * bs
+        width = -(-max_model_len // self.block_size) * self.block_size
         heads = max(self.specs[i].num_heads for i in self.layers if self.roles[i] == "filter")
         return rows * width * 4 * (heads + 4)
 
