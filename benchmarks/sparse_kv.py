@@ -53,14 +53,19 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def method_kwargs(name: str, args) -> dict:
+    """dense, streamingllm, omnikv (its offload as the engine defaults: on for CUDA), omnikv-device (all KV on
+    the device) or omnikv-offload (the offload asked for, e.g. on the CPU)."""
     if name == "dense":
         return {}
-    kw = dict(sparse_method=name, sparse_sink_tokens=args.sparse_sink_tokens)
-    if name == "streamingllm":
+    base = name.split("-")[0]
+    kw = dict(sparse_method=base, sparse_sink_tokens=args.sparse_sink_tokens)
+    if base == "streamingllm":
         kw["sparse_window"] = args.sparse_window
     else:
         kw.update(omnikv_budget=args.omnikv_budget, omnikv_recent=args.omnikv_recent,
                   omnikv_filter_layers=args.omnikv_filter_layers)
+        if name != base:
+            kw["omnikv_offload"] = {"omnikv-device": False, "omnikv-offload": True}[name]
     return kw
 
 
@@ -98,12 +103,44 @@ def kv_bytes_in_use(engine) -> int:
 
 
 def kv_batch_limit(llm: LLM, tokens: int) -> int:
-    """How many sequences of `tokens` tokens (prompt and output) the engine's KV pools hold at once: per KV
-    group, its blocks over what one such sequence needs there (runtime/memory.py sequence_blocks, the engine's
-    own capacity rule: every block in a full-attention group, sinks and window in a windowed one), the
-    smallest over the groups. The batch a method fits, before max_num_seqs."""
+    """How many sequences of `tokens` tokens (prompt and output) the engine's KV memory holds: the bytes of
+    every KV group's pool over the bytes one such sequence needs across the groups (runtime/memory.py
+    sequence_blocks, the engine's own capacity rule: every block in a full-attention group, sinks and window
+    in a windowed one). The batch a method fits with max_num_seqs raised to it: the planner sizes the sliding
+    groups for max_num_seqs windows (runtime/kv_plan.py), so the pools' own smallest quotient follows
+    max_num_seqs (47 at batch 16 and 79 at batch 32, the same 26B-A4B budget at 64K, session 15)."""
     bm = llm.engine.block_manager
-    return min(pool.num_blocks // sequence_blocks(g, tokens, bm.block_size) for g, pool in bm.pools.items())
+    total = sum(pool.num_blocks * bm.block_bytes[g] for g, pool in bm.pools.items())
+    one = sum(sequence_blocks(g, tokens, bm.block_size) * bm.block_bytes[g] for g in bm.pools)
+    # OmniKV offload: block_bytes are the device's share; the host memory also bounds the offloaded groups
+    host = getattr(llm.engine.executor.runner, "host_kv_blocks", {})
+    return min([total // one] + [n // sequence_blocks(g, tokens, bm.block_size) for g, n in host.items()])
+
+
+def skip_prefill_compute(llm: LLM) -> dict:
+    """Decode-only timing (--synthetic-prefill): a step with any prompt token in it skips the forward pass
+    and returns zero logits (each finishing row samples token 0), so a long prompt costs its scheduling,
+    block allocation and release (all real) but not its compute; the KV cache holds random values instead
+    of the prompt's keys. Steps whose rows all decode run the model as usual: the decode figures are those
+    steps. For the batches whose real prefill would not fit a device call (64K x 32 took 210 s of
+    prefill on the H200). OmniKV's picks then rank random keys: scattered positions, no worse for its
+    reads than real attention's clustered ones. Returns the count of skipped steps (filled in as it runs)."""
+    runner = llm.engine.executor.runner
+    real, vocab = runner.execute, runner.model_config.vocab_size
+    for cache in runner.kv_caches.values():
+        cache.normal_()
+    counts = {"skipped_prefill_steps": 0}
+
+    def execute(batch, pending=None):
+        if all(item.num_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+               for item in batch):
+            return real(batch, pending)
+        counts["skipped_prefill_steps"] += 1
+        rows = sum(item.seq.num_computed_tokens + item.num_tokens == len(item.seq) for item in batch)
+        return torch.zeros(rows, vocab, dtype=torch.float32, device=runner.device)
+
+    runner.execute = execute
+    return counts
 
 
 def compiled_summary(llm: LLM) -> dict:
@@ -135,6 +172,7 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int, profile: tuple[int,
     full_steps, full_tokens, full_s = 0, 0, 0.0
     peak_kv = 0
     prof, prof_steps = None, 0
+    steps, finished, t_note = 0, 0, t0
     while eng.has_unfinished_requests():
         if profile and prof is None and t_first is not None and prof_steps == 0:
             sync()
@@ -154,6 +192,11 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int, profile: tuple[int,
                 prof = None
         peak_kv = max(peak_kv, kv_bytes_in_use(eng))
         started.update(o.request_id for o in outs if o.outputs[0].token_ids)
+        steps, finished = steps + 1, finished + sum(o.finished for o in outs)
+        if t_b - t_note >= 20:  # progress, so a run cut short by a time limit still says where it was
+            t_note = t_b
+            print(json.dumps({"progress": {"s": round(t_b - t0, 1), "steps": steps, "started": len(started),
+                                           "finished": finished, "full_batch_steps": full_steps}}), flush=True)
         if t_first is None and len(started) == len(prompts):
             sync()
             t_first = time.perf_counter()
@@ -170,6 +213,8 @@ def run_one(llm: LLM, prompts: list[list[int]], output: int, profile: tuple[int,
            "whole_graph_sizes": summary.get("whole_graph_decode_sizes")}
     if torch.cuda.is_available():
         row["peak_gpu_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+    if after.get("omnikv_offloaded_kv_bytes"):  # allocated in pinned host memory (peak_kv_MiB: the device's)
+        row["offloaded_kv_GiB"] = round(after["omnikv_offloaded_kv_bytes"] / 2 ** 30, 2)
     if "sparse_attended_tokens" in after:
         att = after["sparse_attended_tokens"] - before["sparse_attended_tokens"]
         cached = after["sparse_cached_tokens"] - before["sparse_cached_tokens"]
@@ -197,16 +242,22 @@ def bench(args) -> list[dict]:
     folder = checkpoint(args, max_len)
     rows = []
     for name in args.methods.split(","):
+        t_build = time.perf_counter()
         llm = make_llm(folder, name, max_len, args)
+        print(json.dumps({"engine_built_s": round(time.perf_counter() - t_build, 1), "method": name}), flush=True)
         vocab = llm.engine.executor.runner.model_config.vocab_size
         g = torch.Generator().manual_seed(args.seed)
         run_one(llm, [torch.randint(10, vocab - 1, (min(lengths[0], 512),), generator=g).tolist()], 4)  # warm-up
+        skipped = skip_prefill_compute(llm) if args.synthetic_prefill else None
         for n in lengths:
             prompts = torch.randint(10, vocab - 1, (args.batch, n), generator=g).tolist()
             stem = Path(args.out) / f"sparse_kv_profile_{name}_{n}"
             row = {"method": name, "input": n, "batch": args.batch, "output": args.output,
                    "kv_batch_limit": kv_batch_limit(llm, n + args.output),
                    **run_one(llm, prompts, args.output, (args.profile_steps, stem) if args.profile_steps else None)}
+            if skipped is not None:  # prefill_s is then scheduling only, not a prefill time
+                row.update(synthetic_prefill=True, **skipped)
+                skipped["skipped_prefill_steps"] = 0
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
@@ -289,6 +340,8 @@ def main(argv=None) -> int:
                     help="fraction of the GPU's total memory the engine may use; the start-up profile run "
                          "measures what the PyTorch attention paths' scores take and leaves room for them")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--synthetic-prefill", action="store_true",
+                    help="decode figures only: prompt steps skip the forward pass (random KV; skip_prefill_compute)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many whole-batch decode steps (torch.profiler): kernels by time, and one "
                          "step's kernels in launch order, into --out")

@@ -92,6 +92,10 @@ class EngineConfig:
     omnikv_filter_layers: str | None = None  # "5,17"; default: the first full-attention layer
     omnikv_budget: int = 1024
     omnikv_recent: int = 64
+    # OmniKV: the sparse layers' full KV in pinned host memory (the GPU reads the picked tokens through its
+    # mapping); None: on for a CUDA engine in one process
+    omnikv_offload: bool | None = None
+    omnikv_host_memory_gb: float | None = None  # the host KV's cap; None: 80% of the host's available memory
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -185,6 +189,11 @@ _HELP = {
                             "after them (default: the first full-attention layer)",
     "omnikv_budget": "omnikv: tokens a sparse layer attends to at each decode step, sinks and recent included",
     "omnikv_recent": "omnikv: most recent tokens always kept",
+    "omnikv_offload": "omnikv: keep the sparse layers' KV in pinned host memory, read by the GPU only at the picked "
+                      "tokens (more sequences fit; each decode step moves the picks over PCIe); --no-omnikv-offload "
+                      "keeps all KV on the GPU. Default: on for a CUDA engine in one process",
+    "omnikv_host_memory_gb": "omnikv with offload: the most host memory the offloaded KV may pin, in GiB (default: "
+                             "80% of the host's available memory)",
 }
 
 

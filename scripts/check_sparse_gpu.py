@@ -26,8 +26,13 @@ from sparse_kv import TINY  # noqa: E402
 
 # benchmarks/sparse_kv.py's tiny Gemma 4 with head dims 32 / 64 (the Triton kernels' smallest), wider
 CONFIG = dict(TINY, hidden_size=128, intermediate_size=192, head_dim=32, global_head_dim=64, max_position_embeddings=4096)
-METHODS = {"omnikv": dict(sparse_method="omnikv", sparse_sink_tokens=4, omnikv_budget=48, omnikv_recent=8),
+METHODS = {"omnikv": dict(sparse_method="omnikv", sparse_sink_tokens=4, omnikv_budget=48, omnikv_recent=8,
+                          omnikv_offload=False),
            "streamingllm": dict(sparse_method="streamingllm", sparse_sink_tokens=4, sparse_window=44)}
+# OmniKV with its sparse layers' KV in pinned host memory, compiled, against eager OmniKV with all KV on the
+# device: the offload changes where the KV is, not the tokens
+METHODS["omnikv-offload"] = dict(METHODS["omnikv"], omnikv_offload=True)
+REFERENCE = {"omnikv-offload": "omnikv"}
 
 
 def run(folder: str, device: str, eager: bool, kw: dict, prompts: list[list[int]], out_len: int):
@@ -41,7 +46,8 @@ def run(folder: str, device: str, eager: bool, kw: dict, prompts: list[list[int]
     s = comp.summary() if comp is not None else {}
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     info = {"whole_graph_sizes": s.get("whole_graph_decode_sizes"),
-            "whole_graph_steps": s.get("whole_graph_replays", 0) - before}
+            "whole_graph_steps": s.get("whole_graph_replays", 0) - before,
+            "offloaded_kv_bytes": llm.engine.get_stats().get("omnikv_offloaded_kv_bytes")}
     llm.engine.shutdown()
     del llm
     if torch.cuda.is_available():
@@ -51,7 +57,7 @@ def run(folder: str, device: str, eager: bool, kw: dict, prompts: list[list[int]
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--methods", default="omnikv,streamingllm")
+    ap.add_argument("--methods", default="omnikv,omnikv-offload,streamingllm")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out-len", type=int, default=24)
     ap.add_argument("--out")
@@ -64,11 +70,12 @@ def main() -> int:
     ok, report = True, {}
     for name in args.methods.split(","):
         t0 = time.time()
-        ref, _ = run(str(folder), args.device, True, METHODS[name], prompts, args.out_len)
+        ref, _ = run(str(folder), args.device, True, METHODS[REFERENCE.get(name, name)], prompts, args.out_len)
         got, info = run(str(folder), args.device, False, METHODS[name], prompts, args.out_len)
         equal = sum(a == b for a, b in zip(got, ref))
         first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, ref)]
         good = equal == len(prompts) and (args.device != "cuda" or info["whole_graph_steps"] > 0)
+        good &= bool(info["offloaded_kv_bytes"]) == name.endswith("-offload")
         ok &= good
         report[name] = dict(equal=f"{equal}/{len(prompts)}", first_divergence=first, **info,
                             seconds=round(time.time() - t0, 1))

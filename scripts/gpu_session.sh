@@ -26,11 +26,12 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 steps=${*:-correctness compiler throughput latency peers}
 
-run() {  # name, seconds, command...
+run() {  # name, seconds, command... (STEP_LIMIT, when set, caps the step's seconds: the caller's time left)
   local name=$1 limit=$2; shift 2
+  [ -n "${STEP_LIMIT:-}" ] && [ "$STEP_LIMIT" -lt "$limit" ] && limit=$STEP_LIMIT
   echo "=== $name (limit ${limit}s)"
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -v -i warning "$OUT/$name.log" | tail -15
   echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s"
@@ -60,13 +61,14 @@ for step in $steps; do
                  --out "$OUT/moe_align.json" ;;  # the one-program alignment against the sort-based one (prefill sizes)
     router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 ${ROUTER_ARGS:-} \
               --out "$OUT/router_kernel.json" ;;  # Qwen3.5's shape: ROUTER_ARGS="--experts 256 --hidden 2048 --sweep"
-    sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ;;
+    sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ${SPARSE_KERNEL_ARGS:-} ;;  # e.g. "--rows 16 --lengths 65536 --sweep"
     sparse_host) run sparse_host 120 python3 benchmarks/sparse_attention_kernel.py --lengths 65536 --host-cache ;;  # issue 19 item 2
     sparse_check) run sparse_check 200 python3 scripts/check_sparse_gpu.py --out "$OUT/sparse_check.json" ;;  # tokens, whole graph
     sparse_kv)  # issue 19: 26B-A4B end to end at long prompts, one method per step (SPARSE_METHODS, _LENGTHS, _BATCH)
       run sparse_kv_${SPARSE_METHODS:-dense} 300 python3 benchmarks/sparse_kv.py --config gemma-4-26b-a4b \
         --methods ${SPARSE_METHODS:-dense} --lengths ${SPARSE_LENGTHS:-64k} --batch ${SPARSE_BATCH:-16} \
-        --output ${SPARSE_OUTPUT:-256} --max-num-batched-tokens 8192 --profile-steps ${SPARSE_PROFILE:-0} --out "$OUT" ;;
+        --output ${SPARSE_OUTPUT:-256} --max-num-batched-tokens 8192 --profile-steps ${SPARSE_PROFILE:-0} \
+        ${SPARSE_SYNTH:+--synthetic-prefill} --out "$OUT" ;;  # SPARSE_SYNTH=1: decode-only (no prefill compute)
     pdl_chain) run pdl_chain 200 python3 benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" ;;  # PDL + L2 prefetch A/B
     decode_attn) run decode_attn 240 python3 benchmarks/decode_attention.py ${DECODE_ATTN_ARGS:-} \
                    --out "$OUT/decode_attention.json" ;;  # decode attention policies, KV read from HBM (issue 14)

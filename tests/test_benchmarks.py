@@ -237,10 +237,12 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
 
 def test_sparse_gpu_check_on_the_cpu():
     """scripts/check_sparse_gpu.py (issue 19's token check for the GPU) runs its whole path on the CPU: OmniKV
-    compiled against eager, tokens equal (no CUDA graphs here, so no whole-graph steps are asked for)."""
+    compiled against eager, tokens equal (no CUDA graphs here, so no whole-graph steps are asked for), and
+    compiled with the sparse layers' KV offloaded against eager with all of it on the device."""
     import subprocess
 
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_sparse_gpu.py"), "--device", "cpu",
-                        "--methods", "omnikv", "--out-len", "8"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "--methods", "omnikv,omnikv-offload", "--out-len", "8"], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
     assert r.returncode == 0 and "SPARSE GPU CHECK PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "tokens 4/4 equal" in r.stdout
+    assert r.stdout.count("tokens 4/4 equal") == 2

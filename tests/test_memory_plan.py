@@ -162,8 +162,8 @@ def _watch_temporaries(monkeypatch, runner) -> list:
     for name in ("_kv_tensors", "_state_tensors"):
         make = getattr(runner, name)
 
-        def wrapped(*a, _make=make):
-            out = _make(*a)
+        def wrapped(*a, _make=make, **kw):
+            out = _make(*a, **kw)
             for v in out.values():
                 refs.extend(weakref.ref(t) for t in (v.values() if isinstance(v, dict) else [v]))
             return out

@@ -488,13 +488,38 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     by = {r["method"]: r for r in rows}
     assert set(by) == {"dense", "streamingllm", "omnikv"}
     assert by["streamingllm"]["peak_kv_MiB"] < by["dense"]["peak_kv_MiB"]
-    # the batch each method's KV pools hold: StreamingLLM's windows, many more sequences than dense's full context
-    assert by["streamingllm"]["kv_batch_limit"] > 2 * by["dense"]["kv_batch_limit"] >= 2 * by["omnikv"]["kv_batch_limit"]
+    # the batch each method's KV memory holds: StreamingLLM's windows, many more sequences than dense's full
+    # context (2x here: the tiny model's sliding layers hold as much as its global ones at 390 tokens)
+    assert by["streamingllm"]["kv_batch_limit"] >= 2 * by["dense"]["kv_batch_limit"] >= 2 * by["omnikv"]["kv_batch_limit"]
     assert by["omnikv"]["attended_per_cached"] < 1.0
     # step 1: the first prompt (384 tokens, the whole step); 2: its first decode beside 383 of the second
     # prompt; 3: the second's last prompt token; 4-5: both decode; 6: the first finishes (not counted)
     for r in rows:
         assert r["full_batch_steps"] == 2 and r["decode_tok_s"] > 0 and r["prefill_s"] > 0, r
+
+
+def test_benchmark_synthetic_prefill_and_batch_limit(tmp_path):
+    """benchmarks/sparse_kv.py --synthetic-prefill (decode-only figures for batches whose prefill would not fit
+    a device call): the prompt steps skip the model, every request still decodes over whole-batch steps; the
+    batch the KV memory holds does not follow max_num_seqs (the planner sizes sliding groups for it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    limits = {}
+    for batch in (1, 3):
+        out = tmp_path / str(batch)
+        cmd = [sys.executable, str(root / "benchmarks" / "sparse_kv.py"), "--tiny", "--device", "cpu", "--dtype",
+               "float32", "--lengths", "384", "--output", "10", "--methods", "dense", "--batch", str(batch),
+               "--max-num-batched-tokens", "384", "--synthetic-prefill", "--out", str(out)]
+        subprocess.run(cmd, check=True, cwd=root, capture_output=True, timeout=300)
+        (row,) = json.loads(next(out.glob("sparse_kv_tiny_*.json")).read_text())["rows"]
+        # a 384-token prompt a step at most (the budget), a decode row's token beside the next prompt's chunk
+        assert row["synthetic_prefill"] and batch <= row["skipped_prefill_steps"] <= 2 * batch, row
+        assert row["full_batch_steps"] >= 2 and row["decode_tok_s"] > 0, row
+        limits[batch] = row["kv_batch_limit"]
+    assert limits[1] == limits[3] > 3, limits
 
 
 @pytest.mark.slow
@@ -539,3 +564,65 @@ def test_compiled_equals_eager(tiny_ckpt, tiny_llms, method):
     compiler = llm.engine.executor.runner.compiler
     assert compiler is not None and compiler.summary()["pieces"] >= 2
     assert greedy(llm, prompts, 12) == want
+
+
+# ---- OmniKV offload ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(sparse_method="streamingllm", omnikv_offload=True), "apply to sparse_method omnikv only"),
+    (dict(omnikv_offload=False, omnikv_host_memory_gb=1.0), "not offloaded"),
+    (dict(omnikv_offload=True, omnikv_host_memory_gb=0.0), "must be > 0"),
+    (dict(omnikv_offload=True, tensor_parallel_size=2), "one process only"),
+])
+def test_omnikv_offload_flags_are_checked(extra, message):
+    from compiled_llm.config import EngineConfig
+
+    cfg = EngineConfig(device="cpu", **{**METHODS["omnikv"], **extra})
+    with pytest.raises(ValueError, match=message):
+        SparseKVConfig.from_engine_config(cfg)
+
+
+def test_omnikv_offload_default_follows_the_device():
+    from compiled_llm.config import EngineConfig
+
+    assert not SparseKVConfig.from_engine_config(EngineConfig(device="cpu", **METHODS["omnikv"])).offload
+    assert SparseKVConfig.from_engine_config(EngineConfig(device="cpu", omnikv_offload=True,
+                                                          **METHODS["omnikv"])).offload
+    # the CUDA default, decided from the config alone (no GPU needed to ask)
+    cfg = EngineConfig(device="cpu", **METHODS["omnikv"])
+    cfg.device = "cuda"
+    assert SparseKVConfig.from_engine_config(cfg).offload
+    cfg.tensor_parallel_size = 2
+    assert not SparseKVConfig.from_engine_config(cfg).offload
+
+
+def test_omnikv_offload_moves_the_sparse_layers_cache_out_of_the_device_budget(tiny_ckpt):
+    """Offload on (the CPU runs it when asked): the sparse layers' caches leave the KV budget, so the full
+    group gets more blocks from the same bytes; the host cap binds when it is smaller; the offloaded bytes
+    are reported; tokens equal the engine without offload (the same attention, other memory)."""
+    folder, _ = tiny_ckpt("dense")
+    kw = {k: v for k, v in BASE.items() if k != "num_kv_blocks"}
+    kw["kv_cache_memory_bytes"] = 6 << 20
+    on = LLM(str(folder), **kw, **METHODS["omnikv"], omnikv_offload=True)
+    off = LLM(str(folder), **kw, **METHODS["omnikv"])
+    runner = on.engine.executor.runner
+    sparse = runner.sparse
+    sparse_layers = [i for i, r in sparse.roles.items() if r == "sparse"]
+    assert sparse.offloaded == sparse_layers and sparse_layers
+    assert all(runner.specs[i].offloaded == (i in sparse_layers) for i in runner.specs)
+    device_b, host_b = runner.group_block_bytes()[None], runner.group_block_bytes(offloaded=True)[None]
+    blocks_on = on.engine.block_manager.pools[None].num_blocks
+    blocks_off = off.engine.block_manager.pools[None].num_blocks
+    assert blocks_on > blocks_off * (device_b + host_b) // device_b * 0.9 and blocks_on > blocks_off
+    assert on.engine.get_stats()["omnikv_offloaded_kv_bytes"] == blocks_on * host_b
+    assert off.engine.get_stats()["omnikv_offloaded_kv_bytes"] == 0
+    prompts = _prompts([LONG, 40, LONG + 11], seed=9)
+    assert greedy(on, prompts, 10) == greedy(off, prompts, 10)
+    # a host cap below the device's share sets the blocks
+    cap_blocks = blocks_off // 2 + 90
+    capped = LLM(str(folder), **kw, **METHODS["omnikv"], omnikv_offload=True,
+                 omnikv_host_memory_gb=(cap_blocks * host_b + host_b // 2) / 2 ** 30)
+    assert capped.engine.block_manager.pools[None].num_blocks == cap_blocks
+    for llm in (on, off, capped):
+        llm.engine.shutdown()

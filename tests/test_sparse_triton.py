@@ -137,8 +137,10 @@ def _as(dtype, *tensors):
 
 
 def _omnikv_case(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, k_eq_v, softcap, budget, sink, recent,
-                 pad_rows=0, seed=0, splits=None):
-    """A filter layer then a sparse layer reading its own cache; kernel vs reference, outputs and picks."""
+                 pad_rows=0, seed=0, splits=None, offloaded=False):
+    """A filter layer then a sparse layer reading its own cache; kernel vs reference, outputs and picks.
+    offloaded: the sparse layer's cache is marked as OmniKV's offloaded (host) cache, so a prefill chunk
+    gathers its context's blocks first (gather_blocks)."""
     import torch
 
     from compiled_llm.ops import sparse as R
@@ -150,6 +152,7 @@ def _omnikv_case(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, k_
     heads = kv_heads * group
     kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, softcap=softcap, k_eq_v=k_eq_v, gen=gen)
     specs = {0: _spec(0, omnikv="filter", **kw), 1: _spec(1, omnikv="sparse", **kw)}
+    specs[1].offloaded = offloaded
     c0, tables = _cache(seq_lens, page=page, kv_heads=kv_heads, head_dim=head_dim, k_eq_v=k_eq_v, gen=gen)
     # the same block tables for both layers (one KV group): layer 1 has its own values in the same slots
     c1 = c0.clone().normal_(generator=gen).where(~c0.isnan(), c0)
@@ -160,7 +163,7 @@ def _omnikv_case(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, k_
             s.k_norm_weight = s.k_norm_weight.to(dtype)
     decode = [m == 1 and L > 2 for m, L in zip(q_lens, seq_lens)]
     name = (f"omnikv {str(dtype)[6:]} lens={seq_lens} q={q_lens} d={head_dim} kv={kv_heads} g={group} "
-            f"k=v:{k_eq_v} cap={softcap} pad={pad_rows} splits={splits}")
+            f"k=v:{k_eq_v} cap={softcap} pad={pad_rows} splits={splits}{' offloaded' if offloaded else ''}")
     _force_splits(T, splits)
 
     def run(fn, caches, qq, index=None):
@@ -276,6 +279,11 @@ def check_omnikv():
                  k_eq_v=False, softcap=20.0, budget=12, sink=2, recent=3, seed=2)
     _omnikv_case(torch.float32, seq_lens=[90, 33], q_lens=[1, 1], page=4, kv_heads=1, group=4, head_dim=512,
                  k_eq_v=True, softcap=None, budget=24, sink=4, recent=4, seed=3, splits=4)
+    # offload: two prefill chunks (their contexts' blocks gathered from the host cache) beside decode rows
+    _omnikv_case(torch.float32, seq_lens=[40, 64, 20, 37], q_lens=[1, 12, 1, 5], page=4, kv_heads=1, group=4,
+                 head_dim=512, k_eq_v=True, softcap=None, budget=12, sink=2, recent=3, seed=4, offloaded=True)
+    _omnikv_case(torch.bfloat16, seq_lens=[33, 50], q_lens=[9, 1], page=4, kv_heads=2, group=2, head_dim=64,
+                 k_eq_v=False, softcap=20.0, budget=12, sink=2, recent=3, seed=5, offloaded=True)
 
 
 def check_streaming():

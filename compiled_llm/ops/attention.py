@@ -40,6 +40,7 @@ class AttentionSpec:
     # StreamingLLM: sink_tokens > 0, with sliding_window = its recent window. OmniKV: "filter" | "sparse".
     sink_tokens: int = 0
     omnikv: str | None = None
+    offloaded: bool = False  # OmniKV offload: this layer's cache is pinned host memory the device maps
 
     @property
     def writes_cache(self) -> bool:

@@ -24,12 +24,13 @@ class KVCachePlanner:
     """Needs from the runner: config, device, dtype, specs, kv_groups, block_size, state_specs,
     num_state_slots, sparse, model, memory_profile, _kv_tensors, _state_tensors, _add_extras."""
 
-    def group_block_bytes(self) -> dict[int | None, int]:
-        """Bytes one block takes across all layers of each KV group."""
+    def group_block_bytes(self, offloaded: bool = False) -> dict[int | None, int]:
+        """Bytes one block takes across the device-resident layers of each KV group (offloaded: across the
+        layers whose cache is pinned host memory instead, OmniKV's sparse layers under offload)."""
         out: dict[int | None, int] = {}
         elt = torch.empty((), dtype=self.dtype).element_size()
         for s in self.specs.values():
-            if s.writes_cache:
+            if s.writes_cache and s.offloaded == offloaded:
                 per = (1 if s.k_eq_v else 2) * self.block_size * s.num_kv_heads * s.head_dim * elt
                 out[s.kv_group] = out.get(s.kv_group, 0) + per
         return out
@@ -73,9 +74,27 @@ class KVCachePlanner:
         else:  # windowed groups only (e.g. StreamingLLM on every full layer): the budget in proportion to need
             need_bytes = sum(counts[g] * sliding[g] for g in sliding)
             counts = {g: counts[g] * budget // need_bytes for g in sliding}
+        host = self.group_block_bytes(offloaded=True)
+        self.host_kv_blocks = {}  # OmniKV offload: the blocks the host memory holds per group
+        if host:  # the full group's blocks also have their sparse layers' bytes in host memory
+            cap = self.host_kv_budget()
+            for g, b in host.items():
+                self.host_kv_blocks[g] = cap // b
+                if cap // b < counts[g]:
+                    log.info("the offloaded KV's host memory (%s) holds %d blocks, fewer than the device's %d: "
+                             "the host memory sets the full-attention layers' blocks", gib(cap), cap // b, counts[g])
+                    counts[g] = cap // b
         if gpu:
             self._report_memory_plan(counts)
         return counts
+
+    def host_kv_budget(self) -> int:
+        """Bytes of pinned host memory the offloaded KV may take: omnikv_host_memory_gb, else 80% of what
+        the host has available now."""
+        from compiled_llm.runtime.host_memory import available_host_bytes
+
+        cap = self.sparse.cfg.host_memory_bytes
+        return cap if cap is not None else int(0.8 * available_host_bytes())
 
     # ---- GPU memory profile ------------------------------------------------------------------
     def gpu_kv_budget(self, max_model_len: int, block_bytes: dict[int | None, int]) -> int:
@@ -122,7 +141,7 @@ class KVCachePlanner:
         context = max(1, max_model_len - 1)
         new = min(self.config.max_num_batched_tokens, context)
         num_seqs = -(-self.config.max_num_batched_tokens // new)
-        kv, states = self._kv_tensors({g: 1 for g in self.kv_groups}), self._state_tensors(num_seqs)
+        kv, states = self._kv_tensors({g: 1 for g in self.kv_groups}, offload=False), self._state_tensors(num_seqs)
         ctx = self._profile_context(kv, states, num_seqs, new, context)
         total = num_seqs * new
         ids = torch.zeros(total, dtype=torch.long, device=self.device)

@@ -22,6 +22,7 @@ from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMet
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, allocate_states, copy_state_slots
+from compiled_llm.runtime.host_memory import MappedHost
 from compiled_llm.runtime.kv_plan import KVCachePlanner
 from compiled_llm.runtime.memory import gib
 from compiled_llm.runtime.sampler import PendingTokens, fill_pending, to_device
@@ -70,6 +71,7 @@ class ModelRunner(KVCachePlanner):
                                          config.load_format, config.seed)
         self.specs = model.attention_specs()
         self.sparse = SparseKV.build(config, self.specs, self.device)  # marks the specs; None without a method
+        self.mapped_host = MappedHost()  # OmniKV's offloaded KV (runtime/host_memory.py)
         # the KV groups the block tables cover (under pipeline parallelism: every stage's, set by the driver)
         self.kv_groups = {s.kv_group for s in self.specs.values()}
         # Recurrent layers (hybrid models): per-sequence state, one slot per possible running sequence.
@@ -116,13 +118,18 @@ class ModelRunner(KVCachePlanner):
                           for name, (shape, dt) in model.intermediate_shapes(n, dtype).items()}
 
     # ---- KV cache (sizing: runtime/kv_plan.py) ---------------------------------------------
-    def _kv_tensors(self, num_blocks: dict[int | None, int]) -> dict[int, torch.Tensor]:
-        """One zeroed cache tensor per layer that writes KV, [2 or 1, blocks, block_size, kv_heads, head_dim]."""
+    def _kv_tensors(self, num_blocks: dict[int | None, int], offload: bool = True) -> dict[int, torch.Tensor]:
+        """One zeroed cache tensor per layer that writes KV, [2 or 1, blocks, block_size, kv_heads, head_dim];
+        an offloaded layer's (OmniKV) in pinned host memory, seen by the device through its mapping (not for
+        the start-up's profile step: offload=False)."""
         out = {}
         for i, s in self.specs.items():
             if s.writes_cache:
                 shape = (1 if s.k_eq_v else 2, num_blocks[s.kv_group], self.block_size, s.num_kv_heads, s.head_dim)
-                out[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if s.offloaded and offload:
+                    out[i] = self.mapped_host.empty(shape, self.dtype, self.device)
+                else:
+                    out[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return out
 
     def _state_tensors(self, num_slots: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -139,6 +146,7 @@ class ModelRunner(KVCachePlanner):
             self.compiler.release_graphs()
         collective.release()
         self.kv_caches = {}
+        self.mapped_host.release()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -149,6 +157,11 @@ class ModelRunner(KVCachePlanner):
         log.info("allocating the KV cache: %s (blocks per group %s), recurrent state %s", gib(kv_bytes),
                  {("full" if g is None else f"window {g}"): n for g, n in num_blocks.items()}, gib(self.state_bytes()))
         self.kv_caches: dict[int, torch.Tensor] = self._kv_tensors(num_blocks)
+        if self.mapped_host.bytes:
+            self.sparse.offloaded_bytes = self.mapped_host.bytes
+            log.info("OmniKV offload: %s of KV (layers %s) in pinned host memory, %s on the device (all on the "
+                     "device: %s)", gib(self.mapped_host.bytes), self.sparse.offloaded, gib(kv_bytes),
+                     gib(kv_bytes + self.mapped_host.bytes))
         self.state_caches = self._state_tensors(self.num_state_slots)
         log.info("KV cache allocated in %.1fs", time.perf_counter() - t0)
         if self.compiler is not None:  # everything compiles before the first request

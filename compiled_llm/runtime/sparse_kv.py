@@ -9,7 +9,9 @@ the tokens the method's layers attended to against the tokens they keep cached.
   `sparse_sink_tokens` attention sinks; its KV group (window, sinks) releases the blocks between the
   sinks and the window, so a sequence's cache is bounded however long it runs.
 - OmniKV: decode steps of the full-attention layers after the first filter layer attend to the
-  `omnikv_budget` tokens the last filter layer picked; the full cache is kept.
+  `omnikv_budget` tokens the last filter layer picked; the full cache is kept, the sparse layers' part of it
+  in pinned host memory by default on CUDA (`omnikv_offload`; the GPU reads it at the picked tokens only, and
+  a prefill chunk's context is brought over once a layer), so the GPU holds only the filter and dense layers'.
 Sliding-window layers keep their own window under both.
 """
 
@@ -35,6 +37,8 @@ class SparseKVConfig:
     filter_layers: tuple[int, ...] | None  # OmniKV; None: the first full-attention layer
     budget: int  # OmniKV
     recent: int  # OmniKV
+    offload: bool = False  # OmniKV: the sparse layers' KV in pinned host memory
+    host_memory_bytes: int | None = None  # its cap (None: a share of the host's available memory)
 
     @classmethod
     def from_engine_config(cls, config) -> "SparseKVConfig | None":
@@ -64,7 +68,29 @@ class SparseKVConfig:
             filters = parse_layers(config.omnikv_filter_layers)
         elif config.omnikv_filter_layers:
             raise ValueError("omnikv_filter_layers is set but sparse_method is not omnikv")
-        return cls(method, sinks, window, filters, budget, recent)
+        offload, host = _offload_choice(config, method)
+        return cls(method, sinks, window, filters, budget, recent, offload, host)
+
+
+def _offload_choice(config, method: str) -> tuple[bool, int | None]:
+    """(offload, host byte cap). Default: on for OmniKV on CUDA in one process; asked for explicitly, it also
+    runs on the CPU (where host and device memory are one: only the KV plan changes)."""
+    offload, gb = getattr(config, "omnikv_offload", None), getattr(config, "omnikv_host_memory_gb", None)
+    if method != "omnikv":
+        if offload or gb is not None:
+            raise ValueError("omnikv_offload and omnikv_host_memory_gb apply to sparse_method omnikv only")
+        return False, None
+    if gb is not None and not gb > 0:
+        raise ValueError(f"omnikv_host_memory_gb must be > 0 (got {gb})")
+    single = getattr(config, "tensor_parallel_size", 1) == 1
+    if offload is None:
+        offload = str(config.device).startswith("cuda") and single
+    elif offload and not single:
+        raise ValueError("omnikv_offload runs in one process only (not checked under tensor parallelism yet); "
+                         "use --no-omnikv-offload")
+    if gb is not None and not offload:
+        raise ValueError("omnikv_host_memory_gb is set but the KV is not offloaded (--no-omnikv-offload)")
+    return bool(offload), (int(gb * 2 ** 30) if gb is not None else None)
 
 
 def parse_layers(text) -> tuple[int, ...] | None:
@@ -92,6 +118,7 @@ class SparseKV:
             raise ValueError(f"sparse_method {cfg.method} applies to full-attention layers and this model has none")
         self.layers = full  # the layers the method applies to
         self.roles: dict[int, str | None] = {}
+        self.offloaded: list[int] = []  # OmniKV offload: layers whose cache lives in pinned host memory
         if cfg.method == "streamingllm":
             if cfg.sink_tokens:
                 missing = [i for i in full if specs[i].inv_freq is None]
@@ -110,10 +137,19 @@ class SparseKV:
             for i in full:
                 self.roles[i] = "filter" if i in filters else ("sparse" if i > filters[0] else None)
                 specs[i].omnikv = self.roles[i]
+            # offload: the caches only sparse layers read (a cache a filter or dense layer shares stays)
+            readers: dict[int, list[int]] = {}
+            for j, sp in specs.items():
+                readers.setdefault(sp.cache_layer, []).append(j)
+            self.offloaded = [i for i in full if cfg.offload and specs[i].writes_cache
+                              and all(self.roles.get(j) == "sparse" for j in readers[i])]
+            for i in self.offloaded:
+                specs[i].offloaded = True
             # the fixed-size index buffer the filter layers write and the sparse layers read (CUDA Graphs)
             index_buffer(max_rows, cfg.budget, device)
         self.attended_total = 0
         self.cached_total = 0
+        self.offloaded_bytes = 0  # set by the runner once the offloaded caches are allocated
 
     @classmethod
     def build(cls, config, specs: dict, device: torch.device) -> "SparseKV | None":
@@ -134,7 +170,8 @@ class SparseKV:
             return (f"streamingllm on layers {self.layers}: {c.sink_tokens} sink tokens + a window of {c.window}")
         roles = {r: [i for i, x in self.roles.items() if x == r] for r in ("filter", "sparse")}
         return (f"omnikv: filter layers {roles['filter']}, sparse layers {roles['sparse']}, budget {c.budget} "
-                f"({c.sink_tokens} sink + {c.recent} recent always kept)")
+                f"({c.sink_tokens} sink + {c.recent} recent always kept); "
+                + (f"KV of layers {self.offloaded} in pinned host memory" if self.offloaded else "all KV on the device"))
 
     @property
     def hash_generated_blocks(self) -> bool:
@@ -197,5 +234,8 @@ class SparseKV:
         self.cached_total += cached
 
     def stats(self) -> dict:
-        return {"sparse_method": self.method, "sparse_attended_tokens": self.attended_total,
-                "sparse_cached_tokens": self.cached_total}
+        out = {"sparse_method": self.method, "sparse_attended_tokens": self.attended_total,
+               "sparse_cached_tokens": self.cached_total}
+        if self.method == "omnikv":  # the KV in pinned host memory instead of on the device
+            out["omnikv_offloaded_kv_bytes"] = self.offloaded_bytes
+        return out

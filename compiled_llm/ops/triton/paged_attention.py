@@ -397,7 +397,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
-    BIDIR: tl.constexpr, PREC: tl.constexpr,
+    BIDIR: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr = False,
 ):
     # K_DENSE: keys come pre-rebuilt from a dense [num_seqs, positions, kv_heads, head_dim] buffer (K)
     # BIDIR: each new token also sees the keys of its span [SpanLo, SpanHi) (media tokens, both ways)
@@ -473,7 +473,7 @@ def _prefill_kernel(
             k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
         else:
             k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
-        qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
+        qk = _dot(q1, tl.trans(k1), PREC, F32) + _dot(q2, tl.trans(k2), PREC, F32)
         s = _scores(qk, scale, softcap, SOFTCAP)
         allowed = pmask[None, :] & (pos[None, :] <= qpos[:, None])
         if BIDIR:
@@ -487,8 +487,8 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = p.to(v1.dtype)
-        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1, input_precision=PREC)
-        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2, input_precision=PREC)
+        acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
+        acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -607,6 +607,7 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         GROUP=group, GP=gp, BLOCK_Q=block_q, BLOCK_M=block_m, HALF=half, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, K_DENSE=dense,
-        BIDIR=spans is not None, PREC=dot_precision(q.dtype), num_warps=pol.num_warps, num_stages=pol.num_stages,
+        BIDIR=spans is not None, PREC=dot_precision(q.dtype), F32=dot_f32(q.dtype), num_warps=pol.num_warps,
+        num_stages=pol.num_stages,
     )
     return out

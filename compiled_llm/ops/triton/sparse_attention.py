@@ -12,7 +12,10 @@ it, straight from the paged cache (no [rows, ctx, heads, dim] gather):
   The sinks get their own tiles, so a tile is either all sinks or all window.
 
 K=V layers rebuild the keys from the cached values at each key's own position (rope of v * k_norm_weight),
-as the dense kernels do. Rows may map to block-table rows (`TabRow`): a prefill chunk's tokens share their
+as the dense kernels do; where only the first ROT angles of each half rotate (Gemma 4's global layers: 64 of
+256), only those dims are rebuilt, and the weight goes on the query for the rest (PARTIAL, as in the dense
+decode kernel). Rebuilding every dim with a cos and a sin per key was 0.2 ms a layer at 16 x 2,048 keys on
+the H200, about 4x a dense layer's rate per key (session 15). Rows may map to block-table rows (`TabRow`): a prefill chunk's tokens share their
 sequence's table.
 
 OmniKV filter layers (MODE 0, dense) attend with the dense decode kernel (paged_attention.paged_decode),
@@ -36,8 +39,9 @@ from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.sparse import SPARSE_KEY, _streaming_shift, index_buffer, omnikv_select
 from compiled_llm.ops.triton._common import _dot, _reduce_angle, dot_f32, dot_precision
-from compiled_llm.ops.triton.paged_attention import (_cached_keys, _combine_kernel, _scores, attention_launch_policy,
-                                                     paged_decode, paged_prefill)
+from compiled_llm.ops.triton.paged_attention import (AttnLaunch, _cached_keys, _combine_kernel, _scores,
+                                                     attention_launch_policy, paged_decode, paged_prefill,
+                                                     rotated_block)
 
 DENSE, INDEX, STREAMING = 0, 1, 2
 @triton.jit
@@ -71,6 +75,18 @@ def _key_positions(Index, row, length, j0, n, end, n_keys, sink, window, stride_
     return tl.where(ok, pos, 0), ok, is_sink
 
 
+@triton.jit
+def _tile_query(is_sink, q1, q2, z1, z2, MODE: tl.constexpr):
+    """The query halves a tile's keys are scored against: under StreamingLLM (MODE 2) a sink tile sees the
+    query rotated back by delta (z), a window tile the query itself."""
+    a1 = q1
+    a2 = q2
+    if MODE == 2:
+        a1 = tl.where(is_sink, z1, q1)
+        a2 = tl.where(is_sink, z2, q2)
+    return a1, a2
+
+
 @triton.jit(do_not_specialize=["stride_zs", "stride_zh", "stride_bt", "stride_ix", "n_keys", "sink", "window",
                                "num_splits"])
 def _sparse_decode_kernel(
@@ -86,6 +102,7 @@ def _sparse_decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr,
     DIRECT: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    ROT: tl.constexpr = 16, PARTIAL: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -117,7 +134,27 @@ def _sparse_decode_kernel(
         z_ptr = QShift + row.to(tl.int64) * stride_zs + head[:, None] * stride_zh + d[None, :]
         z1 = tl.load(z_ptr, mask=qmask, other=0.0)
         z2 = tl.load(z_ptr + HALF, mask=qmask, other=0.0)
-    if K_EQ_V:
+    if PARTIAL:  # plain dims: the key is v * w, so w goes on the queries (zero on the rotated dims); the
+        # sinks' query (StreamingLLM) differs from q on the rotated dims only (a zero angle rotates nothing)
+        r = tl.arange(0, ROT)
+        plain = (d >= ROT) & dmask
+        w1 = tl.load(KNorm + d, mask=plain, other=0.0).to(tl.float32)
+        w2 = tl.load(KNorm + HALF + d, mask=plain, other=0.0).to(tl.float32)
+        q1 = (q1.to(tl.float32) * w1[None, :]).to(q1.dtype)
+        q2 = (q2.to(tl.float32) * w2[None, :]).to(q2.dtype)
+        qr_ptr = Q + row.to(tl.int64) * stride_qs + head[:, None] * stride_qh + r[None, :]
+        q1r = tl.load(qr_ptr, mask=hmask[:, None], other=0.0)
+        q2r = tl.load(qr_ptr + HALF, mask=hmask[:, None], other=0.0)
+        z1r = q1r
+        z2r = q2r
+        if MODE == 2:
+            zr_ptr = QShift + row.to(tl.int64) * stride_zs + head[:, None] * stride_zh + r[None, :]
+            z1r = tl.load(zr_ptr, mask=hmask[:, None], other=0.0)
+            z2r = tl.load(zr_ptr + HALF, mask=hmask[:, None], other=0.0)
+        w1r = tl.load(KNorm + r).to(tl.float32)
+        w2r = tl.load(KNorm + HALF + r).to(tl.float32)
+        invr = tl.load(InvFreq + r).to(tl.float32)
+    elif K_EQ_V:
         w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
         w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
         inv = tl.load(InvFreq + d, mask=dmask, other=0.0).to(tl.float32)
@@ -137,18 +174,24 @@ def _sparse_decode_kernel(
         v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
         v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
         v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
-        if K_EQ_V:
-            k1, k2 = _keys_at(v1, v2, w1, w2, inv, pos)
-            k1 = k1.to(q1.dtype)
-            k2 = k2.to(q1.dtype)
+        if PARTIAL:
+            r_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + r[None, :]
+            v1r = tl.load(V + r_off, mask=ok[:, None], other=0.0)
+            v2r = tl.load(V + r_off + HALF, mask=ok[:, None], other=0.0)
+            k1r, k2r = _keys_at(v1r, v2r, w1r, w2r, invr, pos)
+            a1r, a2r = _tile_query(is_sink, q1r, q2r, z1r, z2r, MODE)
+            qk = _dot(q1, tl.trans(v1), PREC, DOT_F32) + _dot(q2, tl.trans(v2), PREC, DOT_F32)
+            qk += _dot(a1r, tl.trans(k1r.to(q1.dtype)), PREC, DOT_F32)
+            qk += _dot(a2r, tl.trans(k2r.to(q1.dtype)), PREC, DOT_F32)
         else:
-            k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
-        a1 = q1
-        a2 = q2
-        if MODE == 2:
-            a1 = tl.where(is_sink, z1, q1)
-            a2 = tl.where(is_sink, z2, q2)
-        qk = _dot(a1, tl.trans(k1), PREC, DOT_F32) + _dot(a2, tl.trans(k2), PREC, DOT_F32)
+            if K_EQ_V:
+                k1, k2 = _keys_at(v1, v2, w1, w2, inv, pos)
+                k1 = k1.to(q1.dtype)
+                k2 = k2.to(q1.dtype)
+            else:
+                k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
+            a1, a2 = _tile_query(is_sink, q1, q2, z1, z2, MODE)
+            qk = _dot(a1, tl.trans(k1), PREC, DOT_F32) + _dot(a2, tl.trans(k2), PREC, DOT_F32)
         s = _scores(qk, scale, softcap, SOFTCAP)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -210,13 +253,15 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                   k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
                   inv_freq: torch.Tensor | None = None, index: torch.Tensor | None = None,
                   q_shift: torch.Tensor | None = None, sink: int = 0, window: int = 0,
-                  tab_rows: torch.Tensor | None = None,
+                  tab_rows: torch.Tensor | None = None, rotated_pairs: int | None = None,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
-                  block_n: int | None = None) -> torch.Tensor:
+                  block_n: int | None = None, policy: AttnLaunch | None = None) -> torch.Tensor:
     """One query per row, attending to the keys its mode lists (module doc; INDEX or STREAMING). q: [rows,
     heads(*head_dim)]; lens: [rows] int32, keys at positions < lens (the query's position + 1); tab_rows:
     [rows] int32 block-table row of each query row (default: the row itself); index: [rows, budget] int32
-    (MODE 1); q_shift: q as the sinks see it (MODE 2). Returns [rows, heads, head_dim]."""
+    (MODE 1); q_shift: q as the sinks see it (MODE 2); rotated_pairs (K=V): inv_freq's nonzero angles, for
+    the partial rebuild (None: all); policy: the launch (default attention_launch_policy's; num_splits and
+    block_n override it). Returns [rows, heads, head_dim]."""
     rows = lens.shape[0]
     q = q.reshape(rows, -1, head_dim)
     assert q.stride(-1) == 1
@@ -235,7 +280,10 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         assert q_shift is not None and window >= 1
         q_shift = q_shift.reshape(rows, -1, head_dim)
         width = sink + window
-    pol = attention_launch_policy(rows, width, head_dim, num_kv_heads=num_kv_heads, k_eq_v=k_eq_v)
+    half = head_dim // 2
+    rot = rotated_block(rotated_pairs, half) if k_eq_v else half
+    pol = policy or attention_launch_policy(rows, width, head_dim, num_kv_heads=num_kv_heads, k_eq_v=k_eq_v,
+                                            rotated_pairs=rotated_pairs)
     splits = max(1, num_splits or pol.num_splits)
     bn = block_n or pol.block_n
     if out is None:
@@ -251,7 +299,6 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     qs = q_shift if q_shift is not None else q
     ix = index if index is not None else lens
     tr = tab_rows if tab_rows is not None else lens
-    half = head_dim // 2
     _sparse_decode_kernel[(rows, num_kv_heads, splits)](
         q, qs, k_cache, v_cache, block_tables, tr, lens, ix, knw, inv, out, mid_o, mid_lse,
         q.stride(0), q.stride(1), qs.stride(0), qs.stride(1),
@@ -265,7 +312,8 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         MODE=mode, ROWMAP=tab_rows is not None,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_D=triton.next_power_of_2(half),
         PAGE=page, BLOCK_N=bn, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
-        PREC=dot_precision(q.dtype), DOT_F32=dot_f32(q.dtype), num_warps=pol.num_warps, num_stages=pol.num_stages,
+        PREC=dot_precision(q.dtype), DOT_F32=dot_f32(q.dtype), ROT=rot, PARTIAL=k_eq_v and rot < half,
+        num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:
         _combine_kernel[(rows, num_heads)](
@@ -281,7 +329,8 @@ def filter_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                   scale: float, num_kv_heads: int, head_dim: int, softcap: float | None = None,
                   k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
                   inv_freq: torch.Tensor | None = None, rotated_pairs: int | None = None,
-                  out: torch.Tensor | None = None, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: torch.Tensor | None = None, num_splits: int | None = None,
+                  policy: AttnLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """An OmniKV filter layer's decode rows (row r at position lens[r] - 1 of block-table row r): dense
     attention, and each position's attention probability summed over the heads. Returns (out [rows, heads,
     head_dim], score [rows, block-table width x page] float32, 0 past a row's length). One pass over the
@@ -294,8 +343,8 @@ def filter_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     raw = torch.empty(rows, num_heads, width, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, num_heads, dtype=torch.float32, device=q.device)
     score = torch.empty(rows, width, dtype=torch.float32, device=q.device)
-    pol = attention_launch_policy(rows, width, head_dim, num_kv_heads=num_kv_heads, k_eq_v=k_eq_v,
-                                  rotated_pairs=rotated_pairs)
+    pol = policy or attention_launch_policy(rows, width, head_dim, num_kv_heads=num_kv_heads, k_eq_v=k_eq_v,
+                                            rotated_pairs=rotated_pairs)
     if num_splits is not None:
         pol = dataclasses.replace(pol, num_splits=num_splits)
     out = paged_decode(q, cache, block_tables, lens, scale=scale, softcap=softcap, k_eq_v=k_eq_v,
@@ -324,11 +373,12 @@ def _meta_tensors(meta, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _kw(spec, source) -> dict:
     return dict(scale=spec.scale, softcap=spec.softcap, k_eq_v=source.k_eq_v, k_norm_weight=source.k_norm_weight,
-                inv_freq=source.inv_freq, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+                inv_freq=source.inv_freq, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                rotated_pairs=source.rotated_pairs if source.k_eq_v else None)
 
 
 def _key(spec, source, dtype, mode: int) -> tuple:
-    rot = source.rotated_pairs if source.k_eq_v and mode == DENSE else None  # the dense kernel's partial rebuild
+    rot = source.rotated_pairs if source.k_eq_v else None  # the partial rebuild (every mode)
     return (dtype, spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, spec.softcap is not None,
             source.k_eq_v, mode, rot)
 
@@ -355,8 +405,7 @@ def _rows(q, out, spec, source, cache, tables, lens, sm, tab_rows=None, index_ro
     else:
         if tab_rows is not None:  # the decode rows of a mixed step (eager): their sequences' block-table rows
             tables = tables.index_select(0, tab_rows.long())
-        _, score = filter_decode(q.reshape(rows, -1), cache, tables, lens, out=out,
-                                 rotated_pairs=source.rotated_pairs, **kw)
+        _, score = filter_decode(q.reshape(rows, -1), cache, tables, lens, out=out, **kw)
         width = score.shape[1]
         pos = torch.arange(width, device=q.device)[None].expand(rows, -1)
         lens64 = lens.long()
@@ -368,11 +417,54 @@ def _rows(q, out, spec, source, cache, tables, lens, sm, tab_rows=None, index_ro
             sm.index[index_rows] = chosen
 
 
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks these rows' first lens tokens sit in, copied from `cache` (OmniKV offload: pinned host
+    memory the device maps) into a device cache of their own, and the tables renumbered to it (-1 past a
+    row's blocks): a prefill chunk then reads its context from device memory, each block brought over
+    once, instead of once per query tile over PCIe."""
+    page = cache.shape[2]
+    need = (lens.long() + page - 1) // page
+    held = torch.arange(tables.shape[1], device=tables.device)[None, :] < need[:, None]
+    ids, local = torch.unique(tables[held].long(), return_inverse=True)
+    renum = torch.full_like(tables, -1)
+    renum[held] = local.to(tables.dtype)
+    return cache.index_select(1, ids.to(cache.device)), renum
+
+
+def _prefill_rows(q, out, spec, source, cache, tables, meta, seq_lens, qsl, skip: set[int]) -> None:
+    """OmniKV's dense prefill kernel for the rows of a step that are not sparse decode rows (those go through
+    the sparse kernel afterwards and are not computed here); an offloaded layer's context is first gathered
+    to the device (gather_blocks)."""
+    n = len(meta.seq_lens)
+    rows = [i for i in range(n) if i not in skip]
+    if not rows:
+        return
+    kw = _kw(spec, source)
+    kw.pop("rotated_pairs")
+    if len(rows) == n and not source.offloaded:
+        paged_prefill(q, cache, tables, qsl, seq_lens, out=out, sliding_window=None, **kw)
+        return
+    loc = meta.query_start_loc
+    tok = torch.tensor([t for i in rows for t in range(loc[i], loc[i + 1])], device=q.device)
+    sub_qsl = [0]
+    for i in rows:
+        sub_qsl.append(sub_qsl[-1] + loc[i + 1] - loc[i])
+    idx = torch.tensor(rows, device=q.device)
+    sub_tables, sub_lens = tables.index_select(0, idx), seq_lens.index_select(0, idx)
+    if source.offloaded:
+        cache, sub_tables = gather_blocks(cache, sub_tables, sub_lens)
+    part = paged_prefill(q.index_select(0, tok), cache, sub_tables,
+                         torch.tensor(sub_qsl, dtype=torch.int32, device=q.device), sub_lens,
+                         sliding_window=None, **kw)
+    out[tok] = part.view(len(tok), *out.shape[1:])
+
+
 def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """The op's Triton provider (q: [tokens, H * D], padding rows past the last sequence come back as zeros).
     Every row one decode token: one launch over the rows (plus the scoring kernel and the top-k on filter
-    layers), static shapes. Otherwise, OmniKV: the dense prefill kernel for every token, then the decode rows
-    again through the sparse path; StreamingLLM: each new token is a query row of its own."""
+    layers), static shapes. Otherwise, OmniKV: the dense prefill kernel for the prefill rows' tokens (an
+    offloaded layer's context gathered to the device first), the decode rows through the sparse path;
+    StreamingLLM: each new token is a query row of its own."""
     ctx, spec, cache, group = layer_cache(layer_idx)
     source = ctx.layers[spec.cache_layer]
     meta = ctx.attn_metadata
@@ -392,8 +484,8 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     elif spec.omnikv is not None:
         MONITOR.note("paged_prefill", (q.dtype, d, h // spec.num_kv_heads, False, spec.softcap is not None,
                                        source.k_eq_v))
-        paged_prefill(q, cache, tables, qsl, seq_lens, out=out, sliding_window=None, **_kw(spec, source))
         dec = [i for i in range(n) if sm.decode[i] and meta.query_start_loc[i + 1] - meta.query_start_loc[i] == 1]
+        _prefill_rows(q, out, spec, source, cache, tables, meta, seq_lens, qsl, skip=set(dec))
         if dec:
             tok = torch.tensor([meta.query_start_loc[i] for i in dec], device=q.device)
             idx = torch.tensor(dec, device=q.device)
@@ -439,10 +531,10 @@ def _compile(key, device) -> None:
     q = torch.zeros(rows, kv_heads * group * head_dim, dtype=dtype, device=device)
     kw = dict(scale=1.0, softcap=30.0 if softcap else None, k_eq_v=k_eq_v, num_kv_heads=kv_heads, head_dim=head_dim,
               k_norm_weight=torch.ones(head_dim, dtype=dtype, device=device) if k_eq_v else None,
-              inv_freq=torch.zeros(head_dim // 2, device=device) if k_eq_v else None)
+              inv_freq=torch.zeros(head_dim // 2, device=device) if k_eq_v else None, rotated_pairs=rot)
     if mode == DENSE:
         for splits in SPLIT_BUILDS:  # direct, and the combine's build at each power-of-two split count
-            filter_decode(q, cache, tables, lens, rotated_pairs=rot, num_splits=splits, **kw)
+            filter_decode(q, cache, tables, lens, num_splits=splits, **kw)
         return
     extra = {}
     if mode == INDEX:
