@@ -193,7 +193,7 @@ _HELP = {
                       "tokens (more sequences fit; each decode step moves the picks over PCIe); --no-omnikv-offload "
                       "keeps all KV on the GPU. Default: on for a CUDA engine in one process",
     "omnikv_host_memory_gb": "omnikv with offload: the most host memory the offloaded KV may pin, in GiB (default: "
-                             "80% of the host's available memory)",
+                             "80%% of the host's available memory)",
 }
 
 

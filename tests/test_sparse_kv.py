@@ -626,3 +626,20 @@ def test_omnikv_offload_moves_the_sparse_layers_cache_out_of_the_device_budget(t
     assert capped.engine.block_manager.pools[None].num_blocks == cap_blocks
     for llm in (on, off, capped):
         llm.engine.shutdown()
+    with pytest.raises(ValueError, match="omnikv_host_memory_gb"):  # less than one max_model_len sequence
+        LLM(str(folder), **kw, **METHODS["omnikv"], omnikv_offload=True, omnikv_host_memory_gb=40 * host_b / 2 ** 30)
+
+
+def test_device_view_aliases_the_host_bytes():
+    """runtime/host_memory.device_view (the offloaded cache's device tensor over pinned host memory), run on
+    the CPU: same shape, dtype and strides, and a write through either side shows in the other."""
+    from compiled_llm.runtime.host_memory import device_view
+
+    host = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4).to(torch.bfloat16)
+    view = device_view(host, torch.device("cpu"))
+    assert view.shape == host.shape and view.dtype == host.dtype and view.stride() == host.stride()
+    assert torch.equal(view, host) and view.data_ptr() == host.data_ptr()  # the first element restored
+    view[1, 2].fill_(-5.0)
+    assert (host[1, 2] == -5.0).all()
+    host[0, 0].zero_()
+    assert (view[0, 0] == 0).all()

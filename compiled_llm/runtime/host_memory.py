@@ -39,13 +39,12 @@ class MappedHost:
         self.bytes = 0
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        host = torch.empty(shape, dtype=dtype)
+        host = torch.zeros(shape, dtype=dtype)
         nbytes = host.numel() * host.element_size()
         self.host.append(host)
         self.bytes += nbytes
         if device.type != "cuda":
-            return host.zero_()
-        host.zero_()
+            return host
         rc = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, _REGISTER_PORTABLE_MAPPED))
         if rc != 0:
             self.host.pop()
@@ -53,15 +52,7 @@ class MappedHost:
             raise RuntimeError(f"could not pin {nbytes / 2 ** 30:.1f} GiB of host memory for the offloaded KV cache "
                                f"(cudaHostRegister error {rc}); lower omnikv_host_memory_gb or use "
                                "--no-omnikv-offload")
-        storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
-        view = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, host.shape, host.stride())
-        view.view(-1)[:1].fill_(1.0)  # through the device's mapping
-        torch.cuda.synchronize(device)
-        if host.view(-1)[0].item() != 1.0:
-            raise RuntimeError("the GPU does not address pinned host memory at its host address (no unified "
-                               "addressing); use --no-omnikv-offload")
-        host.view(-1)[:1].zero_()
-        return view
+        return device_view(host, device)
 
     def release(self) -> None:
         if self.host and torch.cuda.is_available():
@@ -69,3 +60,20 @@ class MappedHost:
             for h in self.host:
                 torch.cuda.cudart().cudaHostUnregister(h.data_ptr())
         self.host, self.bytes = [], 0
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on `device` over the bytes of `host` (registered pinned memory, for a CUDA device), checked by a
+    write through it that the host copy must show."""
+    nbytes = host.numel() * host.element_size()
+    storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
+    view = torch.empty(0, dtype=host.dtype, device=device).set_(storage, 0, host.shape, host.stride())
+    first = host.view(-1)[:1].clone()
+    view.view(-1)[:1].fill_(1.0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if host.view(-1)[0].item() != 1.0:
+        raise RuntimeError("the device does not address this host memory at its host address (no unified "
+                           "addressing); use --no-omnikv-offload")
+    host.view(-1)[:1].copy_(first)
+    return view

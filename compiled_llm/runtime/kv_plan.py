@@ -80,6 +80,10 @@ class KVCachePlanner:
             cap = self.host_kv_budget()
             for g, b in host.items():
                 self.host_kv_blocks[g] = cap // b
+                if cap // b < sequence_blocks(g, max_model_len, bs):
+                    raise ValueError(f"the host memory for OmniKV's offloaded KV ({gib(cap)}) holds fewer tokens "
+                                     f"({cap // b * bs}) than one max_model_len sequence ({max_model_len}); raise "
+                                     "omnikv_host_memory_gb, lower max_model_len or use --no-omnikv-offload")
                 if cap // b < counts[g]:
                     log.info("the offloaded KV's host memory (%s) holds %d blocks, fewer than the device's %d: "
                              "the host memory sets the full-attention layers' blocks", gib(cap), cap // b, counts[g])
