@@ -132,8 +132,7 @@ def skip_prefill_compute(llm: LLM) -> dict:
     counts = {"skipped_prefill_steps": 0}
 
     def execute(batch, pending=None):
-        if all(item.num_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
-               for item in batch):
+        if all(item.is_decode for item in batch):
             return real(batch, pending)
         counts["skipped_prefill_steps"] += 1
         rows = sum(item.seq.num_computed_tokens + item.num_tokens == len(item.seq) for item in batch)

@@ -490,7 +490,8 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     assert by["streamingllm"]["peak_kv_MiB"] < by["dense"]["peak_kv_MiB"]
     # the batch each method's KV memory holds: StreamingLLM's windows, many more sequences than dense's full
     # context (2x here: the tiny model's sliding layers hold as much as its global ones at 390 tokens)
-    assert by["streamingllm"]["kv_batch_limit"] >= 2 * by["dense"]["kv_batch_limit"] >= 2 * by["omnikv"]["kv_batch_limit"]
+    assert (by["streamingllm"]["kv_batch_limit"] >= 2 * by["dense"]["kv_batch_limit"]
+            >= 2 * by["omnikv"]["kv_batch_limit"])
     assert by["omnikv"]["attended_per_cached"] < 1.0
     # step 1: the first prompt (384 tokens, the whole step); 2: its first decode beside 383 of the second
     # prompt; 3: the second's last prompt token; 4-5: both decode; 6: the first finishes (not counted)

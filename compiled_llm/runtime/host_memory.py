@@ -1,6 +1,6 @@
 """Pinned host memory that the GPU addresses directly: OmniKV's offloaded KV cache (docs/sparse_kv.md).
 
-`mapped_host_empty` allocates a host tensor, pins it (`cudaHostRegister`, exactly the bytes asked for: the
+`MappedHost.empty` allocates a host tensor, pins it (`cudaHostRegister`, exactly the bytes asked for: the
 pinned caching allocator rounds a request up to a power of two) and returns a CUDA tensor over the same
 bytes. Under unified addressing a registered host page has the same address on the device, so any kernel
 (Triton, Inductor's, torch's) reads and writes it over PCIe as if it were device memory, and CUDA graphs
@@ -9,12 +9,9 @@ the host copy back. On the CPU the host tensor is the cache itself."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
-
-log = logging.getLogger("compiled_llm")
 
 _REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
@@ -32,10 +29,11 @@ def available_host_bytes() -> int:
 
 
 class MappedHost:
-    """Keeps the host tensors of the device views alive and unregisters them on release."""
+    """Keeps the host tensors of the device views alive and unregisters the pinned ones on release."""
 
     def __init__(self):
         self.host: list[torch.Tensor] = []
+        self.pinned: list[torch.Tensor] = []  # registered with CUDA (a CUDA device's caches)
         self.bytes = 0
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -52,14 +50,15 @@ class MappedHost:
             raise RuntimeError(f"could not pin {nbytes / 2 ** 30:.1f} GiB of host memory for the offloaded KV cache "
                                f"(cudaHostRegister error {rc}); lower omnikv_host_memory_gb or use "
                                "--no-omnikv-offload")
+        self.pinned.append(host)
         return device_view(host, device)
 
     def release(self) -> None:
-        if self.host and torch.cuda.is_available():
+        if self.pinned:
             torch.cuda.synchronize()
-            for h in self.host:
+            for h in self.pinned:
                 torch.cuda.cudart().cudaHostUnregister(h.data_ptr())
-        self.host, self.bytes = [], 0
+        self.host, self.pinned, self.bytes = [], [], 0
 
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:

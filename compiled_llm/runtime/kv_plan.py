@@ -79,15 +79,15 @@ class KVCachePlanner:
         if host:  # the full group's blocks also have their sparse layers' bytes in host memory
             cap = self.host_kv_budget()
             for g, b in host.items():
-                self.host_kv_blocks[g] = cap // b
-                if cap // b < sequence_blocks(g, max_model_len, bs):
+                fits = self.host_kv_blocks[g] = cap // b
+                if fits < sequence_blocks(g, max_model_len, bs):
                     raise ValueError(f"the host memory for OmniKV's offloaded KV ({gib(cap)}) holds fewer tokens "
-                                     f"({cap // b * bs}) than one max_model_len sequence ({max_model_len}); raise "
+                                     f"({fits * bs}) than one max_model_len sequence ({max_model_len}); raise "
                                      "omnikv_host_memory_gb, lower max_model_len or use --no-omnikv-offload")
-                if cap // b < counts[g]:
+                if fits < counts[g]:
                     log.info("the offloaded KV's host memory (%s) holds %d blocks, fewer than the device's %d: "
-                             "the host memory sets the full-attention layers' blocks", gib(cap), cap // b, counts[g])
-                    counts[g] = cap // b
+                             "the host memory sets the full-attention layers' blocks", gib(cap), fits, counts[g])
+                    counts[g] = fits
         if gpu:
             self._report_memory_plan(counts)
         return counts
@@ -145,7 +145,8 @@ class KVCachePlanner:
         context = max(1, max_model_len - 1)
         new = min(self.config.max_num_batched_tokens, context)
         num_seqs = -(-self.config.max_num_batched_tokens // new)
-        kv, states = self._kv_tensors({g: 1 for g in self.kv_groups}, offload=False), self._state_tensors(num_seqs)
+        kv = self._kv_tensors({g: 1 for g in self.kv_groups}, offload=False)
+        states = self._state_tensors(num_seqs)
         ctx = self._profile_context(kv, states, num_seqs, new, context)
         total = num_seqs * new
         ids = torch.zeros(total, dtype=torch.long, device=self.device)

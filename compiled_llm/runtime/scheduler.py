@@ -26,6 +26,11 @@ class ScheduledSeq:
     load_state: int | None = None  # hybrid prefix hit: copy this snapshot slot into the sequence's slot first
     save_state: int | None = None  # copy the sequence's state into this snapshot slot after the step
 
+    @property
+    def is_decode(self) -> bool:
+        """One token past the prompt (a decode row), not a prompt chunk."""
+        return self.num_tokens == 1 and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,

@@ -169,9 +169,9 @@ class SparseKV:
         if self.method == "streamingllm":
             return (f"streamingllm on layers {self.layers}: {c.sink_tokens} sink tokens + a window of {c.window}")
         roles = {r: [i for i, x in self.roles.items() if x == r] for r in ("filter", "sparse")}
+        where = f"KV of layers {self.offloaded} in pinned host memory" if self.offloaded else "all KV on the device"
         return (f"omnikv: filter layers {roles['filter']}, sparse layers {roles['sparse']}, budget {c.budget} "
-                f"({c.sink_tokens} sink + {c.recent} recent always kept); "
-                + (f"KV of layers {self.offloaded} in pinned host memory" if self.offloaded else "all KV on the device"))
+                f"({c.sink_tokens} sink + {c.recent} recent always kept); {where}")
 
     @property
     def hash_generated_blocks(self) -> bool:
@@ -182,8 +182,7 @@ class SparseKV:
     # ---- per step ----------------------------------------------------------------------------
     def metadata(self, batch, count: bool = True) -> SparseMetadata:
         """batch: ScheduledSeq items. A row is a decode row when it computes one token past the prompt."""
-        decode = [item.num_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
-                  for item in batch]
+        decode = [item.is_decode for item in batch]
         if count:
             for item, d in zip(batch, decode):
                 if d:

@@ -15,8 +15,8 @@ K=V layers rebuild the keys from the cached values at each key's own position (r
 as the dense kernels do; where only the first ROT angles of each half rotate (Gemma 4's global layers: 64 of
 256), only those dims are rebuilt, and the weight goes on the query for the rest (PARTIAL, as in the dense
 decode kernel). Rebuilding every dim with a cos and a sin per key was 0.2 ms a layer at 16 x 2,048 keys on
-the H200, about 4x a dense layer's rate per key (session 15). Rows may map to block-table rows (`TabRow`): a prefill chunk's tokens share their
-sequence's table.
+the H200, about 4x a dense layer's rate per key (session 15). Rows may map to block-table rows (`TabRow`): a
+prefill chunk's tokens share their sequence's table.
 
 OmniKV filter layers (MODE 0, dense) attend with the dense decode kernel (paged_attention.paged_decode),
 which also stores every key's log2-domain score per head and each head's log-sum-exp; a small kernel then
