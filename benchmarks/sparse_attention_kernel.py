@@ -184,9 +184,49 @@ def host_cache(q, cache, tables, lens, spec, index, reps) -> dict:
                                                            reps, calls=1) / 1e3, 4)}
         picked = int((index >= 0).sum()) * KVH * D * cache.element_size()
         out["host_cache_GB_s"] = round(picked / (out["sparse_host_cache_ms"] * 1e-3) / 1e9, 1)
+        out.update(staged(q, host, tables, lens, index, kw, dev_out, picked, reps))
         return out
     except Exception as e:  # noqa: BLE001
         return {"sparse_host_cache_error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def staged(q, host, tables, lens, index, kw, dev_out, picked, reps) -> dict:
+    """The offload's staging (session 16): the picks copied from the pinned host cache to a device buffer
+    (stage_picks) under several grid sizes, the sparse kernel's staged read, and the copy overlapped with a
+    dense decode layer on another stream (what it costs the layers it runs beside)."""
+    rows, budget = index.shape
+    stage = torch.zeros(host.shape[0], rows, budget, KVH, D, dtype=host.dtype, device="cuda")
+    out = {}
+    for progs in (8, 16, 32, 64, 132):
+        ms = graph_time_us(lambda: T.stage_picks(host, stage, tables, index, lens, programs=progs), reps, calls=1) / 1e3
+        out[f"stage_{progs}_programs_ms"] = round(ms, 4)
+        out[f"stage_{progs}_programs_GB_s"] = round(picked / (ms * 1e-3) / 1e9, 1)
+    T.stage_picks(host, stage, tables, index, lens)
+    got = T.sparse_decode(q, stage, tables, lens, staged=True, **kw)
+    torch.cuda.synchronize()
+    out["staged_equal"] = bool(torch.equal(got, dev_out))
+    out["staged_read_ms"] = round(graph_time_us(lambda: T.sparse_decode(q, stage, tables, lens, staged=True, **kw),
+                                                reps, calls=1) / 1e3, 4)
+    cache = host.cuda()
+    width = tables.shape[1] * PAGE
+
+    def layer():  # a dense decode layer over the whole context (the work the copy should hide behind)
+        return paged_decode(q, cache, tables, lens, scale=1.0, k_eq_v=True, k_norm_weight=kw["k_norm_weight"],
+                            inv_freq=kw["inv_freq"], num_kv_heads=KVH, head_dim=D, max_seq_len=width,
+                            rotated_pairs=kw["rotated_pairs"])
+
+    side = torch.cuda.Stream()
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            T.stage_picks(host, stage, tables, index, lens)
+        layer()
+        torch.cuda.current_stream().wait_stream(side)
+
+    out["dense_layer_ms"] = round(graph_time_us(layer, reps, calls=1) / 1e3, 4)
+    out["dense_layer_with_stage_beside_ms"] = round(graph_time_us(both, reps, calls=1) / 1e3, 4)
+    return out
 
 
 def sweep(rows, ctx, budget, reps=50) -> list[dict]:

@@ -64,11 +64,14 @@ for step in $steps; do
     sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ${SPARSE_KERNEL_ARGS:-} ;;  # e.g. "--rows 16 --lengths 65536 --sweep"
     sparse_host) run sparse_host 120 python3 benchmarks/sparse_attention_kernel.py --lengths 65536 --host-cache ;;  # issue 19 item 2
     sparse_check) run sparse_check 200 python3 scripts/check_sparse_gpu.py --out "$OUT/sparse_check.json" ;;  # tokens, whole graph
-    sparse_kv)  # issue 19: 26B-A4B end to end at long prompts, one method per step (SPARSE_METHODS, _LENGTHS, _BATCH)
-      run sparse_kv_${SPARSE_METHODS:-dense} 300 python3 benchmarks/sparse_kv.py --config gemma-4-26b-a4b \
-        --methods ${SPARSE_METHODS:-dense} --lengths ${SPARSE_LENGTHS:-64k} --batch ${SPARSE_BATCH:-16} \
+    sparse_kv)  # issue 19: 26B-A4B end to end at long prompts (SPARSE_METHODS, _LENGTHS, _BATCH), each method in a
+      # process of its own: a second engine in one process got a third of the first's KV blocks (session 16)
+      ms=${SPARSE_METHODS:-dense}; for m in ${ms//,/ }; do
+      run sparse_kv_${m}_b${SPARSE_BATCH:-16} 300 python3 benchmarks/sparse_kv.py --config gemma-4-26b-a4b \
+        --methods $m --lengths ${SPARSE_LENGTHS:-64k} --batch ${SPARSE_BATCH:-16} \
         --output ${SPARSE_OUTPUT:-256} --max-num-batched-tokens 8192 --profile-steps ${SPARSE_PROFILE:-0} \
-        ${SPARSE_SYNTH:+--synthetic-prefill} --out "$OUT" ;;  # SPARSE_SYNTH=1: decode-only (no prefill compute)
+        ${SPARSE_SYNTH:+--synthetic-prefill} --out "$OUT"  # SPARSE_SYNTH=1: decode-only (no prefill compute)
+      done ;;
     pdl_chain) run pdl_chain 200 python3 benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" ;;  # PDL + L2 prefetch A/B
     decode_attn) run decode_attn 240 python3 benchmarks/decode_attention.py ${DECODE_ATTN_ARGS:-} \
                    --out "$OUT/decode_attention.json" ;;  # decode attention policies, KV read from HBM (issue 14)

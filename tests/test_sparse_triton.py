@@ -140,7 +140,10 @@ def _omnikv_case(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, k_
                  pad_rows=0, seed=0, splits=None, offloaded=False):
     """A filter layer then a sparse layer reading its own cache; kernel vs reference, outputs and picks.
     offloaded: the sparse layer's cache is marked as OmniKV's offloaded (host) cache, so a prefill chunk
-    gathers its context's blocks first (gather_blocks)."""
+    gathers its context's blocks first (gather_blocks), and a step of decode rows reads the picks the
+    filter layer staged (stage_picks): the sparse layer's cache then holds stale values at each row's
+    own position until after the filter layer, as in the engine, where the sparse layer writes its
+    token's KV after the staging (stage_current must bring the new values)."""
     import torch
 
     from compiled_llm.ops import sparse as R
@@ -166,15 +169,30 @@ def _omnikv_case(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, k_
             f"k=v:{k_eq_v} cap={softcap} pad={pad_rows} splits={splits}{' offloaded' if offloaded else ''}")
     _force_splits(T, splits)
 
+    own = [(i, L - 1) for i, (m, L) in enumerate(zip(q_lens, seq_lens)) if m == 1 and decode[i]]
+    staged_step = offloaded and all(decode)
+
     def run(fn, caches, qq, index=None):
         sm = SparseMetadata(decode=decode, budget=budget, sink=sink, recent=recent,
                             index=torch.full((len(seq_lens) + pad_rows, budget), -1, dtype=torch.int32))
         ctx = _context(specs, caches, tables, seq_lens, q_lens, page, sm, pad_rows)
+        fresh = []
+        if staged_step and fn is T.attention:  # the rows' own tokens are written after the filter layer
+            for i, pos in own:
+                at = (slice(None), int(tables[i, pos // page]), pos % page)
+                fresh.append((at, caches[1][at].clone()))
+                caches[1][at] = caches[1][at] * -3.0 + 1.0
         with set_forward_context(ctx):
             f = fn(qq, 0)
             picks = sm.index.clone()
             if index is not None:
                 sm.index.copy_(index)
+                if sm.staged_picks:  # the test swapped in the reference's picks: stage those
+                    T._stage_after_filter(ctx, 0, ctx.attn_metadata.seq_lens_tensor, sm)
+            for at, v in fresh:  # the sparse layer writes its token's KV
+                caches[1][at] = v
+            if fn is T.attention:
+                assert bool(sm.staged_picks) == staged_step, sm.staged_picks
             s = fn(qq, 1)
         return f, picks, s
 
@@ -247,16 +265,24 @@ def check_engine():
     sys.path.insert(0, str(ROOT / "tests"))
     import test_sparse_quality as Q
 
+    from compiled_llm.ops.triton import sparse_attention as T
+
     tmp = Path(tempfile.mkdtemp())
     needles, length, budget = [(0, 6), (2, 30), (3, 58)], 64, 16
-    methods = {"omnikv": dict(sparse_sink_tokens=2, omnikv_budget=budget, omnikv_recent=4),
+    omnikv = dict(sparse_sink_tokens=2, omnikv_budget=budget, omnikv_recent=4)
+    methods = {"omnikv": omnikv, "omnikv-offload": dict(omnikv, omnikv_offload=True),
                "streamingllm": dict(sparse_sink_tokens=2, sparse_window=budget - 2)}
-    for name, kw in methods.items():
+    for label, kw in methods.items():
+        name = label.split("-")[0]
         llm = Q.build(tmp, name, max_num_batched_tokens=40, **kw)
-        chosen = llm.engine.executor.runner.op_providers
-        assert set(chosen["sparse_attention"].values()) == {"triton"}, chosen
+        runner = llm.engine.executor.runner
+        assert set(runner.op_providers["sparse_attention"].values()) == {"triton"}, runner.op_providers
+        if label == "omnikv-offload":
+            assert runner.sparse.offloaded and runner.sparse.staging_bytes > 0, runner.sparse.describe()
+        before = T.STAGED_READS
         r = Q.run_checks(llm, name, needles=needles, length=length, n_out=3, text_len=72, target_len=6)
-        print(f"  engine {name}: {r}", flush=True)
+        assert (T.STAGED_READS > before) == (label == "omnikv-offload"), (label, T.STAGED_READS - before)
+        print(f"  engine {label}: {r}", flush=True)
         if name == "omnikv":
             assert all(r["retrieved"]) and all(all(v) and v for v in r["pick_held_needle"].values()), r
             assert r["ppl"] < 3.3, r
@@ -284,6 +310,12 @@ def check_omnikv():
                  head_dim=512, k_eq_v=True, softcap=None, budget=12, sink=2, recent=3, seed=4, offloaded=True)
     _omnikv_case(torch.bfloat16, seq_lens=[33, 50], q_lens=[9, 1], page=4, kv_heads=2, group=2, head_dim=64,
                  k_eq_v=False, softcap=20.0, budget=12, sink=2, recent=3, seed=5, offloaded=True)
+    # offload, a step of decode rows: the sparse layer reads the picks the filter layer staged
+    for dtype in (torch.float32, torch.bfloat16):
+        _omnikv_case(dtype, seq_lens=[90, 33, 7], q_lens=[1, 1, 1], page=4, kv_heads=1, group=4, head_dim=512,
+                     k_eq_v=True, softcap=None, budget=24, sink=4, recent=4, seed=6, offloaded=True, splits=2)
+    _omnikv_case(torch.float32, seq_lens=[70, 19], q_lens=[1, 1], page=16, kv_heads=2, group=2, head_dim=256,
+                 k_eq_v=False, softcap=30.0, budget=16, sink=2, recent=1, pad_rows=1, seed=7, offloaded=True)
 
 
 def check_streaming():

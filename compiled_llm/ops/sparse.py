@@ -28,7 +28,7 @@ positions' keys, then values, at a time, never [rows, ctx, kv_heads, head_dim].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,10 @@ class SparseMetadata:
     sink: int = 0
     recent: int = 0
     tp_group_name: str | None = None  # OmniKV scores are summed over the heads of this TP group
+    # OmniKV offload, filled during the forward by the Triton provider: cache layer -> what the sparse layer
+    # waits for before it reads its picks from the device staging buffer (staging_buffer) that a filter
+    # layer of this step filled
+    staged_picks: dict = field(default_factory=dict)
 
     @property
     def all_decode(self) -> bool:
@@ -81,6 +85,31 @@ def index_buffer(rows: int, budget: int, device: torch.device | str) -> torch.Te
     if buf is None or buf.shape[0] < rows:
         buf = _INDEX[key] = torch.full((rows, budget), -1, dtype=torch.int32, device=device)
     return buf
+
+
+_STAGING: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def staging_buffer(layer: int, rows: int, budget: int, kv: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device | str) -> torch.Tensor:
+    """OmniKV offload: where the picked tokens of an offloaded cache layer are copied to the device before
+    its sparse layer reads them, [kv (1 for K=V, else 2), rows, budget, kv_heads, head_dim]. One buffer per
+    process, device and cache layer, allocated once at start for max_num_seqs rows (a fixed address for
+    CUDA Graphs; the runtime counts it in its memory plan); a different shape replaces it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), layer)
+    buf = _STAGING.get(key)
+    if (buf is None or buf.shape[1] < rows or buf.shape[0] != kv or buf.shape[2:] != (budget, kv_heads, head_dim)
+            or buf.dtype != dtype):
+        buf = _STAGING[key] = torch.zeros(kv, max(rows, 1), budget, kv_heads, head_dim, dtype=dtype, device=device)
+    return buf
+
+
+def release_staging() -> None:
+    """Drops the staging buffers (an engine's shutdown), so that another engine in this process has the memory."""
+    _STAGING.clear()
 
 
 # ---- shared pieces ------------------------------------------------------------------------------

@@ -65,6 +65,8 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor on `device` over the bytes of `host` (registered pinned memory, for a CUDA device), checked by a
     write through it that the host copy must show."""
     nbytes = host.numel() * host.element_size()
+    if device.type == "cuda" and device.index is None:  # a storage names its device by index ("cuda:0")
+        device = torch.device("cuda", torch.cuda.current_device())
     storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
     view = torch.empty(0, dtype=host.dtype, device=device).set_(storage, 0, host.shape, host.stride())
     first = host.view(-1)[:1].clone()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiled_llm.ops.sparse import SparseMetadata, index_buffer
+from compiled_llm.ops.sparse import SparseMetadata, index_buffer, staging_buffer
 
 log = logging.getLogger("compiled_llm")
 
@@ -109,6 +109,7 @@ class SparseKV:
                  tp_group_name: str | None = None, one_stage_of_several: bool = False):
         self.cfg = cfg
         self.block_size = block_size
+        self.max_rows = max_rows
         self.method = cfg.method
         self.specs = specs
         self.device = device
@@ -150,6 +151,20 @@ class SparseKV:
         self.attended_total = 0
         self.cached_total = 0
         self.offloaded_bytes = 0  # set by the runner once the offloaded caches are allocated
+        self.staging_bytes = 0  # the device buffers the offloaded layers' picks are copied to (allocate_staging)
+
+    def allocate_staging(self, dtype: torch.dtype) -> int:
+        """OmniKV offload: the device buffers each offloaded cache's picks are staged in for its sparse layers
+        (max_rows x budget tokens each; ops/sparse.staging_buffer), allocated before the memory profile so
+        that the KV cache's budget is what is left after them. Returns their bytes."""
+        total = 0
+        for i in self.offloaded:
+            s = self.specs[i]
+            buf = staging_buffer(i, self.max_rows, self.cfg.budget, 1 if s.k_eq_v else 2, s.num_kv_heads,
+                                 s.head_dim, dtype, self.device)
+            total += buf.numel() * buf.element_size()
+        self.staging_bytes = total
+        return total
 
     @classmethod
     def build(cls, config, specs: dict, device: torch.device) -> "SparseKV | None":
@@ -237,4 +252,5 @@ class SparseKV:
                "sparse_cached_tokens": self.cached_total}
         if self.method == "omnikv":  # the KV in pinned host memory instead of on the device
             out["omnikv_offloaded_kv_bytes"] = self.offloaded_bytes
+            out["omnikv_staging_bytes"] = self.staging_bytes
         return out
