@@ -618,6 +618,12 @@ def test_omnikv_offload_moves_the_sparse_layers_cache_out_of_the_device_budget(t
     assert blocks_on > blocks_off * (device_b + host_b) // device_b * 0.9 and blocks_on > blocks_off
     assert on.engine.get_stats()["omnikv_offloaded_kv_bytes"] == blocks_on * host_b
     assert off.engine.get_stats()["omnikv_offloaded_kv_bytes"] == 0
+    # the device buffers decode steps stage the picks in: max_num_seqs x budget tokens per offloaded layer
+    spec = runner.specs[sparse_layers[0]]
+    per_token = (1 if spec.k_eq_v else 2) * spec.num_kv_heads * spec.head_dim * 4
+    want = len(sparse_layers) * kw.get("max_num_seqs", 8) * sparse.cfg.budget * per_token
+    assert on.engine.get_stats()["omnikv_staging_bytes"] == want == sparse.staging_bytes
+    assert off.engine.get_stats()["omnikv_staging_bytes"] == 0
     prompts = _prompts([LONG, 40, LONG + 11], seed=9)
     assert greedy(on, prompts, 10) == greedy(off, prompts, 10)
     # a host cap below the device's share sets the blocks
@@ -627,6 +633,10 @@ def test_omnikv_offload_moves_the_sparse_layers_cache_out_of_the_device_budget(t
     assert capped.engine.block_manager.pools[None].num_blocks == cap_blocks
     for llm in (on, off, capped):
         llm.engine.shutdown()
+    # a one-process engine's shutdown releases its cache, pinned host memory and staging buffers (another
+    # engine in this process then finds them free), and a second shutdown does nothing
+    assert runner.kv_caches == {} and runner.mapped_host.bytes == 0 and not sparse.staging
+    on.engine.shutdown()
     with pytest.raises(ValueError, match="omnikv_host_memory_gb"):  # less than one max_model_len sequence
         LLM(str(folder), **kw, **METHODS["omnikv"], omnikv_offload=True, omnikv_host_memory_gb=40 * host_b / 2 ** 30)
 

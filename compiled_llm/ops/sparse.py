@@ -55,9 +55,11 @@ class SparseMetadata:
     sink: int = 0
     recent: int = 0
     tp_group_name: str | None = None  # OmniKV scores are summed over the heads of this TP group
-    # OmniKV offload, filled during the forward by the Triton provider: cache layer -> what the sparse layer
-    # waits for before it reads its picks from the device staging buffer (staging_buffer) that a filter
-    # layer of this step filled
+    # OmniKV offload: cache layer -> its device staging buffer (staging_buffer; the runtime's, allocated at
+    # start; the only tensors the metadata carries, and only under the offload, which tensor parallelism
+    # refuses), and, filled during the forward by the Triton provider, cache layer -> (buffer, what the sparse
+    # layer waits for before reading it) once a filter layer of this step staged the picks
+    staging: dict = field(default_factory=dict)
     staged_picks: dict = field(default_factory=dict)
 
     @property
@@ -87,29 +89,13 @@ def index_buffer(rows: int, budget: int, device: torch.device | str) -> torch.Te
     return buf
 
 
-_STAGING: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def staging_buffer(layer: int, rows: int, budget: int, kv: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+def staging_buffer(rows: int, budget: int, kv: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device | str) -> torch.Tensor:
-    """OmniKV offload: where the picked tokens of an offloaded cache layer are copied to the device before
-    its sparse layer reads them, [kv (1 for K=V, else 2), rows, budget, kv_heads, head_dim]. One buffer per
-    process, device and cache layer, allocated once at start for max_num_seqs rows (a fixed address for
-    CUDA Graphs; the runtime counts it in its memory plan); a different shape replaces it."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (str(device), layer)
-    buf = _STAGING.get(key)
-    if (buf is None or buf.shape[1] < rows or buf.shape[0] != kv or buf.shape[2:] != (budget, kv_heads, head_dim)
-            or buf.dtype != dtype):
-        buf = _STAGING[key] = torch.zeros(kv, max(rows, 1), budget, kv_heads, head_dim, dtype=dtype, device=device)
-    return buf
-
-
-def release_staging() -> None:
-    """Drops the staging buffers (an engine's shutdown), so that another engine in this process has the memory."""
-    _STAGING.clear()
+    """OmniKV offload: where a filter layer copies the picked tokens of an offloaded cache layer to the device
+    for its sparse layers, [kv (1 for K=V, else 2), rows, budget, kv_heads, head_dim]. The runtime allocates
+    one per offloaded cache layer at start, for max_num_seqs rows (a fixed address for CUDA Graphs, counted
+    in its memory plan), and hands them over in SparseMetadata.staging."""
+    return torch.zeros(kv, max(rows, 1), budget, kv_heads, head_dim, dtype=dtype, device=device)
 
 
 # ---- shared pieces ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from compiled_llm.multimodal.runner import BIDIR_KEY, has_media, mrope_batch_pos
 from compiled_llm.ops import collective
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.ops.registry import describe, model_facts, select_providers
-from compiled_llm.ops.sparse import SPARSE_KEY, release_staging
+from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, allocate_states, copy_state_slots
 from compiled_llm.runtime.host_memory import MappedHost
 from compiled_llm.runtime.kv_plan import KVCachePlanner
@@ -150,8 +150,8 @@ class ModelRunner(KVCachePlanner):
         collective.release()
         self.kv_caches = {}
         self.mapped_host.release()
-        if self.sparse is not None and self.sparse.staging_bytes:
-            release_staging()
+        if self.sparse is not None:
+            self.sparse.staging.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

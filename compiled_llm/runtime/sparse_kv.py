@@ -151,20 +151,19 @@ class SparseKV:
         self.attended_total = 0
         self.cached_total = 0
         self.offloaded_bytes = 0  # set by the runner once the offloaded caches are allocated
-        self.staging_bytes = 0  # the device buffers the offloaded layers' picks are copied to (allocate_staging)
+        self.staging: dict[int, torch.Tensor] = {}  # offloaded cache layer -> its staging buffer (allocate_staging)
+        self.staging_bytes = 0
 
     def allocate_staging(self, dtype: torch.dtype) -> int:
         """OmniKV offload: the device buffers each offloaded cache's picks are staged in for its sparse layers
         (max_rows x budget tokens each; ops/sparse.staging_buffer), allocated before the memory profile so
         that the KV cache's budget is what is left after them. Returns their bytes."""
-        total = 0
         for i in self.offloaded:
             s = self.specs[i]
-            buf = staging_buffer(i, self.max_rows, self.cfg.budget, 1 if s.k_eq_v else 2, s.num_kv_heads,
-                                 s.head_dim, dtype, self.device)
-            total += buf.numel() * buf.element_size()
-        self.staging_bytes = total
-        return total
+            self.staging[i] = staging_buffer(self.max_rows, self.cfg.budget, 1 if s.k_eq_v else 2, s.num_kv_heads,
+                                             s.head_dim, dtype, self.device)
+        self.staging_bytes = sum(b.numel() * b.element_size() for b in self.staging.values())
+        return self.staging_bytes
 
     @classmethod
     def build(cls, config, specs: dict, device: torch.device) -> "SparseKV | None":
@@ -208,7 +207,7 @@ class SparseKV:
         """The metadata for rows with these decode flags (CUDA-graph capture: all True)."""
         c = self.cfg
         return SparseMetadata(decode=decode, budget=c.budget, sink=c.sink_tokens, recent=c.recent,
-                              tp_group_name=self.tp_group_name)
+                              tp_group_name=self.tp_group_name, staging=self.staging)
 
     @property
     def index(self) -> torch.Tensor | None:

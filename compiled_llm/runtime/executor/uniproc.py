@@ -13,6 +13,14 @@ from compiled_llm.runtime.scheduler import ScheduledSeq
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config)
+        self._released = False
+
+    def shutdown(self) -> None:
+        """Releases the runner's CUDA graphs, KV cache, pinned host memory and staging buffers (the engine's
+        shutdown, or its deletion), so that another engine in this process finds them free."""
+        if not self._released:
+            self._released = True
+            self.runner.release()
 
     def group_block_bytes(self) -> dict[int | None, int]:
         return self.runner.group_block_bytes()
