@@ -349,6 +349,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.eval and args.methods.startswith("dense"):
         args.methods = ",".join(m for m in args.methods.split(",") if m != "dense")
+    if args.synthetic_prefill and not args.eval:  # the whole batch decodes together only after the last prompt
+        chunks = -(-max(parse_lengths(args.lengths)) // args.max_num_batched_tokens)
+        need = args.batch * chunks + 1
+        if args.output <= need:
+            ap.error(f"--synthetic-prefill at batch {args.batch}: the last prompt's chunks end about {need} steps in, "
+                     f"so --output {args.output} leaves no step with the whole batch decoding; use --output "
+                     f"{need + 256} (256 steps to measure)")
 
     t0 = time.perf_counter()
     rows = evaluate(args) if args.eval else bench(args)

@@ -521,6 +521,10 @@ def test_benchmark_synthetic_prefill_and_batch_limit(tmp_path):
         assert row["full_batch_steps"] >= 2 and row["decode_tok_s"] > 0, row
         limits[batch] = row["kv_batch_limit"]
     assert limits[1] == limits[3] > 3, limits
+    # an output too short for any whole-batch decode step is a one-line error, not a row without figures
+    cmd[cmd.index("--output") + 1] = "4"
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "leaves no step with the whole batch decoding" in r.stderr, r.stderr[-500:]
 
 
 @pytest.mark.slow
