@@ -290,8 +290,34 @@ def check_engine():
             assert r["retrieved"] == [pos >= length - (budget - 2) for _, pos in needles], r
 
 
+def _filter_f16_scores_case():
+    """filter_decode with its raw scores stored as float16 (the benchmark's A/B of the store): the attention
+    output is the float32 store's, and the head-summed probabilities agree to float16's rounding."""
+    import torch
+
+    from compiled_llm.ops.triton import sparse_attention as T
+
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [90, 41]
+    spec = _spec(0, heads=4, kv_heads=1, head_dim=512, softcap=None, k_eq_v=True, gen=gen, omnikv="filter")
+    cache, tables = _cache(seq_lens, page=4, kv_heads=1, head_dim=512, k_eq_v=True, gen=gen)
+    cache = cache.nan_to_num(0.0).to(torch.bfloat16)
+    q = torch.randn(2, 4 * 512, generator=gen).to(torch.bfloat16)
+    kw = dict(scale=spec.scale, num_kv_heads=1, head_dim=512, k_eq_v=True, k_norm_weight=spec.k_norm_weight,
+              inv_freq=spec.inv_freq, rotated_pairs=spec.rotated_pairs)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out32, s32 = T.filter_decode(q, cache, tables, lens, **kw)
+    out16, s16 = T.filter_decode(q, cache, tables, lens, raw_dtype=torch.float16, **kw)
+    assert torch.equal(out32, out16)
+    err = ((s16 - s32).abs() / (s32.abs() + 1e-6)).max().item()
+    assert 0 < err < 2e-2, err  # rounded (not the float32 path by mistake), within float16's rounding
+    print(f"  filter scores stored as float16: head-summed probabilities within {err:.1e} of float32", flush=True)
+
+
 def check_omnikv():
     import torch
+
+    _filter_f16_scores_case()
 
     for dtype in (torch.float32, torch.bfloat16):
         # decode batch, head_dim 256, GQA 2, soft-cap, padded to a static batch of 4

@@ -319,7 +319,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
     """One query token per sequence (at position seq_len - 1). q: [num_seqs, num_heads(*head_dim)];
     seq_lens: [num_seqs] int32 on the device. Returns [num_seqs, num_heads, head_dim]. rotated_pairs (K=V):
     inv_freq's leading nonzero angles, the rest zero (None: all rotate). raw and lse (together; OmniKV's
-    filter layers): raw [num_seqs, num_heads, >= the block-table width x page] float32 receives every key's
+    filter layers): raw [num_seqs, num_heads, >= the block-table width x page] float32 (or float16, rounded on
+    the store) receives every key's
     log2-domain score at [seq, head, pos] (positions past seq_len untouched), lse [num_seqs, num_heads]
     float32 each head's log2-domain log-sum-exp, so softmax(scores)[pos] = exp2(raw - lse)."""
     assert (raw is None) == (lse is None), "raw scores and log-sum-exps come together"
@@ -349,7 +350,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         mid_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     if raw is not None:
-        assert raw.shape[:2] == (num_seqs, num_heads) and raw.stride(-1) == 1 and raw.dtype == torch.float32
+        assert raw.shape[:2] == (num_seqs, num_heads) and raw.stride(-1) == 1
+        assert raw.dtype in (torch.float32, torch.float16), "raw scores are stored as float32 (or float16)"
         assert raw.shape[2] >= max_seq_len and lse.shape == (num_seqs, num_heads) and lse.dtype == torch.float32
     rw = raw if raw is not None else out
     half = head_dim // 2

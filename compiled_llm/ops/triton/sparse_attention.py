@@ -437,17 +437,20 @@ def filter_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                   k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
                   inv_freq: torch.Tensor | None = None, rotated_pairs: int | None = None,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
-                  policy: AttnLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  policy: AttnLaunch | None = None, raw_dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """An OmniKV filter layer's decode rows (row r at position lens[r] - 1 of block-table row r): dense
     attention, and each position's attention probability summed over the heads. Returns (out [rows, heads,
     head_dim], score [rows, block-table width x page] float32, 0 past a row's length). One pass over the
     keys: the dense decode kernel stores the scores and log-sum-exps, _filter_sum_kernel turns them into
-    probabilities (reading 4 bytes a head a position, not the keys again)."""
+    probabilities (reading 4 bytes a head a position, not the keys again). raw_dtype float16 halves what the
+    dense kernel stores per key (an A/B of what storing costs, sparse_attention_kernel.py --filter-sweep;
+    the engine stores float32)."""
     rows = lens.shape[0]
     page = cache.shape[2]
     width = block_tables.shape[1] * page
     num_heads = q.shape[-1] // head_dim if q.dim() == 2 else q.shape[1]
-    raw = torch.empty(rows, num_heads, width, dtype=torch.float32, device=q.device)
+    raw = torch.empty(rows, num_heads, width, dtype=raw_dtype, device=q.device)
     lse = torch.empty(rows, num_heads, dtype=torch.float32, device=q.device)
     score = torch.empty(rows, width, dtype=torch.float32, device=q.device)
     pol = policy or attention_launch_policy(rows, width, head_dim, num_kv_heads=num_kv_heads, k_eq_v=k_eq_v,
