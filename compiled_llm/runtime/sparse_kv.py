@@ -152,7 +152,6 @@ class SparseKV:
         self.cached_total = 0
         self.offloaded_bytes = 0  # set by the runner once the offloaded caches are allocated
         self.staging: dict[int, torch.Tensor] = {}  # offloaded cache layer -> its staging buffer (allocate_staging)
-        self.staging_bytes = 0
 
     def allocate_staging(self, dtype: torch.dtype) -> int:
         """OmniKV offload: the device buffers each offloaded cache's picks are staged in for its sparse layers
@@ -162,8 +161,11 @@ class SparseKV:
             s = self.specs[i]
             self.staging[i] = staging_buffer(self.max_rows, self.cfg.budget, 1 if s.k_eq_v else 2, s.num_kv_heads,
                                              s.head_dim, dtype, self.device)
-        self.staging_bytes = sum(b.numel() * b.element_size() for b in self.staging.values())
         return self.staging_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.staging.values())
 
     @classmethod
     def build(cls, config, specs: dict, device: torch.device) -> "SparseKV | None":
