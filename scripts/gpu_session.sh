@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# moe_unsorted moe_align router sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
+# moe_unsorted moe_align router prefill_kernels sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -59,6 +59,14 @@ for step in $steps; do
                     --out "$OUT/moe_unsorted.json" ;;  # one token's pairs unsorted (no alignment launch) vs aligned
     moe_align) run moe_align 100 python3 benchmarks/moe_kernels.py --tokens 128,512,1024,2048,8192 \
                  --out "$OUT/moe_align.json" ;;  # the one-program alignment against the sort-based one (prefill sizes)
+    prefill_kernels)  # issue 14: router / MoE / attention tiles at prefill sizes (and decode's MoE), PREFILL_ARGS
+      # e.g. "--qwen --groups router,moe"; the candidates' kernels are built by 12 processes first (Triton's cache)
+      tag=${PREFILL_TAG:-gemma}; b0=$(date +%s)
+      for i in $(seq 0 11); do timeout 240 python3 benchmarks/prefill_kernels.py ${PREFILL_ARGS:-} --compile-shard $i/12 \
+        > "$OUT/prefill_build_${tag}_$i.log" 2>&1 & done; wait
+      echo "prefill_kernels $tag: candidates built in $(( $(date +%s) - b0 ))s"
+      run prefill_kernels_$tag 300 python3 benchmarks/prefill_kernels.py ${PREFILL_ARGS:-} \
+        --out "$OUT/prefill_kernels_$tag.json" ;;
     router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 ${ROUTER_ARGS:-} \
               --out "$OUT/router_kernel.json" ;;  # Qwen3.5's shape: ROUTER_ARGS="--experts 256 --hidden 2048 --sweep"
     sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ${SPARSE_KERNEL_ARGS:-} ;;  # e.g. "--rows 16 --lengths 65536 --sweep"

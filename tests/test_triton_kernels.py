@@ -473,6 +473,17 @@ def _check_router_paths():
     c = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=M.router_launch(19, 200, 40, fused=False))
     assert torch.equal(a[1], c[1])
     _close("router fused vs two kernels", a[0], c[0], rtol=1e-5, atol=1e-7)
+    # prefill sizes of a normed router: one program a 64-row block for all experts (the row read once for the
+    # norm, once for the dot), here with two row blocks, a ragged last one and fewer experts than the tile
+    wide = M.router_launch(M.ROUTER_WIDE_MIN_TOKENS, 200, 40)
+    assert (wide.fused, wide.block_t, wide.block_e, wide.splits) == (False, 64, 64, 1)
+    assert M.router_launch(M.ROUTER_WIDE_MIN_TOKENS, 200, 40, norm=False).block_t < 64  # Qwen3.5's keeps its tiles
+    assert M.router_launch(M.ROUTER_WIDE_MIN_TOKENS - 1, 200, 40).block_t < 64
+    x, w, scale, pes = _router_case(100, 40, 200, 9, torch.float32)
+    d = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=wide)
+    e = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=M.router_launch(100, 200, 40, fused=True))
+    assert torch.equal(d[1], e[1])
+    _close("router wide two kernels vs fused", d[0], e[0], rtol=1e-5, atol=1e-7)
     for T, dt in ((6, torch.float32), (3, torch.bfloat16)):
         x, w, _, _ = _router_case(T, 40, 200, 8, dt)
         # the logits are rounded to dt (one bf16 ulp of a logit ~50 moves a weight by several %), and the

@@ -192,11 +192,13 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
         return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4)
     if pairs_per_expert <= 16:
         return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3)
+    # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
+    # Qwen3.5 549 -> 534), 256-column down tiles at 8,192 (2,362 -> 2,285 us; 1,579 -> 1,457)
     if pairs_per_expert <= 96:
-        return MoELaunch(32, 64, 64, 4, 4, 128, 64, 4, 4)
+        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3)
     if pairs_per_expert <= 256:
         return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3)
-    return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3)
+    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -554,6 +556,7 @@ def _router_fused_kernel(
 
 ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
 ROUTER_FUSED_MAX_TOKENS = 64  # up to here the router is one launch (_router_fused_kernel); past it, two kernels
+ROUTER_WIDE_MIN_TOKENS = 4096  # from here a normed router's logits take one program per row block for all experts
 
 
 @dataclass(frozen=True)
@@ -586,7 +589,7 @@ def _slices(hidden: int, target: int, block_h: int) -> tuple[int, int]:
 
 def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: int | None = None,
                   splits: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, fused: bool | None = None) -> RouterLaunch:
+                  num_stages: int | None = None, fused: bool | None = None, norm: bool = True) -> RouterLaunch:
     """The router's launch. Keywords override the policy (benchmarks/moe_kernels.py sweeps them).
 
     Decode (T <= ROUTER_FUSED_MAX_TOKENS): one kernel; the [E, H] weight is split over 16-expert blocks and
@@ -594,13 +597,22 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
     program of a token block sums the 11 partials and picks the experts. The launch does not depend on T in
     that range, so it is one build. Larger T: the two-kernel path (a decode batch of a few rows has too
     little work for one program per row block, so the logits are split over expert blocks and hidden slices,
-    whose partial sums the top-k kernel adds)."""
+    whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the row first); from
+    ROUTER_WIDE_MIN_TOKENS tokens it reads each row block once for all experts (64 x 128 tiles, 8 warps)."""
     if fused is None:
         fused = num_tokens <= ROUTER_FUSED_MAX_TOKENS
     if fused:  # H200 sweep (benchmarks/NOTES.md, 2026-12-01): 128-column steps, 8 warps: 6.7 us vs 11.7 at T=1
         bh = block_h or 128
         n, sh = _slices(hidden, splits or 12, bh)
         return RouterLaunch(True, 16, block_e or 16, bh, n, sh, num_warps or 8, num_stages or 3)
+    if norm and num_tokens >= ROUTER_WIDE_MIN_TOKENS and block_e is None and splits is None:
+        # H200 sweep (prefill_kernels.py, session 17), 8,192 tokens: 88.7 us against 179.2 for the tiles below
+        # (the norm pass and the dot pass read a row block once per expert block there); at 1,024 tokens the
+        # tiles below win (33.3 us against 74.4); Qwen3.5's router (no norm) gains nothing from the wide tiles
+        be = min(128, max(16, triton.next_power_of_2(num_experts)))
+        bh = block_h or 128
+        n, sh = _slices(hidden, 1, bh)
+        return RouterLaunch(False, 64, be, bh, n, sh, num_warps or 8, num_stages or 3)
     bh = block_h or 64
     block_t = 16 if num_tokens <= 1024 else 32
     be = block_e or (16 if num_tokens <= 64 else min(64, max(16, triton.next_power_of_2(num_experts))))
@@ -639,7 +651,7 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     ids = torch.empty(num_tokens, top_k, dtype=ids_dtype, device=x.device)  # int64: the op's dtype, no cast kernel
     if num_tokens == 0:
         return weights, ids
-    lp = launch or router_launch(num_tokens, hidden, num_experts)
+    lp = launch or router_launch(num_tokens, hidden, num_experts, norm=norm)
     has_scale = per_expert_scale is not None
     partial = torch.empty(lp.splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(num_tokens, lp.block_t), triton.cdiv(num_experts, lp.block_e), lp.splits)
@@ -673,13 +685,15 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     return weights, ids
 
 
-def launch_variants(num_experts: int, top_k: int, hidden: int, inter: int, max_tokens: int) -> list[int]:
+def launch_variants(num_experts: int, top_k: int, hidden: int, inter: int, max_tokens: int, *,
+                    norm: bool = True) -> list[int]:
     """One token count per distinct kernel build the router and grouped GEMMs need for batches of 1 to
     max_tokens tokens (their launch constexprs change with the batch): what JIT warm-up runs, so that no
     batch size compiles a kernel while serving."""
     seen, out = set(), []
     for tokens in range(1, max(1, max_tokens) + 1):
-        key = (router_launch(tokens, hidden, num_experts).build_key(), moe_launch_policy(tokens, top_k, num_experts, hidden, inter))
+        key = (router_launch(tokens, hidden, num_experts, norm=norm).build_key(),
+               moe_launch_policy(tokens, top_k, num_experts, hidden, inter))
         if key not in seen:
             seen.add(key)
             out.append(tokens)

@@ -192,7 +192,7 @@ def _moe_compile(key, device) -> None:
 def _swiglu_compile(key, device) -> None:
     dtype, hidden, experts, inter, top_k, max_tokens = key
     gate_up, down = _moe_weights(experts, inter, hidden, dtype, device)
-    for tokens in launch_variants(experts, top_k, hidden, inter, max_tokens):
+    for tokens in launch_variants(experts, top_k, hidden, inter, max_tokens, norm=False):
         x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
         w, ids = softmax_router_topk(x, torch.zeros(experts, hidden, dtype=dtype, device=device), top_k)
         swiglu_moe(x, w.to(dtype), ids, gate_up, down)

@@ -1,0 +1,261 @@
+"""Prefill-sized kernel sweep at a released config's shapes (default Gemma 4 26B-A4B): the router's two-kernel
+path, the grouped GEGLU MoE (gate/up and down tiles swept one kernel at a time) and paged prefill attention
+(sliding d256 and global d512 K=V), at the token counts of the throughput shapes' prefill steps. Each
+candidate is timed with CUDA-graph replays and checked against the policy's own output (router: the picked
+ids; MoE and attention: the largest difference relative to the output's scale). The table says what the
+policy picks and the best candidate, with achieved TFLOP/s.
+
+    python3 benchmarks/prefill_kernels.py [--tokens 1024,8192] [--groups router,moe,attention] [--out F.json]
+    TRITON_INTERPRET=1 python3 benchmarks/prefill_kernels.py --smoke   # a CPU dry run at toy shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from compiled_llm.ops.rope import rope_inv_freq  # noqa: E402
+from compiled_llm.ops.triton import moe as M  # noqa: E402
+from compiled_llm.ops.triton import paged_attention as PA  # noqa: E402
+
+SHAPES = {  # 26B-A4B; smoke: toy sizes for the interpreter
+    "full": dict(E=128, H=2816, I=704, k=8, HQ=16, page=16,
+                 sliding=dict(kv_heads=8, head_dim=256, window=1024, k_eq_v=False),
+                 glob=dict(kv_heads=2, head_dim=512, window=None, k_eq_v=True)),
+    "qwen": dict(E=256, H=2048, I=512, k=8, softmax=True),  # Qwen3.5 35B-A3B's router and experts (no attention)
+    "smoke": dict(E=16, H=64, I=32, k=4, HQ=4, page=16,
+                  sliding=dict(kv_heads=2, head_dim=32, window=24, k_eq_v=False),
+                  glob=dict(kv_heads=1, head_dim=64, window=None, k_eq_v=True)),
+}
+
+
+def timer(smoke: bool):
+    if smoke:  # the interpreter: one call, wall time (the ordering of candidates means nothing there)
+        def run(fn):
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e6
+        return run
+    from graph_timing import graph_time_us
+    return lambda fn: graph_time_us(fn, replays=20, calls=5)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+SHARD: tuple[int, int] | None = None  # --compile-shard i/n: build every n-th candidate (from i), time nothing
+_COUNT = [0]
+
+
+def sweep(name: str, T: int, cands: list, run, check, flops: float, time_fn, rows: list) -> None:
+    """cands[0] is the policy's choice; run(c) calls the kernel(s) with candidate c; check(out) -> (ok, detail)."""
+    if SHARD is not None:  # fill Triton's cache from several processes, so that the timed run only loads kernels
+        for c in cands:
+            _COUNT[0] += 1
+            if _COUNT[0] % SHARD[1] == SHARD[0]:
+                try:
+                    run(c)
+                except Exception:  # reported by the timed run
+                    pass
+        return
+    ref = run(cands[0])
+    for i, c in enumerate(cands):
+        row = dict(group=name, tokens=T, cand=dataclasses.asdict(c) if dataclasses.is_dataclass(c) else c,
+                   default=i == 0)
+        try:
+            ok, detail = check(run(c), ref)
+            row.update(ok=ok, check=detail)
+            if ok:
+                row["us"] = round(time_fn(lambda: run(c)), 2)
+                row["TFLOPs"] = round(flops / (row["us"] * 1e-6) / 1e12, 1)
+        except Exception as exc:  # a tile that does not build (registers, shared memory) is reported, not fatal
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
+        rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+
+
+def router_group(S, T, dev, dt, time_fn, rows, smoke):
+    E, H, k = S["E"], S["H"], S["k"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(T, H, device=dev, generator=g) * 3).to(dt)
+    w = torch.randn(E, H, device=dev, generator=g).to(dt)
+    scale = None if S.get("softmax") else (torch.rand(H, device=dev, generator=g) + 0.5).to(dt)
+    pes = None if S.get("softmax") else (torch.rand(E, device=dev, generator=g) + 0.5).to(dt)
+    p0 = M.router_launch(T, H, E, norm=not S.get("softmax"))
+    cands = [p0]
+    if p0.fused:  # decode sizes: the one-launch kernel's tiles
+        for be, sp, bh, nw, ns in itertools.product((16, 32), (4, 8, 16), (64, 128), (4, 8), (2, 3)):
+            cands.append(M.router_launch(T, H, E, fused=True, block_e=be, splits=sp, block_h=bh, num_warps=nw,
+                                         num_stages=ns))
+        grid_t = ()
+    else:
+        grid_t = (32, 64, 128) if not smoke else (16,)
+    for bt, be, bh, nw, ns in itertools.product(grid_t, (128,) if not smoke else (16,), (64, 128) if not smoke
+                                                else (32,), (4, 8), (2, 3) if not smoke else (2,)):
+        n, sh = M._slices(H, 1, bh)
+        cands.append(M.RouterLaunch(False, bt, min(be, max(16, E)), bh, n, sh, nw, ns))
+
+    def run(c):
+        return M.fused_router_topk(x, scale, w, pes, k, 1e-6, launch=c)
+
+    def check(out, ref):
+        same = float((out[1] == ref[1]).all(1).float().mean())
+        return same >= 0.99, f"ids equal the policy's for {same:.4f} of rows"
+
+    sweep("router", T, cands, run, check, 2.0 * T * H * E, time_fn, rows)
+
+
+def moe_group(S, T, dev, dt, time_fn, rows, smoke):
+    E, H, I, k = S["E"], S["H"], S["I"], S["k"]
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(T, H, device=dev, generator=g).to(dt)
+    gate_up = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H ** -0.5).to(dt)
+    down = (torch.randn(E, H, I, device=dev, generator=g) * I ** -0.5).to(dt)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices.to(torch.int32)
+    wts = torch.softmax(torch.randn(T, k, device=dev, generator=g), -1)
+    p0 = M.moe_launch_policy(T, k, E, H, I)
+    R = dataclasses.replace
+    cands = [p0]
+    if smoke:
+        cands += [R(p0, block_m=32, a_block_n=16, a_block_k=32), R(p0, b_block_n=32, b_block_k=32)]
+    elif T * k <= 2 * E:  # decode sizes: weight-streaming tiles
+        for bn, bk, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 4, 5)):
+            cands.append(R(p0, a_block_n=bn, a_block_k=bk, a_warps=nw, a_stages=ns))
+        for bn, bk, nw, ns in itertools.product((32, 64, 128), (64, 128, 256), (2, 4), (3, 4)):
+            cands.append(R(p0, b_block_n=bn, b_block_k=bk, b_warps=nw, b_stages=ns))
+    else:
+        for bm in (64, 128):
+            for bn, bk, nw, ns in itertools.product((64, 128), (64, 128), (4, 8), (3, 4)):
+                cands.append(R(p0, block_m=bm, a_block_n=bn, a_block_k=bk, a_warps=nw, a_stages=ns))
+            for bn, bk, nw, ns in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4)):
+                cands.append(R(p0, block_m=bm, b_block_n=bn, b_block_k=bk, b_warps=nw, b_stages=ns))
+    cands = list(dict.fromkeys(cands))
+
+    def run(c):
+        return M.fused_geglu_moe(x, gate_up, down, wts, ids, policy=c)
+
+    def check(out, ref):
+        d = rel_diff(out, ref)
+        return d < 2e-2, f"max diff / max |y| {d:.2e}"
+
+    sweep("moe", T, cands, run, check, 2.0 * T * k * 3 * I * H, time_fn, rows)
+
+
+def attention_case(S, layer, lens, dev, dt, seed):
+    """A paged bf16 cache (blocks in shuffled order) holding whole prompts that are prefilled in one step."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    page, d, kvh = S["page"], layer["head_dim"], layer["kv_heads"]
+    nblk = [-(-L // page) for L in lens]
+    perm = torch.randperm(sum(nblk), device=dev, generator=g).int()
+    bt = torch.zeros(len(lens), max(nblk), dtype=torch.int32, device=dev)
+    off = 0
+    for i, n in enumerate(nblk):
+        bt[i, :n] = perm[off:off + n]
+        off += n
+    cache = torch.randn(1 if layer["k_eq_v"] else 2, sum(nblk), page, kvh, d, device=dev, generator=g).to(dt)
+    q = torch.randn(sum(lens), S["HQ"], d, device=dev, generator=g).to(dt)
+    qsl = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=dev)
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    opts = dict(scale=d ** -0.5, sliding_window=layer["window"], k_eq_v=layer["k_eq_v"], num_kv_heads=kvh, head_dim=d)
+    if layer["k_eq_v"]:
+        opts["k_norm_weight"] = (1.0 + 0.2 * torch.randn(d, device=dev, generator=g)).to(dt)
+        opts["inv_freq"] = rope_inv_freq(d, 1e6, "proportional", partial_rotary_factor=0.25).to(dev)
+    W = layer["window"]
+    pairs = sum(sum(min(p + 1, W or p + 1) for p in range(L)) for L in lens)
+    return (q, cache, bt, qsl, sl), opts, 4.0 * S["HQ"] * d * pairs
+
+
+def attention_group(S, lens, dev, dt, time_fn, rows, smoke):
+    R = dataclasses.replace
+    for kind in ("sliding", "glob"):
+        layer = S[kind]
+        args, opts, flops = attention_case(S, layer, lens, dev, dt, seed=2)
+        p0 = PA.attention_launch_policy(len(lens), 0, layer["head_dim"], prefill=True)
+        cands = [p0]
+        if smoke:
+            cands += [R(p0, block_m=32, block_n=16), R(p0, num_warps=4)]
+        else:
+            bns = (16, 32, 64) if layer["head_dim"] >= 512 else (32, 64, 128)
+            for bm, bn, nw, ns in itertools.product((64, 128), bns, (4, 8), (2, 3)):
+                cands.append(PA.AttnLaunch(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns))
+        cands = list(dict.fromkeys(cands))
+
+        def run(c):
+            return PA.paged_prefill(*args, policy=c, **opts)
+
+        def check(out, ref):
+            d = rel_diff(out, ref)
+            return d < 2e-2, f"max diff / max |o| {d:.2e}"
+
+        sweep(f"attention {'global d512 K=V' if kind == 'glob' else 'sliding d256'}",
+              f"{len(lens)}x{lens[0]}", cands, run, check, flops, time_fn, rows)
+
+
+def summary(rows: list) -> list[str]:
+    out = []
+    for key in dict.fromkeys((r["group"], str(r["tokens"])) for r in rows):
+        rs = [r for r in rows if (r["group"], str(r["tokens"])) == key and r.get("us")]
+        if not rs:
+            continue
+        d = next((r for r in rs if r["default"]), None)
+        b = min(rs, key=lambda r: r["us"])
+        out.append(f"{key[0]:<28} T={key[1]:<8} policy {d and d['us']} us ({d and d['TFLOPs']} TFLOP/s)  "
+                   f"best {b['us']} us ({b['TFLOPs']} TFLOP/s) {json.dumps(b['cand'])}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1024,8192", help="router and MoE token counts")
+    ap.add_argument("--attention", default="1x8192,8x1024", help="prompts x length, prefilled in one step")
+    ap.add_argument("--groups", default="router,moe,attention")
+    ap.add_argument("--smoke", action="store_true", help="toy shapes (for TRITON_INTERPRET=1 on the CPU)")
+    ap.add_argument("--qwen", action="store_true", help="Qwen3.5 35B-A3B's router and MoE shapes (no attention)")
+    ap.add_argument("--compile-shard", default=None, help="i/n: only build every n-th candidate (parallel warm-up)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    global SHARD
+    if a.compile_shard:
+        i, n = (int(v) for v in a.compile_shard.split("/"))
+        SHARD = (i, n)
+    S = SHAPES["smoke" if a.smoke else "qwen" if a.qwen else "full"]
+    dev = torch.device("cpu" if a.smoke and not torch.cuda.is_available() else "cuda")
+    dt = torch.bfloat16
+    tokens = [24] if a.smoke else [int(t) for t in a.tokens.split(",")]
+    att = [[40, 40]] if a.smoke else [[int(L)] * int(n) for n, L in (s.split("x") for s in a.attention.split(","))]
+    time_fn, rows, groups = timer(a.smoke), [], a.groups.split(",")
+    for T in tokens:
+        if "router" in groups:
+            router_group(S, T, dev, dt, time_fn, rows, a.smoke)
+        if "moe" in groups:
+            moe_group(S, T, dev, dt, time_fn, rows, a.smoke)
+    if "attention" in groups and "glob" in S:
+        for lens in att:
+            attention_group(S, lens, dev, dt, time_fn, rows, a.smoke)
+    if SHARD is not None:
+        return 0
+    lines = summary(rows)
+    print("\nsummary (CUDA-graph replay, us a call):\n" + "\n".join(lines))
+    bad = [r for r in rows if r["default"] and not r.get("ok")]
+    if a.out:
+        Path(a.out).write_text(json.dumps({"device": str(dev) if a.smoke else torch.cuda.get_device_name(),
+                                           "torch": torch.__version__, "rows": rows, "summary": lines}, indent=1,
+                                          default=str))
+    print("FAILED: the policy's own launch" if bad else "ok")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
