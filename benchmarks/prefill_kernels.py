@@ -185,11 +185,14 @@ def attention_group(S, lens, dev, dt, time_fn, rows, smoke):
         p0 = PA.attention_launch_policy(len(lens), 0, layer["head_dim"], prefill=True)
         cands = [p0]
         if smoke:
-            cands += [R(p0, block_m=32, block_n=16), R(p0, num_warps=4)]
+            cands += [R(p0, block_m=32, block_n=16), R(p0, num_warps=4), R(p0, split_d=True)]
         else:
             bns = (16, 32, 64) if layer["head_dim"] >= 512 else (32, 64, 128)
             for bm, bn, nw, ns in itertools.product((64, 128), bns, (4, 8), (2, 3)):
                 cands.append(PA.AttnLaunch(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns))
+            if layer["head_dim"] >= 512:  # one program per output half: half the accumulator, twice the QK^T
+                for bm, bn, nw, ns in itertools.product((64, 128), (32, 64), (4, 8), (1, 2, 3)):
+                    cands.append(PA.AttnLaunch(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, split_d=True))
         cands = list(dict.fromkeys(cands))
 
         def run(c):

@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# moe_unsorted moe_align router prefill_kernels sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
+# moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -67,6 +67,9 @@ for step in $steps; do
       echo "prefill_kernels $tag: candidates built in $(( $(date +%s) - b0 ))s"
       run prefill_kernels_$tag 300 python3 benchmarks/prefill_kernels.py ${PREFILL_ARGS:-} \
         --out "$OUT/prefill_kernels_$tag.json" ;;
+    ffn_overlap)  # issue 14/18: the MoE branch on a side stream beside the dense MLP (shared expert), per layer
+      run ffn_overlap 150 python3 benchmarks/ffn_overlap.py --out "$OUT/ffn_overlap.json"
+      run ffn_overlap_qwen 150 python3 benchmarks/ffn_overlap.py --qwen --out "$OUT/ffn_overlap_qwen.json" ;;
     router) run router 120 python3 benchmarks/router_kernel.py --tokens 1,8,32,64 ${ROUTER_ARGS:-} \
               --out "$OUT/router_kernel.json" ;;  # Qwen3.5's shape: ROUTER_ARGS="--experts 256 --hidden 2048 --sweep"
     sparse) run sparse 150 python3 benchmarks/sparse_attention_kernel.py ${SPARSE_KERNEL_ARGS:-} ;;  # e.g. "--rows 16 --lengths 65536 --sweep"

@@ -123,7 +123,7 @@ def _attn_reference(q, cache, bt, seq_lens, q_lens, *, page, kv_heads, group, he
 
 def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head_dim, window=None, softcap=None,
                      k_eq_v=False, splits=None, block_n=None, block_m=None, inloop_k=False, spans=None, seed=0,
-                     full_rebuild=False):
+                     full_rebuild=False, split_d=False):
     import torch
 
     from compiled_llm.ops.triton import paged_attention as PA
@@ -158,11 +158,12 @@ def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head
     else:
         qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
         base = PA.attention_launch_policy(len(seq_lens), max(seq_lens), head_dim, prefill=True)
-        pol = PA.AttnLaunch(block_m=block_m or base.block_m, block_n=block_n or base.block_n)
+        pol = PA.AttnLaunch(block_m=block_m or base.block_m, block_n=block_n or base.block_n, split_d=split_d)
         out = PA.paged_prefill(q, cache, bt, qsl, sl, policy=pol, **opts)
     name = ("in-loop-k " if inloop_k and k_eq_v and mode == "prefill" else "") + (f"{mode} lens={seq_lens} q={q_lens if mode == 'prefill' else 1} page={page} kv={kv_heads} g={group} "
             f"d={head_dim} W={window} cap={softcap} kv=v:{k_eq_v} splits={pol.num_splits} bn={pol.block_n}"
             + (f" bm={pol.block_m}" if mode == "prefill" else "") + (f" spans={spans}" if spans else "")
+            + (" split-d" if split_d else "")
             + (f" rebuilt dims/2={PA.rotated_block(rot, head_dim // 2)}" if mode == "decode" and k_eq_v else ""))
     _close(name, out, ref)
 
@@ -207,6 +208,29 @@ PREFILL_CASES = [
          softcap=20.0, block_m=16, block_n=16),
     dict(seq_lens=[50, 31], q_lens=[20, 31], page=4, kv_heads=1, group=4, head_dim=32, k_eq_v=True, window=11,
          softcap=20.0, block_m=16, block_n=16, inloop_k=True),
+    # split_d (one program per output half): K=V from the dense rebuilt keys (global-like), K!=V (also with
+    # a head_dim whose half is not a power of two), sliding window + softcap, spans both ways; the in-loop
+    # rebuild needs both halves of v, so there split_d falls back to the whole-head launch
+    dict(seq_lens=[13, 77], q_lens=[13, 40], page=16, kv_heads=2, group=8, head_dim=64, k_eq_v=True, block_m=32,
+         block_n=16, split_d=True),
+    dict(seq_lens=[13, 77], q_lens=[13, 40], page=16, kv_heads=2, group=8, head_dim=64, k_eq_v=True, block_m=32,
+         block_n=16, inloop_k=True, split_d=True),
+    dict(seq_lens=[33, 70], q_lens=[33, 25], page=16, kv_heads=2, group=2, head_dim=64, softcap=30.0, block_m=32,
+         block_n=32, split_d=True),
+    dict(seq_lens=[40, 9], q_lens=[17, 9], page=4, kv_heads=2, group=1, head_dim=48, block_m=16, block_n=16,
+         split_d=True),
+    dict(seq_lens=[50, 31], q_lens=[20, 31], page=4, kv_heads=1, group=4, head_dim=32, k_eq_v=True, window=11,
+         softcap=20.0, block_m=16, block_n=16, split_d=True),
+    dict(seq_lens=[30, 20], q_lens=[30, 12], page=4, kv_heads=2, group=2, head_dim=32, window=9, softcap=30.0,
+         block_m=16, block_n=16, spans=[[(3, 9), (15, 27)], [(2, 6), (10, 14)]], split_d=True),
+    dict(seq_lens=[40], q_lens=[24], page=16, kv_heads=1, group=4, head_dim=32, k_eq_v=True, window=50, block_m=32,
+         block_n=16, spans=[[(20, 37)]], split_d=True),
+]
+
+# split_d against the whole-head launch on the same inputs and tiles
+SPLIT_D_CASES = [
+    dict(seq_lens=[9, 45], q_lens=[9, 20], page=16, kv_heads=2, group=4, head_dim=64, k_eq_v=True),
+    dict(seq_lens=[50, 31], q_lens=[20, 31], page=4, kv_heads=2, group=2, head_dim=64, window=11, softcap=20.0),
 ]
 
 
@@ -215,9 +239,44 @@ def check_decode():
         _check_attention("decode", **case)
 
 
+def _check_split_d_same(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, window=None, softcap=None,
+                        k_eq_v=False):
+    """paged_prefill with split_d equals the whole-head launch to float32 rounding (float32), within a couple
+    of output roundings in bfloat16, where both also stay close to the float32 reference on the same inputs."""
+    import torch
+
+    from compiled_llm.ops.triton import paged_attention as PA
+
+    PA.DENSE_K_LIMIT_BYTES = 1 << 30
+    q, cache, bt, extra = _attn_case(seq_lens, q_lens, page=page, kv_heads=kv_heads, group=group, head_dim=head_dim,
+                                     window=window, softcap=softcap, k_eq_v=k_eq_v)
+    q, cache = q.to(dtype), cache.to(dtype)
+    scale = head_dim ** -0.5 * 1.7
+    opts = dict(scale=scale, sliding_window=window, softcap=softcap, k_eq_v=k_eq_v, num_kv_heads=kv_heads,
+                head_dim=head_dim, **extra)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    outs = [PA.paged_prefill(q, cache, bt, qsl, sl, **opts, policy=PA.AttnLaunch(
+        block_m=32, block_n=16, num_warps=8, num_stages=2, split_d=split)) for split in (False, True)]
+    name = f"split-d vs whole-head {dtype} lens={seq_lens} d={head_dim} W={window} cap={softcap} kv=v:{k_eq_v}"
+    if dtype == torch.float32:
+        _close(name, outs[1], outs[0], rtol=1e-6, atol=1e-6)
+        return
+    _close(name, outs[1], outs[0], rtol=1e-2, atol=2e-2)
+    ref, _ = _attn_reference(q.float(), cache.float(), bt, seq_lens, q_lens, page=page, kv_heads=kv_heads,
+                             group=group, head_dim=head_dim, window=window, softcap=softcap, k_eq_v=k_eq_v,
+                             scale=scale, **extra)
+    _close(name + " (split-d) vs float32 reference", outs[1], ref, rtol=5e-2, atol=5e-2)
+
+
 def check_prefill():
+    import torch
+
     for case in PREFILL_CASES:
         _check_attention("prefill", **case)
+    for case in SPLIT_D_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_split_d_same(dtype, **case)
 
 
 def check_decode_sweep():
@@ -343,8 +402,36 @@ def check_moe_align_sorted():
     assert torch.equal(moe.moe_align(big, 16, 16)[0], moe.moe_align_sorted(big, 16, 16)[0])
 
 
+def _check_moe_start(T, E, H, I, k, gemma: bool, seed: int):
+    """The MoE overlap's start (ops/moe_overlap.py) through its Triton provider: each pick's weighted output,
+    whose float32 sum is what the router + routed op give (the same kernels, the top-k sum left out)."""
+    import torch
+
+    from compiled_llm.ops.triton import providers as P
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    proj = torch.randn(E, H, generator=g)
+    gu, dn = 0.2 * torch.randn(E, 2 * I, H, generator=g), 0.2 * torch.randn(E, H, I, generator=g)
+    if gemma:
+        scale, pes = 1 + 0.2 * torch.randn(H, generator=g), 0.5 + torch.rand(E, generator=g)
+        w, ids = P.router_topk(x, proj, scale, pes, k, 1e-6, H ** -0.5)
+        want = P.geglu_moe(x, w, ids, gu, dn)
+        slots = P.moe_start(x, proj, scale, pes, x, gu, dn, k, 1e-6, H ** -0.5, 0, "gelu_tanh", False)
+    else:
+        w, ids = P.softmax_router_topk(x, proj, k)
+        want = P.swiglu_moe(x, w, ids, gu, dn)
+        slots = P.moe_start(x, proj, None, None, x, gu, dn, k, 0.0, 1.0, 0, "silu", True)
+    assert slots.shape == (T, k, H)
+    _close(f"moe_start slots T={T} gemma={gemma}", slots.sum(1), want, rtol=1e-5, atol=1e-5)
+
+
 def check_moe():
     from compiled_llm.ops.triton.moe import moe_launch_policy
+
+    _check_moe_start(5, 8, 64, 48, 2, True, 0)
+    _check_moe_start(1, 8, 64, 48, 3, True, 1)  # one token: pairs unsorted
+    _check_moe_start(9, 6, 64, 40, 2, False, 2)
 
     assert moe_launch_policy(1, 8, 128, 2816, 704).unsorted and not moe_launch_policy(2, 8, 128, 2816, 704).unsorted
     _check_moe_skipped(9, 4, 32, 24, 3, 4, 7)

@@ -142,10 +142,11 @@ class DecoderLayer(nn.Module):
         x = residual + x
 
         residual = x
+        if self.moe:  # the routed branch's inputs first: compiled on CUDA it then runs beside the dense MLP
+            weights, ids = self.router(residual)  # (passes/moe_overlap.py)
+            routed = self.experts(self.pre_feedforward_layernorm_2(residual), weights, ids)
         y = self.mlp(self.pre_feedforward_layernorm(x))
         if self.moe:
-            weights, ids = self.router(residual)
-            routed = self.experts(self.pre_feedforward_layernorm_2(residual), weights, ids)
             y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(routed)
         x = residual + self.post_feedforward_layernorm(y)
 
@@ -235,8 +236,9 @@ class Gemma4ForCausalLM(nn.Module, SupportsPP, SupportsTP, SupportsEP):
         """The fusions each of this stage's layers gets when compiled (compiler/verify.py checks the passes'
         per-layer match counts against this): QK-norm + RoPE (+ KV write) in its attention; RMSNorm +
         residual add after attention, and once more in MoE layers (the summed post-norms are normed again);
-        router + top-k and GEGLU MoE in MoE layers; under tensor parallelism one all-reduce + RMSNorm per
-        row-parallel projection (attention out, MLP down, and the experts' combine)."""
+        router + top-k and GEGLU MoE in MoE layers, and there the routed branch split onto a side stream
+        (moe_overlap, when that pass is on); under tensor parallelism one all-reduce + RMSNorm per row-parallel
+        projection (attention out, MLP down, and the experts' combine)."""
         tp = get_parallel_state().tp_size > 1
         out = {}
         for layer in self.model.layers:
@@ -244,7 +246,7 @@ class Gemma4ForCausalLM(nn.Module, SupportsPP, SupportsTP, SupportsEP):
                 continue
             moe = 1 if layer.moe else 0
             out[layer.self_attn.idx] = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 1 + moe, "router_topk": moe,
-                                        "geglu_moe": moe, "allreduce_rms_norm": (2 + moe) if tp else 0}
+                                        "geglu_moe": moe, "moe_overlap": moe, "allreduce_rms_norm": (2 + moe) if tp else 0}
         return out
 
     def intermediate_shapes(self, num_tokens: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

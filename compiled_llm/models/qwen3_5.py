@@ -270,7 +270,7 @@ class Qwen3_5ForCausalLM(nn.Module, HasRecurrentState, UsesMRoPE, SupportsTP, Su
         for i, layer in enumerate(self.model.layers):
             moe = int(isinstance(layer.mlp, SparseMoE))
             out[i] = {"add_rms_norm": 2, "qk_norm_rope_kv_write": int(layer.layer_type == FULL), "router_topk": moe,
-                      "swiglu_moe": moe}
+                      "swiglu_moe": moe, "moe_overlap": moe}
         return out
 
     def state_specs(self) -> dict[int, StateSpec]:

@@ -19,6 +19,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from compiled_llm.ops import OPS
 from compiled_llm.ops.registry import INDUCTOR
 from compiled_llm.passes.base import INDUCTOR_SETTINGS, FusionPass
+from compiled_llm.passes.moe_overlap import enabled_by_default
 
 log = logging.getLogger("compiled_llm")
 
@@ -39,12 +40,13 @@ def all_passes() -> dict[str, type[FusionPass]]:
     from compiled_llm.passes.add_rms_norm import AddRMSNormPass
     from compiled_llm.passes.allreduce_rms_norm import AllReduceRMSNormPass
     from compiled_llm.passes.geglu_moe import GegluMoEPass
+    from compiled_llm.passes.moe_overlap import MoEOverlapPass
     from compiled_llm.passes.qk_norm_rope import QKNormRopeKVWritePass
     from compiled_llm.passes.router_topk import RouterTopKPass
     from compiled_llm.passes.swiglu_moe import SwigluMoEPass
 
     return {p.name: p for p in (AddRMSNormPass, QKNormRopeKVWritePass, AllReduceRMSNormPass, RouterTopKPass,
-                                GegluMoEPass, SwigluMoEPass)}
+                                GegluMoEPass, SwigluMoEPass, MoEOverlapPass)}
 
 
 _BUILT: dict[tuple, FusionPass] = {}
@@ -86,8 +88,11 @@ class PassManager(CustomGraphPass):
         unknown = set(names) - set(known)
         if unknown:
             raise ValueError(f"unknown passes {sorted(unknown)}; passes: {', '.join(known)}")
+        names = sorted(names, key=list(known).index)  # in the passes' own order: the MoE overlap follows the MoE fusions
         if tp_group is None and "allreduce_rms_norm" in names and enabled is None:
             names.remove("allreduce_rms_norm")  # only under tensor parallelism
+        if enabled is None and not enabled_by_default(torch.device(device).type):
+            names.remove("moe_overlap")  # streams: CUDA only (a CPU compile may still name it)
         dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
         device = torch.device(device).type
         self.reference_only = reference_only
@@ -133,6 +138,10 @@ class PassManager(CustomGraphPass):
         extra = {}
         if self.reference_only:  # Inductor then computes what the references did: round as eager rounds
             extra["emulate_precision_casts"] = True
+        if any(p.name == "moe_overlap" for p in self.passes):
+            # Inductor's peak-memory reordering moved the join ahead of the dense branch (seen on the CPU's
+            # code): the graph's own order, which the overlap pass set, is what runs the branches side by side
+            extra["reorder_for_peak_memory"] = False
         return {"post_grad_custom_pre_pass": self, **INDUCTOR_SETTINGS, **extra}
 
     def fusions(self) -> dict[str, str]:

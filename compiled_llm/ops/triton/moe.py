@@ -292,9 +292,11 @@ ACTIVATIONS = ("gelu_tanh", "silu")
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, activation: str = "gelu_tanh", policy: MoELaunch | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, activation: str = "gelu_tanh", policy: MoELaunch | None = None,
+              sum_slots: bool = True) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
-    activation: gelu_tanh (GEGLU) or silu (SwiGLU). Returns [T, H] in x.dtype."""
+    activation: gelu_tanh (GEGLU) or silu (SwiGLU). Returns [T, H] in x.dtype; sum_slots=False: each pick's
+    weighted output, [T, k, H], for the caller to sum (`topk_sum`; ops/moe_overlap.py does it on another stream)."""
     assert activation in ACTIVATIONS, activation
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = gate_up_proj.shape
@@ -303,7 +305,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     assert gate_up_proj.shape[2] == hidden and down_proj.shape == (num_experts, hidden, inter)
     assert x.stride(1) == 1 and gate_up_proj.stride(2) == 1 and down_proj.stride(2) == 1
     if num_tokens == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if sum_slots else x.new_zeros(0, topk_ids.shape[1], hidden)
     pol = policy or moe_launch_policy(num_tokens, top_k, num_experts, hidden, inter)
     num_pairs = num_tokens * top_k
     if pol.unsorted:
@@ -329,6 +331,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype),
         num_warps=pol.b_warps, num_stages=pol.b_stages,
     )
+    if not sum_slots:
+        return y.view(num_tokens, top_k, hidden)
     if top_k == 1:
         return y
     return topk_sum(y.view(num_tokens, top_k, hidden))
@@ -359,12 +363,16 @@ def topk_sum(y: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fused_geglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None):
-    return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="gelu_tanh", policy=policy)
+def fused_geglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None,
+                    sum_slots: bool = True):
+    return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="gelu_tanh", policy=policy,
+                     sum_slots=sum_slots)
 
 
-def fused_swiglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None):
-    return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", policy=policy)
+def fused_swiglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None,
+                     sum_slots: bool = True):
+    return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", policy=policy,
+                     sum_slots=sum_slots)
 
 
 # ----------------------------------------------------------------------------------------------------

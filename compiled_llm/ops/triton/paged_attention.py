@@ -7,7 +7,8 @@ K=V layers cache only v (normalised, unrotated); keys are rebuilt in-kernel as r
 
 Both kernels work on head_dim split into two halves (the rotate-half pairs), so the K=V rebuild needs no
 shuffles and head_dim 512 is processed as two 256-wide chunks. One program owns one KV head and all
-the query heads of its GQA group, so every K/V tile is read once per group.
+the query heads of its GQA group, so every K/V tile is read once per group (prefill with split_d: two, one
+per output half, each computing the full scores, so that a head_dim-512 tile keeps a 256-wide accumulator).
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class AttnLaunch:
     block_m: int = 64  # prefill: rows per program = query tokens x query heads of one GQA group
     num_warps: int = 4
     num_stages: int = 2
+    # prefill: two programs per (query tile, KV head), one per half of the output's head_dim; both compute the
+    # full scores (twice the QK^T work) but each keeps one [block_m, head_dim/2] accumulator, so larger tiles
+    # fit. Not for K=V layers whose keys are rebuilt in the loop (that needs both halves of v): ignored there.
+    split_d: bool = False
+
+
+# a d=512 prefill whose keys are rebuilt in the loop cannot split the output (the rebuild needs all of v)
+UNSPLIT_D512 = AttnLaunch(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
 def _pow2_floor(x: int) -> int:
@@ -49,9 +58,11 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
     # Register/smem figures from ptxas (triton 3.8, sm_90a, bf16) are noted per choice.
     if prefill:
         # H200 sweep (benchmarks/NOTES.md, 2026-11-29): 64-row tiles halve the d=512 prefill (6.2 vs 12.1 ms
-        # at 8192 tokens); 128x64 tiles are 15% faster than 64x32 at d=256.
+        # at 8192 tokens); 128x64 tiles are 15% faster than 64x32 at d=256. Session 17 (prefill_kernels.py):
+        # at d=512 one program per output half with 128 x 64 tiles and one stage, 4.58 vs 6.20 ms at 8,192
+        # tokens and 0.74 vs 0.91 ms at 8 x 1,024 (the only split tile that fits shared memory with 64 keys)
         if head_dim >= 512:  # K from the dense rebuilt buffer
-            return AttnLaunch(block_m=64, block_n=32, num_warps=8, num_stages=2)
+            return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=1, split_d=True)
         if head_dim >= 256:
             return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=2)
         return AttnLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2)
@@ -399,12 +410,19 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
-    BIDIR: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr = False,
+    BIDIR: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr = False, SPLIT_D: tl.constexpr = False,
 ):
     # K_DENSE: keys come pre-rebuilt from a dense [num_seqs, positions, kv_heads, head_dim] buffer (K)
     # BIDIR: each new token also sees the keys of its span [SpanLo, SpanHi) (media tokens, both ways)
+    # SPLIT_D: axis 1 is kv_heads x 2; program (pid, j) owns KV head j // 2 and output half j % 2. The scores
+    # (and so m_i, l_i) are the same in both programs; each reads and accumulates only its half of V.
+    tl.static_assert(not SPLIT_D or K_DENSE or not K_EQ_V, "SPLIT_D: the in-loop key rebuild needs all of v")
     pid = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if SPLIT_D:
+        kvh = tl.program_id(1) // 2
+        part = tl.program_id(1) % 2
+    else:
+        kvh = tl.program_id(1)
     # Sequence of this query tile: sequence s owns tiles [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1).
     lo = pid * 0
     hi = lo + num_seqs
@@ -456,8 +474,9 @@ def _prefill_kernel(
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # SPLIT_D: this program's half only
+    if not SPLIT_D:
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for kstart in range(first, last, BLOCK_N):
         pos = kstart + n
         pmask = pos < last
@@ -465,8 +484,11 @@ def _prefill_kernel(
         slot = pos % PAGE
         kvmask = pmask[:, None] & dmask[None, :]
         v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
-        v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
-        v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
+        if SPLIT_D:
+            v1 = tl.load(V + v_off + part * HALF, mask=kvmask, other=0.0)  # this program's half
+        else:
+            v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
+            v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
         if K_DENSE:
             k_off = seq.to(tl.int64) * stride_kb + (pos * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
             k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
@@ -490,13 +512,17 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = p.to(v1.dtype)
         acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
-        acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
+        if not SPLIT_D:
+            acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o_ptr = Out + (q_begin + tok).to(tl.int64)[:, None] * stride_ot + (head * stride_oh)[:, None] + d[None, :]
-    tl.store(o_ptr, (acc1 / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
-    tl.store(o_ptr + HALF, (acc2 / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
+    if SPLIT_D:
+        tl.store(o_ptr + part * HALF, (acc1 / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
+    else:
+        tl.store(o_ptr, (acc1 / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
+        tl.store(o_ptr + HALF, (acc2 / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -593,10 +619,15 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
             int(sliding_window or 0),
             HALF=half, BLOCK_D=block_d, PAGE=page, BLOCK_N=16, SLIDING=sliding_window is not None, num_warps=8,
         )
+    split_d = pol.split_d and not (k_eq_v and not dense)  # the in-loop rebuild needs both halves of v
+    if pol.split_d and not split_d and policy is None:  # the policy's split tile, unsplit, would not fit
+        pol = UNSPLIT_D512
+        block_m = max(pol.block_m, gp, 16)
+        block_q = block_m // gp
     block_n = pol.block_n
     if k_eq_v and not dense:
         block_n = min(block_n, 16)  # in-loop rebuild keeps fp32 cos/sin tables live
-    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
+    grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads * (2 if split_d else 1))
     span_lo, span_hi = spans if spans is not None else (seq_lens, seq_lens)  # unused without BIDIR
     _prefill_kernel[grid](
         q, k_src, v_cache, block_tables, seq_lens, query_start_loc, knw, inv, out, span_lo, span_hi,
@@ -609,7 +640,7 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         GROUP=group, GP=gp, BLOCK_Q=block_q, BLOCK_M=block_m, HALF=half, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, K_DENSE=dense,
-        BIDIR=spans is not None, PREC=dot_precision(q.dtype), F32=dot_f32(q.dtype), num_warps=pol.num_warps,
-        num_stages=pol.num_stages,
+        BIDIR=spans is not None, PREC=dot_precision(q.dtype), F32=dot_f32(q.dtype), SPLIT_D=split_d,
+        num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     return out

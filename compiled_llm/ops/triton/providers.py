@@ -117,6 +117,20 @@ def swiglu_moe(x, weights, ids, gate_up_proj, down_proj):
     return fused_swiglu_moe(x.contiguous(), gate_up_proj, down_proj, weights, ids)
 
 
+def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k: int, eps: float,
+              root_size: float, first: int, activation: str, cast: bool):
+    """The routed branch up to each pick's weighted output [T, k, H] (ops/moe_overlap.py): the same router and
+    grouped-GEMM kernels as router_topk / geglu_moe (swiglu_moe), without the top-k sum."""
+    from compiled_llm.ops.moe_overlap import route
+
+    w, ids = route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size, x.dtype, cast, first,
+                   router_topk, softmax_router_topk)
+    name = "geglu_moe" if activation == "gelu_tanh" else "swiglu_moe"
+    MONITOR.note(name, (x.dtype, gate_up_proj.shape, ids.shape[1]))
+    fn = fused_geglu_moe if activation == "gelu_tanh" else fused_swiglu_moe
+    return fn(x.contiguous(), gate_up_proj, down_proj, w, ids, sum_slots=False)
+
+
 # ---- JIT warm-up ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager

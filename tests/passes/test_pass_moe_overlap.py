@@ -1,0 +1,142 @@
+"""MoE overlap: after the router and MoE fusions, a layer's router + routed op become moe_start (before the dense
+branch) and moe_join (after it), in Gemma 4's form (normed router, GEGLU experts beside a dense MLP), Qwen3.5's
+(softmax router with its weights cast, SwiGLU experts beside the shared expert) and expert parallel's (ids
+shifted); the compiled result equals eager, the generated code keeps the dense branch between the two, and a
+router whose picks feed anything else is left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+
+from compiled_llm.ops.activation import gelu_tanh
+from compiled_llm.ops.moe import dense_gated_moe, ref_router_topk, ref_softmax_router_topk
+from compiled_llm.ops.norm import ref_rms_norm
+from pass_utils import fuse, inspect
+
+PASSES = ("router_topk", "geglu_moe", "swiglu_moe", "moe_overlap")
+E, H, I, K, D = 8, 32, 12, 2, 40  # D: the dense branch's intermediate size
+
+
+def gemma_ffn(x, router_w, scale, pes, n2, gate_up, down, n1, mlp_gu, mlp_d, first=0):
+    """Gemma 4's MoE layer after attention, in the model's order: the routed branch's inputs, then the dense MLP."""
+    w, ids = ref_router_topk(x, router_w, scale, pes, K, 1e-6, H ** -0.5)
+    routed = dense_gated_moe(ref_rms_norm(x, n2, 1e-6), w, ids, gate_up, down, gelu_tanh, first + gate_up.shape[0],
+                             first).to(x.dtype)
+    g, u = F.linear(ref_rms_norm(x, n1, 1e-6), mlp_gu).chunk(2, dim=-1)
+    y = F.linear(gelu_tanh(g) * u, mlp_d)
+    return ref_rms_norm(y, n1, 1e-6) + ref_rms_norm(routed, n2, 1e-6)
+
+
+def gemma_ffn_ep(x, router_w, scale, pes, n2, gate_up, down, n1, mlp_gu, mlp_d):
+    """Expert parallel: this rank holds experts [E/2, E); ids are global."""
+    return gemma_ffn(x, router_w, scale, pes, n2, gate_up, down, n1, mlp_gu, mlp_d, first=E // 2)
+
+
+def picks_used_twice(x, router_w, scale, pes, n2, gate_up, down, n1, mlp_gu, mlp_d):
+    """The router's weights also feed the output: the routed branch cannot leave the main stream."""
+    w, ids = ref_router_topk(x, router_w, scale, pes, K, 1e-6, H ** -0.5)
+    routed = dense_gated_moe(ref_rms_norm(x, n2, 1e-6), w, ids, gate_up, down, gelu_tanh, E).to(x.dtype)
+    return routed + w.sum(-1, keepdim=True).to(x.dtype)
+
+
+def qwen_moe(x, router_w, shared_gu, shared_d, shared_gate, gate_up, down):
+    """Qwen3.5's sparse MoE block: softmax router (weights cast to the model's dtype), the shared expert, the
+    routed SwiGLU experts, their sum."""
+    w, ids = ref_softmax_router_topk(x, router_w, K)
+    g, u = F.linear(x, shared_gu).chunk(2, dim=-1)
+    shared = torch.sigmoid(F.linear(x, shared_gate)) * F.linear(F.silu(g) * u, shared_d)
+    routed = dense_gated_moe(x, w.to(x.dtype), ids, gate_up, down, F.silu, E).to(x.dtype)
+    return routed + shared
+
+
+def gemma_inputs(n=6, dtype=torch.float32, experts=E):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s, a=0.2: (a * torch.randn(*s, generator=g)).to(dtype)  # noqa: E731
+    norm = lambda: (1 + 0.3 * torch.randn(H, generator=g)).to(dtype)  # noqa: E731
+    return [torch.randn(n, H, generator=g).to(dtype), r(E, H, a=1.0), norm(), (0.5 + torch.rand(E, generator=g)).to(dtype),
+            norm(), r(experts, 2 * I, H), r(experts, H, I), norm(), r(2 * D, H), r(H, D)]
+
+
+def qwen_inputs(n=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s, a=0.2: (a * torch.randn(*s, generator=g)).to(dtype)  # noqa: E731
+    return [torch.randn(n, H, generator=g).to(dtype), r(E, H, a=1.0), r(2 * D, H), r(H, D), r(1, H), r(E, 2 * I, H),
+            r(E, H, I)]
+
+
+def _order(code: str) -> tuple[int, int, list[int]]:
+    start, join = code.index("compiled_llm.moe_start"), code.index("compiled_llm.moe_join")
+    mms = [i for i in range(len(code)) if code.startswith("extern_kernels.mm(", i)]
+    return start, join, mms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_routed_branch_is_split_around_the_dense_mlp(dtype):
+    args = gemma_inputs(dtype=dtype)
+    matches, out = fuse(gemma_ffn, args, PASSES)
+    assert (matches["router_topk"], matches["geglu_moe"], matches["moe_overlap"]) == (1, 1, 1)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, gemma_ffn(*args), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("model, dtype, dense", [("gemma", torch.float32, 2), ("qwen", torch.bfloat16, 3)])
+def test_the_generated_code_runs_the_dense_branch_between_start_and_join(model, dtype, dense):
+    """Gemma 4: the dense MLP's gate/up and down GEMMs; Qwen3.5: the shared expert's gate/up, down and gate
+    GEMMs (its routed op sits early in the graph, with the output's casts right after it)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from compiled_llm.passes.manager import PassManager
+
+    fn, args = (gemma_ffn, gemma_inputs(dtype=dtype)) if model == "gemma" else (qwen_moe, qwen_inputs(dtype=dtype))
+    torch._dynamo.reset()
+    pm = PassManager(PASSES, dtype, "cpu")
+    compiled = torch.compile(fn, backend=lambda gm, ex: compile_fx(gm, ex, config_patches=pm.inductor_config()))
+    with torch.inference_mode():
+        out, codes = run_and_get_code(compiled, *args)
+    start, join, mms = _order("\n".join(codes))
+    assert start < join
+    assert len([i for i in mms if start < i < join]) == dense, (start, join, mms)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, fn(*args), atol=tol, rtol=tol)
+
+
+def test_expert_parallel_shift_moves_into_the_start():
+    args = gemma_inputs(experts=E // 2)
+    matches, out = fuse(gemma_ffn_ep, args, PASSES)
+    assert matches["moe_overlap"] == 1
+    torch.testing.assert_close(out, gemma_ffn_ep(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen_routed_experts_beside_the_shared_expert(dtype):
+    args = qwen_inputs(dtype=dtype)
+    matches, out = fuse(qwen_moe, args, PASSES)
+    assert (matches["router_topk"], matches["swiglu_moe"], matches["moe_overlap"]) == (1, 1, 1)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, qwen_moe(*args), atol=tol, rtol=tol)
+
+
+def test_picks_used_elsewhere_stay_on_the_main_stream():
+    args = gemma_inputs()
+    matches, out = fuse(picks_used_twice, args, PASSES)
+    assert matches["geglu_moe"] == 1 and matches["moe_overlap"] == 0
+    torch.testing.assert_close(out, picks_used_twice(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n, dynamic", [(6, True), (1, False), (8, False)])
+def test_splits_on_the_gpus_graph(n, dynamic):
+    got = inspect(gemma_ffn, lambda: gemma_inputs(n=n, dtype=torch.bfloat16), PASSES, dtype=torch.bfloat16,
+                  dynamic=dynamic)
+    assert got["moe_overlap"] == 1
+
+
+def test_on_by_default_on_cuda_only(monkeypatch):
+    from compiled_llm.passes.manager import PassManager
+
+    assert "moe_overlap" in [p.name for p in PassManager(None, torch.bfloat16, "cuda").passes]
+    assert "moe_overlap" not in [p.name for p in PassManager(None, torch.bfloat16, "cpu").passes]
+    monkeypatch.setenv("COMPILED_LLM_MOE_OVERLAP", "0")
+    assert "moe_overlap" not in [p.name for p in PassManager(None, torch.bfloat16, "cuda").passes]
