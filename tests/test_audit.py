@@ -25,10 +25,12 @@ from configs import config_dict  # noqa: E402
 # audited there (two layers, the MoE pass off and on) by the tests below them.
 ALL_CONFIGS = torch.__version__.startswith("2.11") or bool(os.environ.get("COMPILED_LLM_AUDIT_ALL"))
 
-GEMMA_MOE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 2, "router_topk": 1, "geglu_moe": 1, "swiglu_moe": 0}
+# on the GPU's graph the MoE overlap (the routed experts on a side stream) splits every MoE layer too
+GEMMA_MOE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 2, "router_topk": 1, "geglu_moe": 1, "swiglu_moe": 0,
+             "moe_overlap": 1}
 GEMMA_DENSE = {"qk_norm_rope_kv_write": 1, "add_rms_norm": 1, "router_topk": 0, "geglu_moe": 0, "swiglu_moe": 0}
 # Qwen3.5 MoE: two add + norm per layer, QK-norm + M-RoPE + KV write on every 4th (full-attention) layer
-QWEN_MOE = {"add_rms_norm": 2, "router_topk": 1, "swiglu_moe": 1}
+QWEN_MOE = {"add_rms_norm": 2, "router_topk": 1, "swiglu_moe": 1, "moe_overlap": 1}
 QWEN_MOE_FULL = dict(QWEN_MOE, qk_norm_rope_kv_write=1)
 
 

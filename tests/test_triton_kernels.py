@@ -424,6 +424,26 @@ def _check_moe_start(T, E, H, I, k, gemma: bool, seed: int):
         slots = P.moe_start(x, proj, None, None, x, gu, dn, k, 0.0, 1.0, 0, "silu", True)
     assert slots.shape == (T, k, H)
     _close(f"moe_start slots T={T} gemma={gemma}", slots.sum(1), want, rtol=1e-5, atol=1e-5)
+    # the router's last program aligning the picks (one token block) against the separate alignment launch
+    from compiled_llm.ops.triton import moe as M
+
+    pol = M.moe_launch_policy(T, k, E, H, I)
+    if not pol.unsorted:
+        got = M.fused_router_topk(x, scale if gemma else None, proj, pes if gemma else None, k, 1e-6 if gemma else 0.0,
+                                  ids_dtype=torch.int64, align_block_m=pol.block_m)
+        assert got[2] is not None
+        for a, b in zip(got[2], M.moe_align(got[1], E, pol.block_m)):
+            assert torch.equal(a, b), (T, a, b)
+        was = P.ROUTER_ALIGN
+        try:
+            out = {}
+            for P.ROUTER_ALIGN in (True, False):  # COMPILED_LLM_ROUTER_ALIGN=1 and its default
+                out[P.ROUTER_ALIGN] = P.moe_start(x, proj, scale if gemma else None, pes if gemma else None, x, gu, dn,
+                                                  k, 1e-6 if gemma else 0.0, H ** -0.5 if gemma else 1.0, 0,
+                                                  "gelu_tanh" if gemma else "silu", not gemma)
+        finally:
+            P.ROUTER_ALIGN = was
+        assert torch.equal(out[True], out[False]) and torch.equal(out[False], slots)
 
 
 def check_moe():
@@ -432,6 +452,7 @@ def check_moe():
     _check_moe_start(5, 8, 64, 48, 2, True, 0)
     _check_moe_start(1, 8, 64, 48, 3, True, 1)  # one token: pairs unsorted
     _check_moe_start(9, 6, 64, 40, 2, False, 2)
+    _check_moe_start(16, 8, 64, 48, 4, True, 3)  # a full token block (64 pairs)
 
     assert moe_launch_policy(1, 8, 128, 2816, 704).unsorted and not moe_launch_policy(2, 8, 128, 2816, 704).unsorted
     _check_moe_skipped(9, 4, 32, 24, 3, 4, 7)

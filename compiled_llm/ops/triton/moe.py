@@ -32,12 +32,9 @@ def moe_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(n, block_m) * block_m
 
 
-@triton.jit(do_not_specialize=["n", "size"])
-def _align_kernel(
-    Ids, Cursor, SortedIds, ExpertIds, NumPadded,
-    n, E, size,
-    BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
-):
+@triton.jit
+def _align_body(Ids, Cursor, SortedIds, ExpertIds, NumPadded, n, E, size,
+                BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
     # One program: bucket counts, padded segment ends (cumsum), then each pair's slot by an atomic cursor per
     # bucket. A pair's row in its expert's segment does not change its result (the grouped GEMMs treat rows
     # independently), so the atomics' order is harmless. Bucket E holds another rank's experts' pairs.
@@ -70,6 +67,15 @@ def _align_kernel(
         e = tl.where((e >= 0) & (e < E), e, E)
         slot = tl.atomic_add(Cursor + e, 1, mask=m)
         tl.store(SortedIds + slot, (i0 + c).to(tl.int32), mask=m)
+
+
+@triton.jit(do_not_specialize=["n", "size"])
+def _align_kernel(
+    Ids, Cursor, SortedIds, ExpertIds, NumPadded,
+    n, E, size,
+    BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
+):
+    _align_body(Ids, Cursor, SortedIds, ExpertIds, NumPadded, n, E, size, BLOCK_M, BINS, CHUNK, CB)
 
 
 # from here (2,560 tokens at top-8) the pairs are sorted by torch's parallel sort. H200, 26B-A4B (session 12):
@@ -117,19 +123,21 @@ def moe_align_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
+def _align_buffers(n: int, num_experts: int, block_m: int, device):
+    """(cursor, sorted_ids, expert_ids, num_padded, size, launch constexprs) of a one-program alignment."""
+    size = moe_max_padded(n, num_experts + 1, block_m)
+    bins = triton.next_power_of_2(num_experts + 2)
+    bufs = (torch.empty(bins, dtype=torch.int32, device=device), torch.empty(size, dtype=torch.int32, device=device),
+            torch.empty(size // block_m, dtype=torch.int32, device=device), torch.empty(1, dtype=torch.int32, device=device))
+    return bufs, size, dict(BLOCK_M=block_m, BINS=bins, CHUNK=1024, CB=max(16, min(64, 8192 // bins)))
+
+
 def moe_align_program(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """moe_align in one Triton program (decode sizes: one launch)."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
-    dev = flat.device
-    size = moe_max_padded(n, num_experts + 1, block_m)
-    bins = triton.next_power_of_2(num_experts + 2)
-    cursor = torch.empty(bins, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](flat, cursor, sorted_ids, expert_ids, num_padded, n, num_experts, size,
-                        BLOCK_M=block_m, BINS=bins, CHUNK=1024, CB=max(16, min(64, 8192 // bins)), num_warps=4)
+    (cursor, sorted_ids, expert_ids, num_padded), size, meta = _align_buffers(n, num_experts, block_m, flat.device)
+    _align_kernel[(1,)](flat, cursor, sorted_ids, expert_ids, num_padded, n, num_experts, size, **meta, num_warps=4)
     return sorted_ids, expert_ids, num_padded
 
 
@@ -293,10 +301,12 @@ ACTIVATIONS = ("gelu_tanh", "silu")
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "gelu_tanh", policy: MoELaunch | None = None,
-              sum_slots: bool = True) -> torch.Tensor:
+              sum_slots: bool = True, alignment: tuple | None = None) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
     activation: gelu_tanh (GEGLU) or silu (SwiGLU). Returns [T, H] in x.dtype; sum_slots=False: each pick's
-    weighted output, [T, k, H], for the caller to sum (`topk_sum`; ops/moe_overlap.py does it on another stream)."""
+    weighted output, [T, k, H], for the caller to sum (`topk_sum`; ops/moe_overlap.py does it on another stream).
+    alignment: moe_align's outputs for these ids at the policy's block_m, made already (the router's last program
+    can make them: fused_router_topk align_block_m)."""
     assert activation in ACTIVATIONS, activation
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = gate_up_proj.shape
@@ -311,6 +321,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     if pol.unsorted:
         sorted_ids, num_padded = unsorted_blocks(num_pairs, pol.block_m, x.device)
         expert_ids = topk_ids.reshape(-1)
+    elif alignment is not None:
+        sorted_ids, expert_ids, num_padded = alignment
     else:
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, pol.block_m)
     num_blocks = expert_ids.numel()
@@ -364,15 +376,15 @@ def topk_sum(y: torch.Tensor) -> torch.Tensor:
 
 
 def fused_geglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None,
-                    sum_slots: bool = True):
+                    sum_slots: bool = True, alignment: tuple | None = None):
     return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="gelu_tanh", policy=policy,
-                     sum_slots=sum_slots)
+                     sum_slots=sum_slots, alignment=alignment)
 
 
 def fused_swiglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, policy: MoELaunch | None = None,
-                     sum_slots: bool = True):
+                     sum_slots: bool = True, alignment: tuple | None = None):
     return fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", policy=policy,
-                     sum_slots=sum_slots)
+                     sum_slots=sum_slots, alignment=alignment)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -479,6 +491,8 @@ def _router_fused_kernel(
     BLOCK_E: tl.constexpr, BLOCK_EF: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, EXPERT_SCALE: tl.constexpr, LOGITS: tl.constexpr, HALF: tl.constexpr,
     PREC: tl.constexpr, F32: tl.constexpr,
+    Cursor=None, SortedIds=None, ExpertIds=None, NumPadded=None, align_size=0, ALIGN: tl.constexpr = False,
+    A_BLOCK_M: tl.constexpr = 16, BINS: tl.constexpr = 16, CHUNK: tl.constexpr = 1024, CB: tl.constexpr = 16,
 ):
     # One launch for the whole router at decode sizes. Program (t block, e block, h slice) writes
     #   partial[s, t, e] = sum over its slice of (x * scale * H^-0.5)[t, h] * W[e, h]   (NORM false: x[t, h] * W[e, h])
@@ -560,6 +574,10 @@ def _router_fused_kernel(
             sel_i = tl.where(kk[None, :] == i, idx[:, None], sel_i)
             key = tl.where(key == best[:, None], -1, key)
         _store_picks(sel_w, sel_i, t, tmask, kk, ExpertScale, OutW, OutIds, TOP_K, EXPERT_SCALE)
+        if ALIGN:  # one token block: this program has every pick; it aligns them for the grouped GEMMs too
+            tl.debug_barrier()  # the picks' stores precede their loads by the other threads of this program
+            _align_body(OutIds, Cursor, SortedIds, ExpertIds, NumPadded, T * TOP_K, E, align_size, A_BLOCK_M, BINS,
+                        CHUNK, CB)
 
 
 ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
@@ -646,11 +664,16 @@ def _tickets(device: torch.device, blocks: int) -> torch.Tensor:
 
 def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: torch.Tensor,
                       per_expert_scale: torch.Tensor | None, top_k: int, eps: float,
-                      launch: RouterLaunch | None = None, ids_dtype: torch.dtype = torch.int32):
+                      launch: RouterLaunch | None = None, ids_dtype: torch.dtype = torch.int32,
+                      align_block_m: int | None = None):
     """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
     Returns (weights [T, k] fp32, ids [T, k] int32), experts in descending probability.
     scale None: Qwen3.5's softmax router (no norm, no scales; the logits rounded to x's dtype first, as
-    its projection gives them). launch: override router_launch's choice (benchmarks, tests)."""
+    its projection gives them). launch: override router_launch's choice (benchmarks, tests).
+    align_block_m: also align the picks for the grouped GEMMs at that block_m (moe_align's outputs, made by the
+    router's last program: one launch less a MoE layer) where one program sees every pick (the one-launch
+    kernel with one token block, below the sort's pair count); then returns (weights, ids, alignment), the
+    alignment None where it could not."""
     norm = scale is not None
     num_tokens, hidden = x.shape
     num_experts = proj_weight.shape[0]
@@ -658,7 +681,7 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=ids_dtype, device=x.device)  # int64: the op's dtype, no cast kernel
     if num_tokens == 0:
-        return weights, ids
+        return (weights, ids) if align_block_m is None else (weights, ids, None)
     lp = launch or router_launch(num_tokens, hidden, num_experts, norm=norm)
     has_scale = per_expert_scale is not None
     partial = torch.empty(lp.splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
@@ -666,6 +689,12 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     logits_dtype = tl.float32 if norm else _TL_DTYPE[x.dtype]
     if lp.fused:
         sumsq = torch.empty(lp.splits, num_tokens, dtype=torch.float32, device=x.device) if norm else partial
+        align, alignment = {}, None
+        if align_block_m is not None and grid[0] == 1 and num_tokens * top_k < ALIGN_SORT_MIN_PAIRS:
+            bufs, size, meta = _align_buffers(num_tokens * top_k, num_experts, align_block_m, x.device)
+            alignment = bufs[1:]
+            align = dict(Cursor=bufs[0], SortedIds=bufs[1], ExpertIds=bufs[2], NumPadded=bufs[3], align_size=size,
+                         ALIGN=True, A_BLOCK_M=meta["BLOCK_M"], BINS=meta["BINS"], CHUNK=meta["CHUNK"], CB=meta["CB"])
         _router_fused_kernel[grid](
             x, scale.contiguous() if norm else x, proj_weight, per_expert_scale.contiguous() if has_scale else x,
             partial, sumsq, _tickets(x.device, grid[0]), weights, ids,
@@ -675,9 +704,9 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
             BLOCK_EF=max(16, triton.next_power_of_2(num_experts)), TOP_K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k), NORM=norm, EXPERT_SCALE=has_scale, LOGITS=logits_dtype,
             HALF=x.dtype != torch.float32, PREC=dot_precision(x.dtype),
-            F32=dot_f32(x.dtype), num_warps=lp.num_warps, num_stages=lp.num_stages,
+            F32=dot_f32(x.dtype), num_warps=lp.num_warps, num_stages=lp.num_stages, **align,
         )
-        return weights, ids
+        return (weights, ids) if align_block_m is None else (weights, ids, alignment)
     _router_logits_kernel[grid](
         x, scale.contiguous() if norm else x, proj_weight, partial,
         num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5), lp.slice_h,
@@ -690,7 +719,7 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
         lp.splits, TOP_K=top_k, BLOCK_T=lp.block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
         BLOCK_K=triton.next_power_of_2(top_k), EXPERT_SCALE=has_scale, LOGITS=logits_dtype, num_warps=4,
     )
-    return weights, ids
+    return (weights, ids) if align_block_m is None else (weights, ids, None)
 
 
 def launch_variants(num_experts: int, top_k: int, hidden: int, inter: int, max_tokens: int, *,

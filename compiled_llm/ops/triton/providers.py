@@ -10,6 +10,7 @@ they are built once per step and kept on the metadata. Padding rows of q come ba
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -18,7 +19,8 @@ from compiled_llm.ops.attention import BIDIR_SPANS_KEY, AttentionSpec
 from compiled_llm.ops.context import (AttentionMetadata, ForwardContext, GroupMetadata, get_forward_context, layer_cache,
                                       set_forward_context)
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
-from compiled_llm.ops.triton.moe import fused_geglu_moe, fused_router_topk, fused_swiglu_moe, launch_variants
+from compiled_llm.ops.triton.moe import (fused_geglu_moe, fused_router_topk, fused_swiglu_moe, launch_variants,
+                                         moe_launch_policy)
 from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
 
 SPLITS = [1 << i for i in range(8)]  # decode split-K counts the launch policy can pick
@@ -117,18 +119,37 @@ def swiglu_moe(x, weights, ids, gate_up_proj, down_proj):
     return fused_swiglu_moe(x.contiguous(), gate_up_proj, down_proj, weights, ids)
 
 
+# the overlapped branch's alignment in the router's last program (1), or its own launch (the default until an H200 A/B)
+ROUTER_ALIGN = os.environ.get("COMPILED_LLM_ROUTER_ALIGN", "0") == "1"
+
+
 def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k: int, eps: float,
               root_size: float, first: int, activation: str, cast: bool):
     """The routed branch up to each pick's weighted output [T, k, H] (ops/moe_overlap.py): the same router and
     grouped-GEMM kernels as router_topk / geglu_moe (swiglu_moe), without the top-k sum."""
     from compiled_llm.ops.moe_overlap import route
 
-    w, ids = route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size, x.dtype, cast, first,
-                   router_topk, softmax_router_topk)
+    num_tokens, hidden = x.shape
+    pol = moe_launch_policy(num_tokens, top_k, gate_up_proj.shape[0], hidden, gate_up_proj.shape[1] // 2)
+    exact_root = scale is None or abs(root_size - router_x.shape[-1] ** -0.5) <= 1e-12 * root_size
+    alignment = None
+    if ROUTER_ALIGN and not first and not pol.unsorted and exact_root and proj_weight.shape[0] == gate_up_proj.shape[0]:
+        # the router's last program also aligns the picks (one token block: decode batches up to 16)
+        if scale is not None:
+            MONITOR.note("router_topk", (router_x.dtype, hidden, proj_weight.shape[0], top_k))
+        else:
+            MONITOR.note("softmax_router_topk", (router_x.dtype, hidden, proj_weight.shape[0], top_k))
+        w, ids, alignment = fused_router_topk(router_x.contiguous(), scale, proj_weight.contiguous(), per_expert_scale,
+                                              top_k, eps if scale is not None else 0.0, ids_dtype=torch.int64,
+                                              align_block_m=pol.block_m)
+        w = w.to(x.dtype) if cast else w
+    else:
+        w, ids = route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size, x.dtype, cast, first,
+                       router_topk, softmax_router_topk)
     name = "geglu_moe" if activation == "gelu_tanh" else "swiglu_moe"
     MONITOR.note(name, (x.dtype, gate_up_proj.shape, ids.shape[1]))
     fn = fused_geglu_moe if activation == "gelu_tanh" else fused_swiglu_moe
-    return fn(x.contiguous(), gate_up_proj, down_proj, w, ids, sum_slots=False)
+    return fn(x.contiguous(), gate_up_proj, down_proj, w, ids, sum_slots=False, alignment=alignment, policy=pol)
 
 
 # ---- JIT warm-up ---------------------------------------------------------------------------------
@@ -201,6 +222,9 @@ def _moe_compile(key, device) -> None:
                              torch.ones(hidden, dtype=dtype, device=device),
                              torch.ones(experts, dtype=dtype, device=device), top_k, 1e-6, hidden ** -0.5)
         geglu_moe(x, w, ids, gate_up, down)
+        moe_start(x, torch.zeros(experts, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device),
+                  torch.ones(experts, dtype=dtype, device=device), x, gate_up, down, top_k, 1e-6, hidden ** -0.5, 0,
+                  "gelu_tanh", False)  # the overlapped branch (the router kernel that aligns too)
 
 
 def _swiglu_compile(key, device) -> None:
@@ -210,6 +234,8 @@ def _swiglu_compile(key, device) -> None:
         x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
         w, ids = softmax_router_topk(x, torch.zeros(experts, hidden, dtype=dtype, device=device), top_k)
         swiglu_moe(x, w.to(dtype), ids, gate_up, down)
+        moe_start(x, torch.zeros(experts, hidden, dtype=dtype, device=device), None, None, x, gate_up, down, top_k, 0.0,
+                  1.0, 0, "silu", True)
 
 
 register_kernel(JitKernel("paged_attention", "attention", "triton", _attention_keys, _attention_compile))
