@@ -116,7 +116,7 @@ class MoEOverlapPass:
                 tail = next(iter(tail.users))
                 casts.append(tail)
             first_user = min(tail.users, key=order.get)
-            keep = [a for a in (args[0], args[4]) if a.op != "placeholder"]
+            keep = [a for a in dict.fromkeys((args[0], args[4])) if a.op != "placeholder"]
             with graph.inserting_before(first_user):
                 join = graph.call_function(ops.moe_join.default, (start, keep))
             _with_val(join, routed)

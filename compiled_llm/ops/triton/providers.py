@@ -19,6 +19,7 @@ from compiled_llm.ops.attention import BIDIR_SPANS_KEY, AttentionSpec
 from compiled_llm.ops.context import (AttentionMetadata, ForwardContext, GroupMetadata, get_forward_context, layer_cache,
                                       set_forward_context)
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
+from compiled_llm.ops.moe_overlap import route
 from compiled_llm.ops.triton.moe import (fused_geglu_moe, fused_router_topk, fused_swiglu_moe, launch_variants,
                                          moe_launch_policy)
 from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
@@ -127,8 +128,6 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
               root_size: float, first: int, activation: str, cast: bool):
     """The routed branch up to each pick's weighted output [T, k, H] (ops/moe_overlap.py): the same router and
     grouped-GEMM kernels as router_topk / geglu_moe (swiglu_moe), without the top-k sum."""
-    from compiled_llm.ops.moe_overlap import route
-
     num_tokens, hidden = x.shape
     pol = moe_launch_policy(num_tokens, top_k, gate_up_proj.shape[0], hidden, gate_up_proj.shape[1] // 2)
     exact_root = scale is None or abs(root_size - router_x.shape[-1] ** -0.5) <= 1e-12 * root_size
