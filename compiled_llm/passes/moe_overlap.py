@@ -43,14 +43,16 @@ def _getitem_of(node, index: int):
     return None
 
 
-def _with_val(node: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
-    """A new node's fake value (what Inductor lowers from) and the layer it belongs to (for the counts)."""
+def _with_val(node: torch.fx.Node, near: list[torch.fx.Node]) -> torch.fx.Node:
+    """A new node's fake value (what Inductor lowers from) and the module stack of the first node near it that has
+    one (a fusion's replacement nodes may carry none; the graph audit names a tensor's layer from it)."""
     args = tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a, node.args)
     with V.fake_mode:
         node.meta["val"] = node.target(*args)
     for key in ("nn_module_stack", "stack_trace"):
-        if key in like.meta:
-            node.meta[key] = like.meta[key]
+        source = next((n for n in near if n.meta.get(key)), None)
+        if source is not None:
+            node.meta[key] = source.meta[key]
     return node
 
 
@@ -108,7 +110,7 @@ class MoEOverlapPass:
             where = graph.inserting_after(after) if after is not None else graph.inserting_before(router)
             with where:
                 start = graph.call_function(ops.moe_start.default, args)
-            _with_val(start, routed)
+            _with_val(start, near)
             # the routed output's dtype casts follow the join wherever it lands: the join goes before the first
             # node past them (a fusion's replacement sits early in the graph, where the casts follow it at once)
             casts, tail = [], routed
@@ -119,7 +121,7 @@ class MoEOverlapPass:
             keep = [a for a in dict.fromkeys((args[0], args[4])) if a.op != "placeholder"]
             with graph.inserting_before(first_user):
                 join = graph.call_function(ops.moe_join.default, (start, keep))
-            _with_val(join, routed)
+            _with_val(join, near)
             routed.replace_all_uses_with(join)
             for cast_node in casts:
                 first_user.prepend(cast_node)
