@@ -117,6 +117,14 @@ def first_layer(graph: torch.fx.Graph) -> int:
     return min(set().union(*(node_layers(n) for n in graph.nodes if n.op != "placeholder")), default=0)
 
 
+def count_matches(name: str, n: int, layers: list[int | None], base: int) -> None:
+    """A pass's n matches in Inductor's counters: `compiled_llm.<name>`, and per first model layer relative to the
+    graph's (`@+offset`, `@-` outside any layer), which the compiled piece turns back into layer indices."""
+    counters["inductor"][f"compiled_llm.{name}"] += n
+    for layer, k in Counter(layers).items():
+        counters["inductor"][f"compiled_llm.{name}@{'-' if layer is None else f'+{layer - base}'}"] += k
+
+
 def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
@@ -300,9 +308,7 @@ class FusionPass:
         if self.count_only:
             n = len(self._layers)
         if n:
-            counters["inductor"][f"compiled_llm.{self.name}"] += n
-            for layer, k in Counter(self._layers).items():
-                counters["inductor"][f"compiled_llm.{self.name}@{'-' if layer is None else f'+{layer - base}'}"] += k
+            count_matches(self.name, n, self._layers, base)
             pm.stable_topological_sort(graph)  # a multi-output replacement can land before its inputs
             graph.eliminate_dead_code()
         return n

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import operator
 import os
-from collections import Counter
 
 import torch
-from torch._dynamo.utils import counters
 from torch._inductor.virtualized import V
 from torch.utils._pytree import tree_map
 
-from compiled_llm.passes.base import first_layer, node_layers
+from compiled_llm.passes.base import count_matches, first_layer, node_layers
 
 ENV = "COMPILED_LLM_MOE_OVERLAP"
 
@@ -128,9 +126,7 @@ class MoEOverlapPass:
             order = {n: i for i, n in enumerate(graph.nodes)}
         if not layers:
             return 0
-        counters["inductor"][f"compiled_llm.{self.name}"] += len(layers)
-        for layer, k in Counter(layers).items():
-            counters["inductor"][f"compiled_llm.{self.name}@{'-' if layer is None else f'+{layer - base}'}"] += k
+        count_matches(self.name, len(layers), layers, base)
         if not self.count_only:
             graph.eliminate_dead_code()
         return len(layers)
