@@ -39,6 +39,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="write the result JSON here")
     ap.add_argument("--profile-dir", default=None, help="profile one prefill per length (torch.profiler): the "
                     "kernel table goes to prefill_<n>.txt here, wall and GPU-busy times into the JSON")
+    ap.add_argument("--host-profile", action="store_true", help="with --profile-dir: where one prefill's host time "
+                    "goes (cProfile to host_<n>.txt, device-to-host syncs with their stacks to syncs_<n>.txt, "
+                    "Python's GC pauses in every timed run)")
     args = ap.parse_args(argv)
 
     lengths = [int(x) for x in args.ttft_lengths.split(",")]
@@ -55,11 +58,17 @@ def main(argv=None) -> dict:
     result = {"config": args.model or args.config, "device": args.device, "ttft_ms": {}}
     for n in lengths:
         prompt = random_prompts(1, n, vocab, seed=n)[0]
-        t = statistics.median(timed(lambda: run(prompt, 1), args.warmup, args.runs))
+        with GCPauses() as gcp:
+            times = timed(lambda: run(prompt, 1), args.warmup, args.runs)
+        t = statistics.median(times)
         result["ttft_ms"][n] = round(1000 * t, 2)
-        print(f"TTFT {n} tokens: {1000 * t:.2f} ms", flush=True)
+        result.setdefault("ttft_runs_ms", {})[n] = [round(1000 * x, 2) for x in times]
+        result.setdefault("gc_pauses", {})[n] = gcp.summary()
+        print(f"TTFT {n} tokens: {1000 * t:.2f} ms (runs {result['ttft_runs_ms'][n]}; GC {gcp.summary()})", flush=True)
         if args.profile_dir:
             result.setdefault("prefill_profile", {})[n] = profile_prefill(lambda: run(prompt, 1), n, args.profile_dir)
+            if args.host_profile:
+                result.setdefault("host_profile", {})[n] = profile_host(lambda: run(prompt, 1), n, args.profile_dir)
     prompt = random_prompts(1, args.decode_context, vocab, seed=1)[0]
     one = statistics.median(timed(lambda: run(prompt, 1), args.warmup, args.runs))
     many = statistics.median(timed(lambda: run(prompt, args.decode_tokens + 1), args.warmup, args.runs))
@@ -93,6 +102,89 @@ def profile_prefill(fn, n: int, folder: str) -> dict:
     (Path(folder) / f"prefill_{n}.txt").write_text(table)
     res = {"wall_ms": round(1e3 * wall, 2), "gpu_busy_ms": round(busy, 2), "kernels": len(kernels)}
     print(f"prefill {n} tokens profiled: {res}", flush=True)
+    return res
+
+
+class GCPauses:
+    """Python's garbage collections while the block runs: count and milliseconds by generation."""
+
+    def __enter__(self):
+        import gc
+
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+        def cb(phase, info):
+            if phase == "start":
+                self._t0 = time.perf_counter()
+            else:
+                self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+        self._cb = cb
+        gc.callbacks.append(cb)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+
+        gc.callbacks.remove(self._cb)
+
+    def summary(self) -> dict:
+        out: dict[str, list] = {}
+        for g, d in self.pauses:
+            c = out.setdefault(f"gen{g}", [0, 0.0])
+            c[0] += 1
+            c[1] = round(c[1] + 1e3 * d, 3)
+        return out
+
+
+def profile_host(fn, n: int, folder: str) -> dict:
+    """Where one call's host time goes: cProfile (FOLDER/host_N.txt, by own time and by cumulative time) and,
+    on CUDA, every operation that waits for the device (torch's sync debug mode), with its Python stack
+    (FOLDER/syncs_N.txt)."""
+    import cProfile
+    import io
+    import pstats
+    import traceback
+    import warnings
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    syncs: list[str] = []
+    if cuda:
+        torch.cuda.synchronize()
+        keep = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            syncs.append(f"{message}\n" + "".join(traceback.format_stack()[:-2][-14:]))
+
+        warnings.showwarning = show
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = keep
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    wall = time.perf_counter() - t
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(60)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"host_{n}.txt").write_text(buf.getvalue())
+    (Path(folder) / f"syncs_{n}.txt").write_text("\n\n".join(syncs))
+    res = {"wall_ms_under_cprofile": round(1e3 * wall, 2), "device_syncs": len(syncs)}
+    print(f"prefill {n} tokens, host: {res}", flush=True)
     return res
 
 

@@ -51,7 +51,7 @@ for step in $steps; do
     throughput_quick) run throughput_quick 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
                         --shapes 1024x8x256,4096x8x512,8192x4x512 --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
     latency) run latency 240 python3 benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 1024,8192 \
-               --out "$OUT/latency.json" --profile-dir "$OUT/latency_profile" ;;
+               --out "$OUT/latency.json" --profile-dir "$OUT/latency_profile" ${LATENCY_ARGS:-} ;;
     peers) run peers 540 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256 \
              --async-scheduling --warmup 1 --runs 3 --peer transformers --peer transformers-static \
              --peer-warmup 1 --peer-runs 2 --out "$OUT" ;;
@@ -67,6 +67,10 @@ for step in $steps; do
       echo "prefill_kernels $tag: candidates built in $(( $(date +%s) - b0 ))s"
       run prefill_kernels_$tag 300 python3 benchmarks/prefill_kernels.py ${PREFILL_ARGS:-} \
         --out "$OUT/prefill_kernels_$tag.json" ;;
+    grouped_mm)  # issue 14: the routed experts at prefill sizes, our Triton kernels vs torch._grouped_mm (CUTLASS)
+      run grouped_mm_gemma 150 python3 benchmarks/grouped_mm_moe.py --config gemma --out "$OUT/grouped_mm_gemma.json"
+      run grouped_mm_qwen 120 python3 benchmarks/grouped_mm_moe.py --config qwen --tokens 1024,8192 \
+        --out "$OUT/grouped_mm_qwen.json" ;;
     ffn_overlap)  # issue 14/18: the MoE branch on a side stream beside the dense MLP (shared expert), per layer
       run ffn_overlap 150 python3 benchmarks/ffn_overlap.py --out "$OUT/ffn_overlap.json"
       run ffn_overlap_qwen 150 python3 benchmarks/ffn_overlap.py --qwen --out "$OUT/ffn_overlap_qwen.json" ;;
@@ -93,7 +97,7 @@ for step in $steps; do
     qwen_tiny32) run qwen_tiny32 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense32,qwen_moe32 \
                    --budget 170 --out "$OUT/qwen_tiny32" ;;  # whole-graph decode for stateful models (head_dim 32)
     qwen_smoke) run qwen_smoke 260 python3 scripts/gpu_smoke.py --sections big --big qwen3.5-35b-a3b --shape 1024x8x256 \
-                  --out "$OUT/qwen_smoke" ;;
+                  --out "$OUT/qwen_smoke${QWEN_TAG:-}" ;;
     big26_none) run big26_none 240 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --compile-sizes none \
                   --out "$OUT/big26_none" ;;  # issue 15: the buckets replay the dynamic compile (fewer compiles)
     skinny) run skinny 150 python3 benchmarks/skinny_gemm.py --out "$OUT/skinny_gemm.json" ;;

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # otherwise idle machine; test_gemma4_equivalence.py beside another job: 173 s -> 47 s.
 # Spawned workers, servers and CLI runs choose their own (worker_main.py; torch's default).
 torch.set_num_threads(1)
+# The engine freezes Python's heap after start-up (runtime/engine.py freeze_startup_heap): right for a process
+# that serves one engine, but the suite builds hundreds, and garbage frozen with each would never be collected.
+os.environ.setdefault("COMPILED_LLM_GC_FREEZE", "0")
 
 from qwen3_5_tiny import make_qwen_checkpoint  # noqa: E402
 from tiny_models import make_checkpoint  # noqa: E402

@@ -181,3 +181,22 @@ def test_unknown_architecture_and_missing_weights(tmp_path, tiny_ckpt):
     (nowts / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="safetensors"):
         LLM(str(nowts))
+
+
+def test_startup_heap_freeze_switch(monkeypatch):
+    """An engine moves start-up's objects out of the collector's way (gc.freeze; H200: a 1K prompt's
+    collections 28.7 -> 0.7 ms over 15 runs); COMPILED_LLM_GC_FREEZE=0 leaves the heap alone (the suite does)."""
+    import gc
+
+    from compiled_llm.runtime import engine
+
+    gc.unfreeze()
+    try:
+        monkeypatch.setenv(engine.GC_FREEZE_ENV, "0")
+        engine.freeze_startup_heap()
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setenv(engine.GC_FREEZE_ENV, "1")
+        engine.freeze_startup_heap()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -116,12 +116,46 @@ def test_latency_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
     folder, _ = tiny_ckpt("dense")
     res = latency.main(["--model", str(folder), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
                         "--ttft-lengths", "8,64", "--decode-context", "8", "--decode-tokens", "8", "--warmup", "0",
-                        "--runs", "3", "--enforce-eager", "--profile-dir", str(tmp_path)])
+                        "--runs", "3", "--enforce-eager", "--profile-dir", str(tmp_path), "--host-profile"])
     assert set(res["ttft_ms"]) == {8, 64} and all(v > 0 for v in res["ttft_ms"].values())
+    assert len(res["ttft_runs_ms"][64]) == 3 and isinstance(res["gc_pauses"][64], dict)
     assert res["decode_ms_per_token"] > 0
     # the prefill profile: a table per length and its wall time (no GPU here: no kernels, none busy)
     assert set(res["prefill_profile"]) == {8, 64} and res["prefill_profile"][64]["wall_ms"] > 0
     assert "aten::" in (tmp_path / "prefill_64.txt").read_text()
+    # the host side: cProfile's table names the engine's step; no device here, so no syncs to list
+    assert res["host_profile"][64]["device_syncs"] == 0
+    assert "compiled_llm/runtime/engine.py" in (tmp_path / "host_64.txt").read_text()
+
+
+def test_gc_pauses_counts_a_collection():
+    import gc
+
+    import latency
+
+    with latency.GCPauses() as p:
+        gc.collect(1)
+    assert p.summary()["gen1"][0] == 1
+
+
+def test_grouped_mm_moe_matches_a_loop_over_the_pairs():
+    """benchmarks/grouped_mm_moe.py's torch._grouped_mm pipeline (CPU: torch's own fallback) against each pick's
+    expert applied one at a time."""
+    import torch
+    import torch.nn.functional as F
+
+    from grouped_mm_moe import grouped_mm_moe
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, I, k = 12, 8, 32, 16, 3
+    x, gu, dn = torch.randn(T, H, generator=g), torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    ids, w = torch.rand(T, E, generator=g).topk(k, -1).indices.int(), torch.rand(T, k, generator=g)
+    out = grouped_mm_moe(x, gu, dn, w, ids, "gelu")
+    for t in range(T):
+        for j in range(k):
+            h = gu[ids[t, j]] @ x[t]
+            want = w[t, j] * (dn[ids[t, j]] @ (F.gelu(h[:I], approximate="tanh") * h[I:]))
+            torch.testing.assert_close(out[t, j], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.timeout(300)

@@ -464,6 +464,37 @@ def check_moe():
     _check_moe(5, 8, 64, 48, 3, 1)
     _check_moe(37, 6, 96, 40, 2, 2, policy=(32, 16, 32, 4, 2, 32, 16, 4, 2))
     _check_moe(20, 16, 64, 32, 1, 3)
+    # decode batches up to block_m tokens: the grouped kernels rank the picked experts themselves
+    pol = moe_launch_policy(2, 8, 128, 2816, 704)
+    assert pol.self_routed and moe_launch_policy(16, 8, 128, 2816, 704).self_routed
+    assert not moe_launch_policy(17, 8, 128, 2816, 704).self_routed and not moe_launch_policy(1, 8, 128, 2816, 704).self_routed
+    assert not moe_launch_policy(8, 8, 256, 2048, 512).self_routed  # Qwen3.5's 256 experts: slower there (H200)
+    _check_moe(16, 8, 64, 48, 4, 6)  # a full token block; experts shared by many tokens
+    _check_moe(7, 6, 64, 200, 3, 8)  # an intermediate size past one column block
+    _check_moe_self_routed(11, 32, 64, 48, 4, 9)
+    _check_moe_skipped(6, 16, 32, 24, 2, 16, 11)  # self-routed: another rank's pairs zeroed by the spare block
+    _check_moe_self_routed(3, 128, 64, 40, 8, 10)  # experts with no pick between the picked ones
+
+
+def _check_moe_self_routed(T, E, H, I, k, seed):
+    """Self-routed blocks against the aligned path at the same tiles: the same rows through the same products,
+    so bitwise the same outputs."""
+    import dataclasses
+
+    import torch
+
+    from compiled_llm.ops.triton.moe import fused_geglu_moe, moe_launch_policy
+
+    experts, router = _moe_modules(E, H, I, k, seed)
+    x = torch.randn(T, H)
+    pol = moe_launch_policy(T, k, E, H, I)
+    assert pol.self_routed
+    with torch.no_grad():
+        w, ids = router(x)
+        a = fused_geglu_moe(x, experts.gate_up_proj, experts.down_proj, w, ids, policy=pol, sum_slots=False)
+        b = fused_geglu_moe(x, experts.gate_up_proj, experts.down_proj, w, ids, sum_slots=False,
+                            policy=dataclasses.replace(pol, self_routed=False))
+    assert torch.equal(a, b), f"self-routed != aligned, T={T} E={E}: {(a - b).abs().max()}"
 
 
 def _check_swiglu(T, E, H, I, k, seed):

@@ -78,6 +78,31 @@ def _align_kernel(
     _align_body(Ids, Cursor, SortedIds, ExpertIds, NumPadded, n, E, size, BLOCK_M, BINS, CHUNK, CB)
 
 
+@triton.jit
+def _self_route(TopkIds, pid_m, T, E, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, K_PAD: tl.constexpr,
+                BINS: tl.constexpr):
+    # A decode batch of at most BLOCK_M tokens, grouped without an alignment launch: program pid_m takes the
+    # pid_m-th expert (ascending) that any token picked, and its rows are the tokens themselves (a token picks
+    # an expert at most once, so one block holds all of an expert's pairs). Every program reads the T x k ids
+    # (a few hundred bytes) and ranks the experts by a histogram and a prefix sum, in registers.
+    # Returns (expert, or -1 past the last picked one; pair [BLOCK_M] = t * k + slot; row mask; the ids
+    # [BLOCK_M, K_PAD] with -1 for padding and -2 for experts outside [0, E): another rank's).
+    t = tl.arange(0, BLOCK_M)
+    j = tl.arange(0, K_PAD)
+    m2 = (t[:, None] < T) & (j[None, :] < TOP_K)
+    ids = tl.load(TopkIds + t[:, None] * TOP_K + j[None, :], mask=m2, other=-1).to(tl.int32)
+    ids = tl.where(m2 & ((ids < 0) | (ids >= E)), -2, ids)
+    counts = tl.histogram(tl.reshape(tl.where(ids >= 0, ids, BINS - 1), [BLOCK_M * K_PAD]), BINS)
+    bins = tl.arange(0, BINS)
+    present = ((counts > 0) & (bins < E)).to(tl.int32)
+    mine = (present > 0) & (tl.cumsum(present, 0) == pid_m + 1)
+    e = tl.where(tl.sum(mine.to(tl.int32), 0) > 0, tl.sum(tl.where(mine, bins, 0), 0), -1)
+    hit = ids == e
+    rmask = tl.max(hit.to(tl.int32), 1) > 0
+    pair = t * TOP_K + tl.sum(tl.where(hit, j[None, :], 0), 1)
+    return e, pair, rmask, ids
+
+
 # from here (2,560 tokens at top-8) the pairs are sorted by torch's parallel sort. H200, 26B-A4B (session 12):
 # the one program took 12.8 / 35 / 66 / 120 / 451 us at 128 / 512 / 1K / 2K / 8K tokens, the sort 88-146 us
 # (a dozen launches, more for the sort itself): the two cross near 2.4K tokens
@@ -183,10 +208,13 @@ class MoELaunch:
     b_warps: int
     b_stages: int
     unsorted: bool = False
+    self_routed: bool = False  # up to block_m tokens: the grouped kernels rank the picked experts themselves
 
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
 UNSORTED_ONE_TOKEN = os.environ.get(UNSORTED_ENV, "1") != "0"
+SELF_ROUTE_ENV = "COMPILED_LLM_MOE_SELF_ROUTE"  # 0: decode batches take the alignment launch (an A/B)
+SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1") != "0"
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -197,7 +225,11 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
         return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, unsorted=True)
     pairs_per_expert = num_tokens * top_k / max(1, num_experts)
     if pairs_per_expert <= 2:  # decode (T <= ~32 for E=128, k=8)
-        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4)
+        # up to 16 tokens of up to 128 experts without an alignment launch. H200, batch 8 (session 18): Gemma 4
+        # 26B-A4B's step 7.45 -> 7.36 ms; Qwen3.5's 256 experts 7.37 -> 7.66 ms (each of the down kernel's
+        # 2,080 programs ranks 512 bins before its first weight load: 32.7 -> 42.2 us), so not there
+        self_routed = SELF_ROUTE and num_tokens <= 16 and num_experts <= 128
+        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, self_routed=self_routed)
     if pairs_per_expert <= 16:
         return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3)
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
@@ -219,19 +251,26 @@ def _gate_up_kernel(
     num_pairs, N, K, E,
     stride_xt, stride_we, stride_wn, stride_an,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SILU: tl.constexpr, PREC: tl.constexpr,
+    SILU: tl.constexpr, PREC: tl.constexpr, TopkIds=None, SELF_ROUTE: tl.constexpr = False,
+    K_PAD: tl.constexpr = 8, BINS: tl.constexpr = 256,
 ):
     # act[row] = act_fn(x @ gate[e].T) * (x @ up[e].T) for a block of rows sorted by expert
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(NumPadded):
-        return
-    e = tl.load(ExpertIds + pid_m).to(tl.int64)
-    if (e < 0) | (e >= E):  # skipped pairs (another rank's experts): the down kernel zeroes their rows
-        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(SortedIds + rows)
-    rmask = pair < num_pairs
+    if SELF_ROUTE:
+        e32, pair, rmask, _ids = _self_route(TopkIds, pid_m, num_pairs // TOP_K, E, TOP_K, BLOCK_M, K_PAD, BINS)
+        if e32 < 0:
+            return
+        e = e32.to(tl.int64)
+    else:
+        if pid_m * BLOCK_M >= tl.load(NumPadded):
+            return
+        e = tl.load(ExpertIds + pid_m).to(tl.int64)
+        if (e < 0) | (e >= E):  # skipped pairs (another rank's experts): the down kernel zeroes their rows
+            return
+        pair = tl.load(SortedIds + rows)
+        rmask = pair < num_pairs
     tok = (pair // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -264,22 +303,39 @@ def _down_kernel(
     num_pairs, N, K, E,
     stride_an, stride_we, stride_wn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    TopkIds=None, SELF_ROUTE: tl.constexpr = False, TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 8,
+    BINS: tl.constexpr = 256,
 ):
     # y[pair] = w_pair * act[row] @ down[e].T, scattered to the pair's row of [T * k, H]
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(NumPadded):
-        return
-    e = tl.load(ExpertIds + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(SortedIds + rows)
-    rmask = pair < num_pairs
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    y_ptr = Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :]
-    if (e < 0) | (e >= E):  # pairs of another rank's experts contribute zero
-        tl.store(y_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
-        return
+    if SELF_ROUTE:
+        e32, pair, rmask, ids = _self_route(TopkIds, pid_m, num_pairs // TOP_K, E, TOP_K, BLOCK_M, K_PAD, BINS)
+        if e32 < 0:
+            if pid_m == tl.num_programs(0) - 1:  # the grid's spare block: the pairs of another rank's experts are 0
+                t = tl.arange(0, BLOCK_M)
+                jj = tl.arange(0, K_PAD)
+                for j in tl.static_range(TOP_K):
+                    idj = tl.sum(tl.where(jj[None, :] == j, ids, 0), 1)
+                    skip = (idj == -2) & (t < num_pairs // TOP_K)
+                    z_ptr = Y + (t * TOP_K + j).to(tl.int64)[:, None] * stride_yt + cols[None, :]
+                    tl.store(z_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=skip[:, None] & cmask[None, :])
+            return
+        e = e32.to(tl.int64)
+        y_ptr = Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :]
+    else:
+        if pid_m * BLOCK_M >= tl.load(NumPadded):
+            return
+        e = tl.load(ExpertIds + pid_m).to(tl.int64)
+        pair = tl.load(SortedIds + rows)
+        rmask = pair < num_pairs
+        y_ptr = Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :]
+        if (e < 0) | (e >= E):  # pairs of another rank's experts contribute zero
+            tl.store(y_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+            return
     kk = tl.arange(0, BLOCK_K)
     a_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + kk[None, :]
     b_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]
@@ -318,21 +374,32 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         return torch.zeros_like(x) if sum_slots else x.new_zeros(0, topk_ids.shape[1], hidden)
     pol = policy or moe_launch_policy(num_tokens, top_k, num_experts, hidden, inter)
     num_pairs = num_tokens * top_k
-    if pol.unsorted:
-        sorted_ids, num_padded = unsorted_blocks(num_pairs, pol.block_m, x.device)
-        expert_ids = topk_ids.reshape(-1)
-    elif alignment is not None:
-        sorted_ids, expert_ids, num_padded = alignment
+    route: dict = {}
+    if pol.self_routed and num_tokens <= pol.block_m:
+        # no alignment: a block per picked expert (at most min(E, pairs)) and a spare one, which zeroes the
+        # pairs of another rank's experts
+        num_blocks = min(num_experts, num_pairs) + 1
+        sorted_ids = expert_ids = num_padded = topk_ids  # unused by the kernels
+        route = dict(TopkIds=topk_ids.contiguous(), SELF_ROUTE=True, K_PAD=triton.next_power_of_2(top_k),
+                     BINS=triton.next_power_of_2(num_experts + 1))
+        rows = num_blocks * pol.block_m
     else:
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, pol.block_m)
-    num_blocks = expert_ids.numel()
-    act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+        if pol.unsorted:
+            sorted_ids, num_padded = unsorted_blocks(num_pairs, pol.block_m, x.device)
+            expert_ids = topk_ids.reshape(-1)
+        elif alignment is not None:
+            sorted_ids, expert_ids, num_padded = alignment
+        else:
+            sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, pol.block_m)
+        num_blocks, rows = expert_ids.numel(), sorted_ids.numel()
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, pol.a_block_n))](
         x, gate_up_proj, sorted_ids, expert_ids, num_padded, act,
         num_pairs, inter, hidden, num_experts,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
         SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps, num_stages=pol.a_stages,
+        **route,
     )
     weights = topk_weights.to(torch.float32).contiguous()
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -341,7 +408,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         num_pairs, hidden, inter, num_experts,
         act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
         BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype),
-        num_warps=pol.b_warps, num_stages=pol.b_stages,
+        num_warps=pol.b_warps, num_stages=pol.b_stages, **route, **({"TOP_K": top_k} if route else {}),
     )
     if not sum_slots:
         return y.view(num_tokens, top_k, hidden)

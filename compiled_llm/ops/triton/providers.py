@@ -120,7 +120,10 @@ def swiglu_moe(x, weights, ids, gate_up_proj, down_proj):
     return fused_swiglu_moe(x.contiguous(), gate_up_proj, down_proj, weights, ids)
 
 
-# the overlapped branch's alignment in the router's last program (1), or its own launch (the default until an H200 A/B)
+# the overlapped branch's alignment in the router's last program (1), or its own launch (the default). H200, batch 8
+# (session 18): Gemma 4 +0.7% (router 9.2 + alignment 5.4 us -> 13.4 us in one), Qwen3.5 +0.15% (10.5 + 6.8 -> 19.7 us:
+# its 256 experts' alignment is slower in the router's one program). Gemma's decode batches now skip the
+# alignment altogether (ops/triton/moe.py self_routed), so this stays off.
 ROUTER_ALIGN = os.environ.get("COMPILED_LLM_ROUTER_ALIGN", "0") == "1"
 
 
@@ -132,7 +135,7 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
     pol = moe_launch_policy(num_tokens, top_k, gate_up_proj.shape[0], hidden, gate_up_proj.shape[1] // 2)
     exact_root = scale is None or abs(root_size - router_x.shape[-1] ** -0.5) <= 1e-12 * root_size
     alignment = None
-    if ROUTER_ALIGN and not first and not pol.unsorted and exact_root and proj_weight.shape[0] == gate_up_proj.shape[0]:
+    if ROUTER_ALIGN and not first and not pol.unsorted and not pol.self_routed and exact_root and proj_weight.shape[0] == gate_up_proj.shape[0]:
         # the router's last program also aligns the picks (one token block: decode batches up to 16)
         if scale is not None:
             MONITOR.note("router_topk", (router_x.dtype, hidden, proj_weight.shape[0], top_k))
