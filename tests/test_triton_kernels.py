@@ -474,6 +474,8 @@ def check_moe():
     _check_moe_self_routed(11, 32, 64, 48, 4, 9)
     _check_moe_skipped(6, 16, 32, 24, 2, 16, 11)  # self-routed: another rank's pairs zeroed by the spare block
     _check_moe_self_routed(3, 128, 64, 40, 8, 10)  # experts with no pick between the picked ones
+    _check_moe_self_routed(16, 256, 64, 32, 8, 12)  # Qwen3.5's expert count (COMPILED_LLM_MOE_SELF_ROUTE=all)
+    _check_moe_self_routed(9, 24, 64, 32, 3, 13)  # an expert count that is not a power of two
 
 
 def _check_moe_self_routed(T, E, H, I, k, seed):
@@ -487,8 +489,7 @@ def _check_moe_self_routed(T, E, H, I, k, seed):
 
     experts, router = _moe_modules(E, H, I, k, seed)
     x = torch.randn(T, H)
-    pol = moe_launch_policy(T, k, E, H, I)
-    assert pol.self_routed
+    pol = dataclasses.replace(moe_launch_policy(T, k, E, H, I), self_routed=True)  # the default: up to 128 experts
     with torch.no_grad():
         w, ids = router(x)
         a = fused_geglu_moe(x, experts.gate_up_proj, experts.down_proj, w, ids, policy=pol, sum_slots=False)

@@ -83,24 +83,37 @@ def _self_route(TopkIds, pid_m, T, E, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr
                 BINS: tl.constexpr):
     # A decode batch of at most BLOCK_M tokens, grouped without an alignment launch: program pid_m takes the
     # pid_m-th expert (ascending) that any token picked, and its rows are the tokens themselves (a token picks
-    # an expert at most once, so one block holds all of an expert's pairs). Every program reads the T x k ids
-    # (a few hundred bytes) and ranks the experts by a histogram and a prefix sum, in registers.
-    # Returns (expert, or -1 past the last picked one; pair [BLOCK_M] = t * k + slot; row mask; the ids
-    # [BLOCK_M, K_PAD] with -1 for padding and -2 for experts outside [0, E): another rank's).
+    # an expert at most once, so one block holds all of an expert's pairs). The gate/up kernel's programs read
+    # the T x k ids (a few hundred bytes) and rank the experts by a histogram over BINS >= E bins and a prefix
+    # sum, in registers (padding and another rank's experts are counted into bin 0, then taken off it).
+    # Returns (expert, or -1 past the last picked one; pair [BLOCK_M] = t * k + slot; row mask).
     t = tl.arange(0, BLOCK_M)
     j = tl.arange(0, K_PAD)
     m2 = (t[:, None] < T) & (j[None, :] < TOP_K)
     ids = tl.load(TopkIds + t[:, None] * TOP_K + j[None, :], mask=m2, other=-1).to(tl.int32)
-    ids = tl.where(m2 & ((ids < 0) | (ids >= E)), -2, ids)
-    counts = tl.histogram(tl.reshape(tl.where(ids >= 0, ids, BINS - 1), [BLOCK_M * K_PAD]), BINS)
+    valid = m2 & (ids >= 0) & (ids < E)
+    counts = tl.histogram(tl.reshape(tl.where(valid, ids, 0), [BLOCK_M * K_PAD]), BINS)
     bins = tl.arange(0, BINS)
+    counts = tl.where(bins == 0, counts - tl.sum(tl.sum((~valid).to(tl.int32), 1), 0), counts)
     present = ((counts > 0) & (bins < E)).to(tl.int32)
     mine = (present > 0) & (tl.cumsum(present, 0) == pid_m + 1)
     e = tl.where(tl.sum(mine.to(tl.int32), 0) > 0, tl.sum(tl.where(mine, bins, 0), 0), -1)
-    hit = ids == e
+    hit = valid & (ids == e)
     rmask = tl.max(hit.to(tl.int32), 1) > 0
     pair = t * TOP_K + tl.sum(tl.where(hit, j[None, :], 0), 1)
-    return e, pair, rmask, ids
+    return e, pair, rmask
+
+
+@triton.jit
+def _zero_skipped_pairs(TopkIds, Y, T, E, stride_yt, cols, cmask, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    # the self-routed grid's spare block: the pairs of another rank's experts (ids outside [0, E)) output zero
+    t = tl.arange(0, BLOCK_M)
+    for j in tl.static_range(TOP_K):
+        idj = tl.load(TopkIds + t * TOP_K + j, mask=t < T, other=0)
+        skip = (t < T) & ((idj < 0) | (idj >= E))
+        z_ptr = Y + (t * TOP_K + j).to(tl.int64)[:, None] * stride_yt + cols[None, :]
+        tl.store(z_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=skip[:, None] & cmask[None, :])
 
 
 # from here (2,560 tokens at top-8) the pairs are sorted by torch's parallel sort. H200, 26B-A4B (session 12):
@@ -213,8 +226,10 @@ class MoELaunch:
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
 UNSORTED_ONE_TOKEN = os.environ.get(UNSORTED_ENV, "1") != "0"
-SELF_ROUTE_ENV = "COMPILED_LLM_MOE_SELF_ROUTE"  # 0: decode batches take the alignment launch (an A/B)
-SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1") != "0"
+# 0: decode batches take the alignment launch (an A/B); all: self-routed whatever the expert count
+SELF_ROUTE_ENV = "COMPILED_LLM_MOE_SELF_ROUTE"
+SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1")
+SELF_ROUTE_MAX_EXPERTS = 128  # the default's limit (see moe_launch_policy)
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -225,10 +240,13 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
         return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, unsorted=True)
     pairs_per_expert = num_tokens * top_k / max(1, num_experts)
     if pairs_per_expert <= 2:  # decode (T <= ~32 for E=128, k=8)
-        # up to 16 tokens of up to 128 experts without an alignment launch. H200, batch 8 (session 18): Gemma 4
-        # 26B-A4B's step 7.45 -> 7.36 ms; Qwen3.5's 256 experts 7.37 -> 7.66 ms (each of the down kernel's
-        # 2,080 programs ranks 512 bins before its first weight load: 32.7 -> 42.2 us), so not there
-        self_routed = SELF_ROUTE and num_tokens <= 16 and num_experts <= 128
+        # up to 16 tokens of up to 128 experts without an alignment launch. H200, batch 8 (session 18, when the
+        # down kernel ranked the experts too): Gemma 4 26B-A4B's step 7.45 -> 7.36 ms; Qwen3.5's 256 experts
+        # 7.37 -> 7.66 ms (each of the down kernel's 2,080 programs ranked 512 bins before its first weight
+        # load: 32.7 -> 42.2 us). The down kernel now reads the blocks the gate/up kernel recorded, and the
+        # ranking takes E bins, not 2E; COMPILED_LLM_MOE_SELF_ROUTE=all tries that on more experts.
+        self_routed = (SELF_ROUTE != "0" and num_tokens <= 16
+                       and (SELF_ROUTE == "all" or num_experts <= SELF_ROUTE_MAX_EXPERTS))
         return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, self_routed=self_routed)
     if pairs_per_expert <= 16:
         return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3)
@@ -258,8 +276,11 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if SELF_ROUTE:
-        e32, pair, rmask, _ids = _self_route(TopkIds, pid_m, num_pairs // TOP_K, E, TOP_K, BLOCK_M, K_PAD, BINS)
+    if SELF_ROUTE:  # rank the picked experts; the first column block records its block for the down kernel
+        e32, pair, rmask = _self_route(TopkIds, pid_m, num_pairs // TOP_K, E, TOP_K, BLOCK_M, K_PAD, BINS)
+        if pid_n == 0:
+            tl.store(ExpertIds + pid_m, e32)
+            tl.store(SortedIds + rows, tl.where(rmask, pair, num_pairs))
         if e32 < 0:
             return
         e = e32.to(tl.int64)
@@ -303,8 +324,7 @@ def _down_kernel(
     num_pairs, N, K, E,
     stride_an, stride_we, stride_wn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    TopkIds=None, SELF_ROUTE: tl.constexpr = False, TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 8,
-    BINS: tl.constexpr = 256,
+    TopkIds=None, SELF_ROUTE: tl.constexpr = False, TOP_K: tl.constexpr = 1,
 ):
     # y[pair] = w_pair * act[row] @ down[e].T, scattered to the pair's row of [T * k, H]
     pid_m = tl.program_id(0)
@@ -312,19 +332,15 @@ def _down_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    if SELF_ROUTE:
-        e32, pair, rmask, ids = _self_route(TopkIds, pid_m, num_pairs // TOP_K, E, TOP_K, BLOCK_M, K_PAD, BINS)
-        if e32 < 0:
-            if pid_m == tl.num_programs(0) - 1:  # the grid's spare block: the pairs of another rank's experts are 0
-                t = tl.arange(0, BLOCK_M)
-                jj = tl.arange(0, K_PAD)
-                for j in tl.static_range(TOP_K):
-                    idj = tl.sum(tl.where(jj[None, :] == j, ids, 0), 1)
-                    skip = (idj == -2) & (t < num_pairs // TOP_K)
-                    z_ptr = Y + (t * TOP_K + j).to(tl.int64)[:, None] * stride_yt + cols[None, :]
-                    tl.store(z_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=skip[:, None] & cmask[None, :])
+    if SELF_ROUTE:  # the blocks the gate/up kernel recorded (it ran first on this stream)
+        if pid_m == tl.num_programs(0) - 1:
+            _zero_skipped_pairs(TopkIds, Y, num_pairs // TOP_K, E, stride_yt, cols, cmask, TOP_K, BLOCK_M, BLOCK_N)
             return
-        e = e32.to(tl.int64)
+        e = tl.load(ExpertIds + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        pair = tl.load(SortedIds + rows)
+        rmask = pair < num_pairs
         y_ptr = Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :]
     else:
         if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -375,14 +391,18 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     pol = policy or moe_launch_policy(num_tokens, top_k, num_experts, hidden, inter)
     num_pairs = num_tokens * top_k
     route: dict = {}
+    up_route: dict = {}
     if pol.self_routed and num_tokens <= pol.block_m:
         # no alignment: a block per picked expert (at most min(E, pairs)) and a spare one, which zeroes the
         # pairs of another rank's experts
         num_blocks = min(num_experts, num_pairs) + 1
-        sorted_ids = expert_ids = num_padded = topk_ids  # unused by the kernels
-        route = dict(TopkIds=topk_ids.contiguous(), SELF_ROUTE=True, K_PAD=triton.next_power_of_2(top_k),
-                     BINS=triton.next_power_of_2(num_experts + 1))
         rows = num_blocks * pol.block_m
+        # each block's expert and pairs, written by the gate/up kernel and read by the down kernel
+        expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=x.device)
+        sorted_ids = torch.empty(rows, dtype=torch.int32, device=x.device)
+        num_padded = expert_ids  # unused
+        route = dict(TopkIds=topk_ids.contiguous(), SELF_ROUTE=True)
+        up_route = dict(K_PAD=triton.next_power_of_2(top_k), BINS=triton.next_power_of_2(num_experts))
     else:
         if pol.unsorted:
             sorted_ids, num_padded = unsorted_blocks(num_pairs, pol.block_m, x.device)
@@ -399,7 +419,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
         SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps, num_stages=pol.a_stages,
-        **route,
+        **route, **up_route,
     )
     weights = topk_weights.to(torch.float32).contiguous()
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
