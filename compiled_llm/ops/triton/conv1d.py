@@ -91,10 +91,10 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Ten
     (updated in place); layout: the step's sequences, its tensors on x's device. Returns [tokens, dim]."""
     n, dim = x.shape
     k = weight.shape[1]
-    out = torch.zeros_like(x)
     num_seqs = layout.num_seqs
     if n == 0 or num_seqs == 0:
-        return out
+        return torch.zeros_like(x)
+    out = torch.empty(n, dim, dtype=x.dtype, device=x.device)  # the conv kernel writes every row (padding: 0)
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
     assert cache.shape[1:] == (dim, k - 1) and cache.stride(2) == 1, (cache.shape, dim, k)

@@ -32,14 +32,18 @@ RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recu
 CHUNK = DELTA_RULE_CHUNK
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_seqs", "n_rows"])
 def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_n, ss_h, ss_k,
-                          scale, eps,
+                          scale, eps, n_seqs, n_rows,
                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
+    if seq == 0:  # the rows past the last sequence (a CUDA graph's padding) are zero: no fill launch for them
+        ov0 = vb * BV + tl.arange(0, BV)
+        for t64 in range(tl.load(QSL + n_seqs).to(tl.int64), n_rows):
+            tl.store(O + t64 * so_t + hv * so_h + ov0, tl.zeros([BV], O.dtype.element_ty), mask=ov0 < DV)
     start = tl.load(QSL + seq).to(tl.int64)
     end = tl.load(QSL + seq + 1).to(tl.int64)
     slot = tl.load(SLOTS + seq).to(tl.int64)
@@ -184,10 +188,11 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     hv, dv = v.shape[1], v.shape[2]
     assert cache.stride(-1) == 1 and cache.shape[1:] == (hv, dk, dv), (cache.shape, (hv, dk, dv))
     dev = v.device
-    o = torch.zeros(v.shape, dtype=v.dtype, device=dev)
     num_seqs = layout.num_seqs
     if n == 0 or num_seqs == 0:
-        return o
+        return torch.zeros(v.shape, dtype=v.dtype, device=dev)
+    recurrent = layout.max_query_len <= RECURRENT_MAX_LEN  # that kernel writes every row, padding as zeros
+    o = (torch.empty if recurrent else torch.zeros)(v.shape, dtype=v.dtype, device=dev)
     t = layout.tensors
     query_start_loc, slots, has_initial_state = t["query_start_loc"], t["slots"], t["has_initial_state"]
     bk = max(16, triton.next_power_of_2(dk))
@@ -195,11 +200,11 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     prec = dot_precision(v.dtype)
     grid = (num_seqs, hv, triton.cdiv(dv, bv))
     scale, eps = dk ** -0.5, 1e-6
-    if layout.max_query_len <= RECURRENT_MAX_LEN:
+    if recurrent:
         _gdr_recurrent_kernel[grid](
             q, k, v, g, beta, o, cache, query_start_loc, slots, has_initial_state,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps,
+            o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps, num_seqs, n,
             REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
         return o
     chunk, num_chunks = layout.chunk, layout.num_chunks
