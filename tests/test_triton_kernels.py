@@ -473,9 +473,32 @@ def check_moe():
     _check_moe(7, 6, 64, 200, 3, 8)  # an intermediate size past one column block
     _check_moe_self_routed(11, 32, 64, 48, 4, 9)
     _check_moe_skipped(6, 16, 32, 24, 2, 16, 11)  # self-routed: another rank's pairs zeroed by the spare block
+    _check_cast_weights(6, 32, 64, 32, 4, 14)
+    _check_cast_weights(40, 16, 64, 32, 4, 15)  # aligned, two token blocks in the router
     _check_moe_self_routed(3, 128, 64, 40, 8, 10)  # experts with no pick between the picked ones
     _check_moe_self_routed(16, 256, 64, 32, 8, 12)  # Qwen3.5's expert count (COMPILED_LLM_MOE_SELF_ROUTE=all)
     _check_moe_self_routed(9, 24, 64, 32, 3, 13)  # an expert count that is not a power of two
+
+
+def _check_cast_weights(T, E, H, I, k, seed):
+    """Qwen3.5 casts its routing weights to bfloat16: the router kernel stores them rounded (no cast launch)
+    and the down kernel reads them as they are (no float32 copy): bitwise what the casts gave."""
+    import torch
+
+    from compiled_llm.ops.triton import providers as P
+    from compiled_llm.ops.triton.moe import fused_swiglu_moe
+
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    x, proj = torch.randn(T, H, generator=g).to(bf), torch.randn(E, H, generator=g).to(bf)
+    gu, dn = (0.2 * torch.randn(E, 2 * I, H, generator=g)).to(bf), (0.2 * torch.randn(E, H, I, generator=g)).to(bf)
+    w32, ids = P.softmax_router_topk(x, proj, k)
+    w16, ids16 = P.softmax_router_topk(x, proj, k, weights_dtype=bf)
+    assert w16.dtype == bf and torch.equal(ids, ids16) and torch.equal(w16, w32.to(bf))
+    want = fused_swiglu_moe(x, gu, dn, w32.to(bf).float(), ids, sum_slots=False)
+    assert torch.equal(fused_swiglu_moe(x, gu, dn, w16, ids, sum_slots=False), want)
+    assert torch.equal(P.moe_start(x, proj, None, None, x, gu, dn, k, 0.0, 1.0, 0, "silu", True), want)
+    print(f"  router weights stored in bfloat16 T={T}: ok", flush=True)
 
 
 def _check_moe_self_routed(T, E, H, I, k, seed):

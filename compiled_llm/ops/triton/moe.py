@@ -421,7 +421,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps, num_stages=pol.a_stages,
         **route, **up_route,
     )
-    weights = topk_weights.to(torch.float32).contiguous()
+    weights = topk_weights.contiguous()  # any float dtype: the down kernel reads it as float32 (no cast launch)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, pol.b_block_n))](
         act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
@@ -482,7 +482,8 @@ def fused_swiglu_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, *, poli
 def _store_picks(sel_w, sel_i, t, tmask, kk, ExpertScale, OutW, OutIds, TOP_K: tl.constexpr,
                  EXPERT_SCALE: tl.constexpr):
     # both router paths end here: renormalise the top-k probabilities, apply the per-expert scale, store the
-    # weights (float32) and the ids (in the output's dtype: int64 for the op, no cast kernel after)
+    # weights (float32, or the model's dtype where the model casts them: no cast kernel after) and the ids (in
+    # the output's dtype: int64 for the op)
     kmask = kk < TOP_K
     sel_w = tl.where(kmask[None, :], sel_w, 0.0)
     sel_w = sel_w / tl.sum(sel_w, 1)[:, None]
@@ -490,7 +491,13 @@ def _store_picks(sel_w, sel_i, t, tmask, kk, ExpertScale, OutW, OutIds, TOP_K: t
     if EXPERT_SCALE:
         sel_w = sel_w * tl.load(ExpertScale + sel_i, mask=omask, other=0.0).to(tl.float32)
     o_off = t.to(tl.int64)[:, None] * TOP_K + kk[None, :]
-    tl.store(OutW + o_off, sel_w, mask=omask)
+    if OutW.dtype.element_ty == tl.bfloat16:  # round to nearest even, as torch's cast does (by its bits: the
+        # interpreter's own conversion truncates)
+        bits = sel_w.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(OutW + o_off, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=omask)
+    else:
+        tl.store(OutW + o_off, sel_w.to(OutW.dtype.element_ty), mask=omask)
     tl.store(OutIds + o_off, sel_i.to(OutIds.dtype.element_ty), mask=omask)
 
 
@@ -752,7 +759,7 @@ def _tickets(device: torch.device, blocks: int) -> torch.Tensor:
 def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: torch.Tensor,
                       per_expert_scale: torch.Tensor | None, top_k: int, eps: float,
                       launch: RouterLaunch | None = None, ids_dtype: torch.dtype = torch.int32,
-                      align_block_m: int | None = None):
+                      align_block_m: int | None = None, weights_dtype: torch.dtype = torch.float32):
     """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
     Returns (weights [T, k] fp32, ids [T, k] int32), experts in descending probability.
     scale None: Qwen3.5's softmax router (no norm, no scales; the logits rounded to x's dtype first, as
@@ -760,12 +767,13 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     align_block_m: also align the picks for the grouped GEMMs at that block_m (moe_align's outputs, made by the
     router's last program: one launch less a MoE layer) where one program sees every pick (the one-launch
     kernel with one token block, below the sort's pair count); then returns (weights, ids, alignment), the
-    alignment None where it could not."""
+    alignment None where it could not. weights_dtype: the weights rounded to it in the kernel's store (Qwen3.5
+    casts them to its dtype; the same rounding as a cast after, without its launch)."""
     norm = scale is not None
     num_tokens, hidden = x.shape
     num_experts = proj_weight.shape[0]
     assert x.stride(1) == 1 and proj_weight.stride(1) == 1 and top_k <= num_experts
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=ids_dtype, device=x.device)  # int64: the op's dtype, no cast kernel
     if num_tokens == 0:
         return (weights, ids) if align_block_m is None else (weights, ids, None)

@@ -10,6 +10,7 @@ they are built once per step and kept on the metadata. Padding rows of q come ba
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -105,9 +106,10 @@ def router_topk(x, proj_weight, scale, per_expert_scale, top_k: int, eps: float,
     return fused_router_topk(x.contiguous(), scale, proj_weight, per_expert_scale, top_k, eps, ids_dtype=torch.int64)
 
 
-def softmax_router_topk(x, proj_weight, top_k: int):
+def softmax_router_topk(x, proj_weight, top_k: int, weights_dtype: torch.dtype = torch.float32):
     MONITOR.note("softmax_router_topk", (x.dtype, x.shape[-1], proj_weight.shape[0], top_k))
-    return fused_router_topk(x.contiguous(), None, proj_weight.contiguous(), None, top_k, 0.0, ids_dtype=torch.int64)
+    return fused_router_topk(x.contiguous(), None, proj_weight.contiguous(), None, top_k, 0.0, ids_dtype=torch.int64,
+                             weights_dtype=weights_dtype)
 
 
 def geglu_moe(x, weights, ids, gate_up_proj, down_proj):
@@ -143,11 +145,14 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
             MONITOR.note("softmax_router_topk", (router_x.dtype, hidden, proj_weight.shape[0], top_k))
         w, ids, alignment = fused_router_topk(router_x.contiguous(), scale, proj_weight.contiguous(), per_expert_scale,
                                               top_k, eps if scale is not None else 0.0, ids_dtype=torch.int64,
-                                              align_block_m=pol.block_m)
-        w = w.to(x.dtype) if cast else w
+                                              align_block_m=pol.block_m,
+                                              weights_dtype=x.dtype if cast else torch.float32)
     else:
+        # Qwen3.5 casts its routing weights to its dtype: the router kernel stores them so (route's cast is then
+        # a no-op, one launch less on the branch)
+        softmax = functools.partial(softmax_router_topk, weights_dtype=x.dtype if cast else torch.float32)
         w, ids = route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size, x.dtype, cast, first,
-                       router_topk, softmax_router_topk)
+                       router_topk, softmax)
     name = "geglu_moe" if activation == "gelu_tanh" else "swiglu_moe"
     MONITOR.note(name, (x.dtype, gate_up_proj.shape, ids.shape[1]))
     fn = fused_geglu_moe if activation == "gelu_tanh" else fused_swiglu_moe
