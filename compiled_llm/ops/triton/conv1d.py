@@ -57,6 +57,16 @@ def _conv_kernel(X, W, Cache, Out, SeqOf, Qsl, Slots, Init,
     y = tl.where(live[:, None], y, 0.0)
     tl.store(Out + t.to(tl.int64)[:, None] * stride_ot + d[None, :], y.to(Out.dtype.element_ty),
              mask=(t < n_tokens)[:, None] & dmask[None, :])
+    if DECODE:  # the window moves by the one token here (no state launch): window[i] = ext[i + 1], where
+        # ext = old window ++ token; each (sequence, channel) is this program's alone, read above before written
+        wm = live[:, None] & dmask[None, :]
+        base = Cache + slot[:, None] * stride_cs + d[None, :] * stride_cd
+        for i in tl.static_range(K - 1):
+            if i + 1 < K - 1:
+                v = tl.load(base + (i + 1), mask=wm & init[:, None], other=0.0)
+            else:
+                v = tl.load(X + t.to(tl.int64)[:, None] * stride_xt + d[None, :], mask=wm, other=0.0)
+            tl.store(base + i, v.to(Cache.dtype.element_ty), mask=wm)
 
 
 @triton.jit
@@ -106,10 +116,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Ten
         x, weight, cache, out, seq_of, qsl, slots, init,
         n, seq_of.numel(), num_seqs, dim, x.stride(0), out.stride(0), cache.stride(0), cache.stride(1),
         K=k, BLOCK_T=block_t, BLOCK_D=block_d, DECODE=layout.decode, num_warps=4)
-    _state_kernel[(num_seqs, triton.cdiv(dim, block_d))](
-        x, cache, qsl, slots, init, dim,
-        x.stride(0), cache.stride(0), cache.stride(1),
-        K=k, BLOCK_W=max(2, triton.next_power_of_2(k - 1)), BLOCK_D=block_d, num_warps=4)
+    if not layout.decode:  # a decode step's conv kernel moved the windows itself
+        _state_kernel[(num_seqs, triton.cdiv(dim, block_d))](
+            x, cache, qsl, slots, init, dim,
+            x.stride(0), cache.stride(0), cache.stride(1),
+            K=k, BLOCK_W=max(2, triton.next_power_of_2(k - 1)), BLOCK_D=block_d, num_warps=4)
     return out
 
 
