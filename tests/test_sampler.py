@@ -53,10 +53,16 @@ def test_greedy_is_argmax():
     assert [r.token_id for r in res2] == [r.token_id for r in res]
 
 
-def test_caller_logits_not_modified():
+@pytest.mark.parametrize("rows", [
+    [row(output=[1, 1], repetition_penalty=1.5, frequency_penalty=1.0), row(temperature=0.5)],
+    [row(stop_ids=[3], min_tokens=2), row(temperature=0.0)],
+    # no penalty, min_tokens or grammar: the sampler makes no copy, and nothing after writes to the logits
+    [row(temperature=0.0), row(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05, logprobs=2)],
+])
+def test_caller_logits_not_modified(rows):
     logits = torch.randn(2, 10)
     before = logits.clone()
-    Sampler()(logits, [row(output=[1, 1], repetition_penalty=1.5, frequency_penalty=1.0), row(temperature=0.5)])
+    Sampler()(logits, rows)
     assert torch.equal(logits, before)
 
 

@@ -50,6 +50,13 @@ def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
     return torch.tensor(data, dtype=torch.long, device=device).view(len(lists), width)
 
 
+def _edits_logits(r: SamplingRow) -> bool:
+    """Whether steps 2-4 may change this row's logits (penalties, min_tokens, a grammar)."""
+    p = r.params
+    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            or len(r.output_token_ids) < p.min_tokens or r.grammar is not None)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition, frequency and presence penalties, in place on ``logits`` [B, V]; returns it."""
     B, V = logits.shape
@@ -216,8 +223,10 @@ class Sampler:
             else:
                 raw_logprobs = torch.log_softmax(logits[to_device(lp_rows, torch.long, dev)], dim=-1)
 
-        # 2-4. penalties and min_tokens (new tensor; the caller's logits are not modified).
-        logits = logits.clone()
+        # 2-4. penalties and min_tokens (on a copy: the caller's logits are not modified; a batch that needs
+        # none of them makes no copy, one launch less a step).
+        if any(_edits_logits(r) for r in rows):
+            logits = logits.clone()
         logits = apply_penalties(logits, rows)
         logits = apply_min_tokens(logits, rows)
         if any(r.grammar is not None for r in rows):
