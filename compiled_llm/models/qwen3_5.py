@@ -138,6 +138,19 @@ class DepthwiseConvWeight(nn.Module):
         self.weight = segment_parameter((sum(sizes), 1, kernel), sizes, "linear-attention conv channels")
 
 
+def decay_and_beta(ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's log decay g = -exp(A_log) * softplus(a + dt_bias) (float32) and beta = sigmoid(b) (in the
+    model's dtype, as a float32 view) from the [b; a] columns of in_proj: one elementwise expression over both
+    halves, which Inductor computes in one kernel (as two expressions it made two kernels a layer, H200)."""
+    hv = a_log.shape[0]
+    zeros = torch.zeros_like(a_log, dtype=torch.float32)
+    shift = torch.cat([zeros, dt_bias.float()])
+    scale = torch.cat([zeros, -a_log.float().exp()])
+    is_b = torch.arange(2 * hv, device=ba.device) < hv
+    out = torch.where(is_b, torch.sigmoid(ba).float(), scale * F.softplus(ba.float() + shift))
+    return out[:, hv:], out[:, :hv]
+
+
 class GatedDeltaNet(nn.Module):
     """Linear attention: in_proj -> [q; k; v] through causal conv1d (SiLU), z, b, a; gated delta rule with
     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); gated RMSNorm with z; out_proj.
@@ -183,11 +196,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
+        qkv, z, ba = self.in_proj(x).split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
         mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.idx)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = decay_and_beta(ba, self.A_log, self.dt_bias)
         out = gated_delta_rule(split_heads(q, self.num_k_heads), split_heads(k, self.num_k_heads),
                                split_heads(v, self.num_v_heads), g, beta, self.idx)
         z = split_heads(z, self.num_v_heads)

@@ -183,7 +183,7 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     """Flat tokens of the layout's sequences (rows past them: padding, left zero); its tensors on v's device.
     The chunked path takes layout.chunk tokens a chunk."""
     q, k, v = _lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v)
-    g, beta = g.contiguous(), beta.contiguous()
+    g, beta = _lastdim_contiguous(g), _lastdim_contiguous(beta)  # any row stride (the model's: views of one tensor)
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert cache.stride(-1) == 1 and cache.shape[1:] == (hv, dk, dv), (cache.shape, (hv, dk, dv))
@@ -257,7 +257,8 @@ def _compile(key, device) -> None:
         n, layout = qsl[-1], StateLayout.build(slots, init, qsl, device)
         q, k = (torch.zeros(n, hk, dk, dtype=dtype, device=device) for _ in range(2))
         v = torch.zeros(n, hv, dv, dtype=dtype, device=device)
-        g, beta = torch.zeros(n, hv, device=device), torch.zeros(n, hv, dtype=dtype, device=device)
+        gb = torch.zeros(n, 2 * hv, device=device)  # the model's layout (qwen3_5.py decay_and_beta): one tensor
+        g, beta = gb[:, hv:], gb[:, :hv]
         gated_delta_rule_varlen(q, k, v, g, beta, cache, layout)
 
 
