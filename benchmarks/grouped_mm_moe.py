@@ -6,7 +6,8 @@ grouped GEMM (`torch._grouped_mm`, CUTLASS on sm_90) around an explicit sort, ga
 
 Each variant returns every pick's weighted output [T, k, H] (what `moe_start` hands to the join), is checked
 against ours, and is timed with CUDA-graph replays. `gemms only` times the two grouped GEMMs on rows already
-sorted: what torch's kernels would cost if the sort, gather and scatter were free.
+sorted: what torch's kernels would cost if the sort, gather and scatter were free. The last columns split ours
+into its two kernels and time torch's grouped GEMM for the down projection alone, on our padded layout.
 """
 
 from __future__ import annotations
@@ -48,6 +49,42 @@ def grouped_mm_moe(x, gate_up, down, wts, ids, act: str, parts: dict | None = No
     return out.view(T, k, -1)
 
 
+def kernel_times_us(fn, calls: int = 5) -> dict:
+    """Mean GPU time of each kernel fn launches, by name (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.key] = round(e.device_time_total / calls, 1)
+    return out
+
+
+def down_alone(x, gate_up, down, wts, ids, act: str, graph_time_us) -> dict:
+    """The down projection alone: ours (the kernel's share of fused_moe, profiled) against torch's grouped GEMM
+    over the same expert-sorted, padded rows (segment ends as its offsets), which the weights would then go
+    with into the join's sum: what keeping our gather-fused gate/up kernel and swapping only the down one saves."""
+    T, k = ids.shape
+    E, two_i, _ = gate_up.shape
+    pol = M.moe_launch_policy(T, k, E, x.shape[1], two_i // 2)
+    times = kernel_times_us(lambda: M.fused_moe(x, gate_up, down, wts, ids, sum_slots=False,
+                                                activation="gelu_tanh" if act == "gelu" else "silu"))
+    sorted_ids, expert_ids, num_padded = M.moe_align(ids, E, pol.block_m)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+    used = expert_ids[expert_ids >= 0].long()
+    counts.scatter_add_(0, used, torch.full_like(used, pol.block_m))
+    ends = counts.cumsum(0).to(torch.int32)
+    rows = int(ends[-1])
+    a = torch.randn(rows, two_i // 2, device=x.device).to(x.dtype)
+    theirs = graph_time_us(lambda: torch._grouped_mm(a, down.transpose(1, 2), offs=ends), replays=10, calls=3)
+    return {"ours_gate_up_kernel_us": times.get("_gate_up_kernel"), "ours_down_kernel_us": times.get("_down_kernel"),
+            "down_grouped_mm_us": round(theirs, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=sorted(SHAPES), default="gemma")
@@ -83,12 +120,16 @@ def main() -> int:
             us = graph_time_us(fn, replays=10, calls=3)
             row[name + "_us"] = round(us, 1)
             row[name + "_tflops"] = round(flops / us / 1e6, 1)
+        row.update(down_alone(x, gate_up, down, wts, ids, S["act"], graph_time_us))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"{'tokens':>7} {'ours us':>9} {'TF/s':>6} {'grouped_mm':>11} {'TF/s':>6} {'gemms only':>11} {'TF/s':>6} diff")
+    print(f"{'tokens':>7} {'ours us':>9} {'TF/s':>6} {'grouped_mm':>11} {'TF/s':>6} {'gemms only':>11} {'TF/s':>6} "
+          f"{'our gate/up':>11} {'our down':>9} {'their down':>10} diff")
     for r in rows:
         print(f"{r['tokens']:>7} {r['ours_us']:>9} {r['ours_tflops']:>6} {r['grouped_mm_us']:>11} "
-              f"{r['grouped_mm_tflops']:>6} {r['gemms_only_us']:>11} {r['gemms_only_tflops']:>6} {r['rel_diff']}")
+              f"{r['grouped_mm_tflops']:>6} {r['gemms_only_us']:>11} {r['gemms_only_tflops']:>6} "
+              f"{r['ours_gate_up_kernel_us']!s:>11} {r['ours_down_kernel_us']!s:>9} {r['down_grouped_mm_us']:>10} "
+              f"{r['rel_diff']}")
     if a.out:
         Path(a.out).write_text(json.dumps({"config": a.config, "device": torch.cuda.get_device_name(), "rows": rows},
                                           indent=1))
