@@ -19,6 +19,8 @@ CPU there is no stream: the start computes, the join sums (the pass is off there
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from compiled_llm.ops.activation import gelu_tanh
@@ -31,6 +33,17 @@ _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 # Past this many tokens the branch stays on the current stream: prefill-sized kernels fill the GPU by
 # themselves, and such steps run without CUDA graphs, where the fork's host time would add to the step
 OVERLAP_MAX_TOKENS = 512
+# The routed branch is a decode step's critical path; COMPILED_LLM_MOE_SIDE_PRIORITY=high gives its stream the
+# device's highest priority, so that its blocks start before the dense branch's when both wait for SMs (torch
+# instantiates CUDA graphs with per-node priority, which a capture takes from the capturing stream). Off until
+# an H200 A/B.
+SIDE_PRIORITY_ENV = "COMPILED_LLM_MOE_SIDE_PRIORITY"
+
+
+def side_priority() -> int:
+    if os.environ.get(SIDE_PRIORITY_ENV, "default") != "high":
+        return 0
+    return torch.cuda.Stream.priority_range()[1]  # (lowest, highest): the highest is the most negative
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -40,7 +53,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         device = torch.device(device.type, torch.cuda.current_device())
     s = _SIDE.get(device)
     if s is None:
-        s = _SIDE[device] = torch.cuda.Stream(device)
+        s = _SIDE[device] = torch.cuda.Stream(device, priority=side_priority())
     return s
 
 

@@ -134,3 +134,15 @@ def test_on_by_default_on_cuda_only(monkeypatch):
     assert "moe_overlap" not in [p.name for p in PassManager(None, torch.bfloat16, "cpu").passes]
     monkeypatch.setenv("COMPILED_LLM_MOE_OVERLAP", "0")
     assert "moe_overlap" not in [p.name for p in PassManager(None, torch.bfloat16, "cuda").passes]
+
+
+def test_side_stream_priority_switch(monkeypatch):
+    """COMPILED_LLM_MOE_SIDE_PRIORITY=high asks for the device's highest stream priority for the routed branch;
+    by default the side stream has the normal one."""
+    from compiled_llm.ops import moe_overlap
+
+    monkeypatch.setattr(torch.cuda.Stream, "priority_range", staticmethod(lambda: (0, -5)))
+    monkeypatch.delenv(moe_overlap.SIDE_PRIORITY_ENV, raising=False)
+    assert moe_overlap.side_priority() == 0
+    monkeypatch.setenv(moe_overlap.SIDE_PRIORITY_ENV, "high")
+    assert moe_overlap.side_priority() == -5
