@@ -148,9 +148,13 @@ def group_qk_norm_rope():
     from compiled_llm.ops.context import set_forward_context
     from compiled_llm.ops.qk_norm_rope import ref_qk_norm_rope_kv_write
     from compiled_llm.ops.rope import rope_inv_freq
+    from compiled_llm.ops.triton import qk_norm_rope as QK
     from compiled_llm.ops.triton.qk_norm_rope import qk_norm_rope_kv_write
 
-    for k_eq_v in (False, True):
+    default = QK.heads_per_program
+    for k_eq_v, hpp in ((False, None), (True, None), (False, 4), (True, 4)):
+        # hpp: a program takes 4 of a token's 6 heads (prefill's kernel; the second program's last 2 are past them)
+        QK.heads_per_program = default if hpp is None else (lambda n: hpp)  # noqa: B023
         specs = {0: AttentionSpec(0, 4, 2, 16, None, 0, k_eq_v=k_eq_v), 1: AttentionSpec(1, 4, 2, 16, None, 0)}
         inv = rope_inv_freq(16, 1e6, "proportional", 0.25).to(DEV)  # partial rotary: zero frequencies too
         n = 15
@@ -169,6 +173,8 @@ def group_qk_norm_rope():
         with set_forward_context(ctx_tri):  # q only (a layer reading another layer's cache)
             _check("q only", qk_norm_rope_kv_write(q, None, None, pos, inv, qw, None, 1e-6, False, 1),
                    ref_qk_norm_rope_kv_write(q, None, None, pos, inv, qw, None, 1e-6, False, 1))
+    QK.heads_per_program = default
+    assert default(8) == 1 and default(8192) == 8
 
 
 def group_qk_norm_mrope():

@@ -1,6 +1,7 @@
 """Triton qk_norm_rope_kv_write and kv_cache_write.
 
-One program per (token, head), q heads first, then KV heads: per-head RMSNorm (float32 statistics,
+One program per (token, head), q heads first, then KV heads (prefill: per token and group of 8 heads, as
+[8, half] tiles): per-head RMSNorm (float32 statistics,
 rounded to the input dtype like the reference), rotate-half RoPE on the two halves of the head
 (angles reduced before cos/sin so large positions stay accurate), and for KV heads the store of k and
 v into the paged cache at the token's slot. Rows past the slot mapping and slots < 0 (CUDA-graph
@@ -87,6 +88,73 @@ def _qk_norm_rope_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
 
 
 @triton.jit
+def _norm_rows(x1, x2, w1, w2, eps, D: tl.constexpr, HAS_W: tl.constexpr):
+    # _norm for [heads, half] tiles: one RMSNorm per row
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
+    x1 = x1 * rstd[:, None]
+    x2 = x2 * rstd[:, None]
+    if HAS_W:
+        x1 = x1 * w1[None, :]
+        x2 = x2 * w2[None, :]
+    return x1, x2
+
+
+@triton.jit(do_not_specialize=["NH"])
+def _qk_norm_rope_heads_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
+                               n_slots, eps, NH,
+                               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                               stride_ot, stride_oh, stride_cs, stride_ch,
+                               H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HPP: tl.constexpr,
+                               HAS_K: tl.constexpr, HAS_V: tl.constexpr, NORM_V: tl.constexpr):
+    # prefill: program (t, j) takes token t's heads [j * HPP, (j + 1) * HPP) of the NH query and KV heads as one
+    # [HPP, half] tile each (the token's angles computed once for them); one program per (token, head) made
+    # 196K one-warp programs at 8K tokens, bound by block scheduling rather than bytes (H200: 138 us a layer)
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1) * HPP + tl.arange(0, HPP)
+    d = tl.arange(0, BLOCK)
+    dm = d < HALF
+    pos = tl.load(Pos + t).to(tl.float32)
+    ang = _reduce_angle(pos * tl.load(Inv + d, mask=dm, other=0.0))
+    cos = tl.cos(ang)[None, :]
+    sin = tl.sin(ang)[None, :]
+    mq = (hh < H)[:, None] & dm[None, :]
+    w1 = tl.load(QW + d, mask=dm, other=0.0).to(tl.float32)
+    w2 = tl.load(QW + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    p = Q + t * stride_qt + hh[:, None] * stride_qh + d[None, :]
+    x1, x2 = _norm_rows(tl.load(p, mask=mq, other=0.0), tl.load(p + HALF, mask=mq, other=0.0), w1, w2, eps,
+                        2 * HALF, True)
+    x1 = x1.to(QOut.dtype.element_ty).to(tl.float32)
+    x2 = x2.to(QOut.dtype.element_ty).to(tl.float32)
+    o = QOut + t * stride_ot + hh[:, None] * stride_oh + d[None, :]
+    tl.store(o, (x1 * cos - x2 * sin).to(QOut.dtype.element_ty), mask=mq)
+    tl.store(o + HALF, (x2 * cos + x1 * sin).to(QOut.dtype.element_ty), mask=mq)
+    if HAS_V:
+        slot = tl.load(Slots + t, mask=t < n_slots, other=-1)
+        kvh = tl.where(hh >= H, hh - H, 0)
+        mkv = ((hh >= H) & (hh < NH) & (slot >= 0))[:, None] & dm[None, :]
+        c = slot * stride_cs + kvh[:, None] * stride_ch + d[None, :]
+        if HAS_K:
+            w1 = tl.load(KW + d, mask=dm, other=0.0).to(tl.float32)
+            w2 = tl.load(KW + HALF + d, mask=dm, other=0.0).to(tl.float32)
+            p = K + t * stride_kt + kvh[:, None] * stride_kh + d[None, :]
+            x1, x2 = _norm_rows(tl.load(p, mask=mkv, other=0.0), tl.load(p + HALF, mask=mkv, other=0.0), w1, w2,
+                                eps, 2 * HALF, True)
+            x1 = x1.to(KC.dtype.element_ty).to(tl.float32)
+            x2 = x2.to(KC.dtype.element_ty).to(tl.float32)
+            tl.store(KC + c, (x1 * cos - x2 * sin).to(KC.dtype.element_ty), mask=mkv)
+            tl.store(KC + c + HALF, (x2 * cos + x1 * sin).to(KC.dtype.element_ty), mask=mkv)
+        p = V + t * stride_vt + kvh[:, None] * stride_vh + d[None, :]
+        v1 = tl.load(p, mask=mkv, other=0.0)
+        v2 = tl.load(p + HALF, mask=mkv, other=0.0)
+        if NORM_V:
+            v1, v2 = _norm_rows(v1, v2, v1, v2, eps, 2 * HALF, False)
+        tl.store(VC + c, v1.to(VC.dtype.element_ty), mask=mkv)
+        tl.store(VC + c + HALF, v2.to(VC.dtype.element_ty), mask=mkv)
+
+
+@triton.jit
 def _norm_rotate(src, w_ptr, d, dm, partner, rot, sign, cos, sin, eps, offset, D: tl.constexpr):
     """One head: RMSNorm scaled by offset + w, rounded to the input dtype, then rotate-half on the rotated
     channels (partner/sign: each channel's rotate-half partner and the sign it enters with)."""
@@ -166,6 +234,15 @@ def _planes(cache: torch.Tensor, spec):
     return flat[0], flat[-1]
 
 
+PREFILL_HEADS_MIN_TOKENS = 256  # from here a program takes 8 of a token's heads (_qk_norm_rope_heads_kernel)
+
+
+def heads_per_program(num_tokens: int) -> int:
+    """Heads of one token a QK-norm + RoPE program takes: 1 for decode-sized batches (latency: the most
+    programs), 8 from PREFILL_HEADS_MIN_TOKENS tokens."""
+    return 1 if num_tokens < PREFILL_HEADS_MIN_TOKENS else 8
+
+
 def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, positions: torch.Tensor,
                           inv_freq: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None, eps: float,
                           norm_v: bool, layer_idx: int) -> torch.Tensor:
@@ -192,13 +269,18 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
     block = triton.next_power_of_2(half)
     MONITOR.note("qk_norm_rope_kv_write", (q.dtype, head_dim, has_k, has_v, norm_v))
     if n:
-        _qk_norm_rope_kernel[(n, num_heads + kv_heads)](
-            q, kk, vv, positions, inv, q_weight, k_weight if k_weight is not None else q_weight, slots, q_out, kc, vc,
-            n_slots, float(eps),
-            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
-            q_out.stride(0), q_out.stride(1), s_cs, s_ch,
-            H=num_heads, HALF=half, BLOCK=block, HAS_K=has_k, HAS_V=has_v, NORM_V=norm_v,
-            num_warps=1 if block <= 128 else 4)
+        heads = num_heads + kv_heads
+        args = (q, kk, vv, positions, inv, q_weight, k_weight if k_weight is not None else q_weight, slots, q_out,
+                kc, vc, n_slots, float(eps))
+        strides = (q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
+                   q_out.stride(0), q_out.stride(1), s_cs, s_ch)
+        flags = dict(H=num_heads, HALF=half, BLOCK=block, HAS_K=has_k, HAS_V=has_v, NORM_V=norm_v)
+        hpp = heads_per_program(n)
+        if hpp == 1:
+            _qk_norm_rope_kernel[(n, heads)](*args, *strides, **flags, num_warps=1 if block <= 128 else 4)
+        else:
+            _qk_norm_rope_heads_kernel[(n, triton.cdiv(heads, hpp))](*args, heads, *strides, **flags, HPP=hpp,
+                                                                       num_warps=4)
     return q_out
 
 
@@ -258,13 +340,14 @@ def _qk_compile(key, device) -> None:
 
 def _qk_launch(key, device, layer):
     dtype, head_dim, has_k, has_v, norm_v = key
-    q = torch.zeros(2, 2, head_dim, dtype=dtype, device=device)
-    kv = torch.zeros(2, 1, head_dim, dtype=dtype, device=device)
-    pos = torch.zeros(2, dtype=torch.long, device=device)
     inv = torch.zeros(head_dim // 2, dtype=torch.float32, device=device)
     w = torch.ones(head_dim, dtype=dtype, device=device)
-    qk_norm_rope_kv_write(q, kv if has_k else None, kv if has_v else None, pos, inv, w, w, 1e-6, norm_v,
-                          layer if layer is not None else -1)
+    for n in (2, PREFILL_HEADS_MIN_TOKENS):  # the decode kernel, and prefill's kernel of several heads
+        q = torch.zeros(n, 2, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(n, 1, head_dim, dtype=dtype, device=device)
+        pos = torch.zeros(n, dtype=torch.long, device=device)
+        qk_norm_rope_kv_write(q, kv if has_k else None, kv if has_v else None, pos, inv, w, w, 1e-6, norm_v,
+                              layer if layer is not None else -1)
 
 
 register_kernel(JitKernel("qk_norm_rope_kv_write", "qk_norm_rope_kv_write", "triton", _qk_keys, _qk_compile))
