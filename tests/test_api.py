@@ -188,15 +188,15 @@ def test_startup_heap_freeze_switch(monkeypatch):
     collections 28.7 -> 0.7 ms over 15 runs); COMPILED_LLM_GC_FREEZE=0 leaves the heap alone (the suite does)."""
     import gc
 
-    from compiled_llm.runtime import engine
+    from compiled_llm.runtime import heap
 
     gc.unfreeze()
     try:
-        monkeypatch.setenv(engine.GC_FREEZE_ENV, "0")
-        engine.freeze_startup_heap()
+        monkeypatch.setenv(heap.GC_FREEZE_ENV, "0")
+        heap.freeze_startup_heap()
         assert gc.get_freeze_count() == 0
-        monkeypatch.setenv(engine.GC_FREEZE_ENV, "1")
-        engine.freeze_startup_heap()
+        monkeypatch.setenv(heap.GC_FREEZE_ENV, "1")
+        heap.freeze_startup_heap()
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()

@@ -224,6 +224,20 @@ def test_tp2_greedy_and_weight_slices(tiny_ckpt, parallel_llm):
     assert seen == [{}]
 
 
+def test_tp2_every_rank_freezes_its_heap(tiny_ckpt, parallel_llm, monkeypatch):
+    """The engine freezes its own heap after start-up and, through the executor, every other rank's process
+    (runtime/heap.py; the suite turns it off elsewhere: COMPILED_LLM_GC_FREEZE=0 in conftest)."""
+    import gc
+
+    monkeypatch.setenv("COMPILED_LLM_GC_FREEZE", "1")  # before the workers are spawned: they inherit it
+    try:
+        llm = parallel_llm("dense", tensor_parallel_size=2)
+        assert gc.get_freeze_count() > 0
+        assert llm.engine.executor.collective_rpc("freeze_heap") == [True, True]
+    finally:
+        gc.unfreeze()
+
+
 def test_tp2_expert_parallel_greedy_and_experts(tiny_ckpt, parallel_llm):
     ps, ref, full, _ = reference(tiny_ckpt, "all")
     llm = parallel_llm("all", tensor_parallel_size=2, enable_expert_parallel=True)

@@ -8,9 +8,7 @@ requests in flight and says when a sequence's blocks go back (the scheduler free
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from compiled_llm.runtime.async_scheduling import PLACEHOLDER, InFlight, async_s
 from compiled_llm.runtime.context_len import check_max_model_len
 from compiled_llm.runtime.errors import EngineDeadError
 from compiled_llm.runtime.executor import Executor, make_executor
+from compiled_llm.runtime.heap import freeze_startup_heap
 from compiled_llm.runtime.input_processor import InputProcessor, load_tokenizer
 from compiled_llm.runtime.kv_plan import build_kv_cache
 from compiled_llm.runtime.output_processor import OutputProcessor, generation_eos_ids
@@ -30,17 +29,6 @@ from compiled_llm.runtime.sequence import Request, Sequence
 from compiled_llm.sampling_params import SamplingParams
 
 log = logging.getLogger("compiled_llm")
-
-
-GC_FREEZE_ENV = "COMPILED_LLM_GC_FREEZE"  # 0: leave start-up's objects to the collector (an A/B)
-
-
-def freeze_startup_heap() -> None:
-    """Start-up leaves hundreds of thousands of long-lived objects (traced graphs, compiled code, modules): moved
-    to the collector's permanent generation, a collection while serving no longer walks them (a full one took
-    0.4 s on a tiny model's engine on the CPU). vLLM freezes its heap after start-up the same way."""
-    if os.environ.get(GC_FREEZE_ENV, "1") != "0":
-        gc.freeze()
 
 
 class LLMEngine:
@@ -82,6 +70,7 @@ class LLMEngine:
         self.async_steps = 0
         self.sync_steps = 0
         freeze_startup_heap()
+        self.executor.freeze_heap()  # the other ranks' processes (nothing more for one process)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,

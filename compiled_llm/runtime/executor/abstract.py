@@ -86,5 +86,8 @@ class Executor(ABC):
     def is_healthy(self) -> bool:
         return True
 
+    def freeze_heap(self) -> None:
+        """Freezes the heap of every rank's process but this one (runtime/heap.py); one process: nothing."""
+
     def shutdown(self) -> None:
         """Stops what the executor started (worker processes); safe to call twice."""

@@ -152,6 +152,9 @@ class MultiProcExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: dict) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks)
 
+    def freeze_heap(self) -> None:
+        self.collective_rpc("freeze_heap")
+
     @torch.inference_mode()  # the step's tensors as warm-up made them: an ordinary tensor fails Dynamo's
     def execute(self, batch: list[ScheduledSeq], pending=None) -> torch.Tensor:  # guard, a recompile each run
         """pending (async scheduling, tensor parallel only): the previous step's tokens on rank 0's device. The

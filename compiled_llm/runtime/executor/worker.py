@@ -8,6 +8,7 @@ between pipeline stages.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from compiled_llm.multimodal.runner import merge, soft_tokens
 from compiled_llm.ops.context import ForwardContext
 from compiled_llm.runtime.executor.launch import rank_config
 from compiled_llm.runtime.executor.wire import MediaRefs, StepInput, rank_extras, to_device
+from compiled_llm.runtime.heap import freeze_startup_heap
 from compiled_llm.runtime.model_runner import ModelRunner
 
 # Test hook: "RANK:REQUEST_ID" makes that rank refuse that request's media registration.
@@ -59,6 +61,12 @@ class RankWorker:
         for name, value in settings.items():  # what the engine resolved after the shards were built
             setattr(self.runner.config, name, value)
         return self.runner.plan_blocks(max_model_len)
+
+    def freeze_heap(self) -> bool:
+        """This rank's process is started: its heap out of the collector's way (runtime/heap.py). Returns
+        whether it is frozen."""
+        freeze_startup_heap()
+        return gc.get_freeze_count() > 0
 
     def allocate_kv_cache(self, num_blocks: dict) -> bool:
         self.runner.allocate_kv_cache({g: n for g, n in num_blocks.items() if g in self.runner.kv_groups})
