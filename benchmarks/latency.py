@@ -154,13 +154,12 @@ def profile_host(fn, n: int, folder: str) -> dict:
     syncs: list[str] = []
     if cuda:
         torch.cuda.synchronize()
-        keep = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            syncs.append(f"{message}\n" + "".join(traceback.format_stack()[:-2][-14:]))
+            if "synchronizing" in str(message):  # not the mode's own "prototype feature" notice
+                syncs.append(f"{message}\n" + "".join(traceback.format_stack()[:-2][-14:]))
 
-        warnings.showwarning = show
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning and the filters after
             warnings.simplefilter("always")
             warnings.showwarning = show
             torch.cuda.set_sync_debug_mode("warn")
@@ -168,7 +167,6 @@ def profile_host(fn, n: int, folder: str) -> dict:
                 fn()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = keep
         torch.cuda.synchronize()
     prof = cProfile.Profile()
     t = time.perf_counter()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from interp_groups import check, run_groups
+from interp_groups import check, nan_empty, run_groups
 
 
 @pytest.fixture(scope="module")
@@ -83,36 +83,6 @@ def group_recurrent():
     _check_padded_decode()
 
 
-def _nan_empty():
-    """The Triton state ops' modules see a torch whose empty() is filled with NaN: an output row no kernel
-    writes shows."""
-    import contextlib
-
-    import torch
-
-    from compiled_llm.ops.triton import conv1d, delta_rule
-
-    class NaNTorch:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def empty(*shape, **kw):
-            return torch.full(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape,
-                              float("nan"), **kw)
-
-    @contextlib.contextmanager
-    def patched():
-        saved = conv1d.torch, delta_rule.torch
-        conv1d.torch = delta_rule.torch = NaNTorch()
-        try:
-            yield
-        finally:
-            conv1d.torch, delta_rule.torch = saved
-
-    return patched()
-
-
 def _check_padded_decode():
     """A decode step padded as whole-graph decode pads it (StateMetadata.staged: sequences without tokens on
     slot 0, rows past the real tokens): the real rows equal the unpadded run and slot 0 stays as it was."""
@@ -120,6 +90,7 @@ def _check_padded_decode():
 
     from compiled_llm.ops.conv1d import causal_conv1d_with_state
     from compiled_llm.ops.state import StateLayout, StateMetadata
+    from compiled_llm.ops.triton import conv1d, delta_rule
     from compiled_llm.ops.triton.conv1d import causal_conv1d_varlen
     from compiled_llm.ops.triton.delta_rule import gated_delta_rule_varlen
 
@@ -131,7 +102,7 @@ def _check_padded_decode():
     pad = lambda x: torch.cat([x, torch.randn(size - x.shape[0], *x.shape[1:])])  # noqa: E731
     want_cache = cache.clone()
     want = gated_delta_rule_varlen(q, k, v, decay, beta, want_cache, layout)
-    with _nan_empty():  # the kernels, not a zero fill, must zero the padding rows
+    with nan_empty(conv1d, delta_rule):  # the kernels, not a zero fill, must zero the padding rows
         got = gated_delta_rule_varlen(pad(q), pad(k), pad(v), -pad(decay).abs(), pad(beta).abs(), cache, staged)
     assert torch.equal(got[:3], want) and torch.equal(got[3:], torch.zeros_like(got[3:]))
     assert torch.equal(cache, want_cache)  # slot 0 (the padding's) and the last untouched, the real ones alike
@@ -139,7 +110,7 @@ def _check_padded_decode():
     conv = torch.randn(len(lens) + 2, 40, 3)
     ref_conv = conv.clone()
     ref = causal_conv1d_with_state(x, w, ref_conv, layout)
-    with _nan_empty():
+    with nan_empty(conv1d, delta_rule):
         got = causal_conv1d_varlen(pad(x), w, conv, staged)
     assert torch.allclose(got[:3], ref, atol=1e-5) and torch.equal(got[3:], torch.zeros_like(got[3:]))
     assert torch.equal(conv[0], ref_conv[0]) and torch.allclose(conv, ref_conv, atol=1e-6)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from interp_groups import check, run_groups
+from interp_groups import check, nan_empty, run_groups
 
 GROUPS = ["norm", "qk_norm_rope", "qk_norm_mrope", "kv_write", "attention", "moe", "softmax_moe"]
 DEV = os.environ.get("OP_TEST_DEVICE", "cpu")  # scripts/compiler_gpu_check.py runs the groups on cuda
@@ -244,33 +244,9 @@ def group_attention():
         with set_forward_context(ctx):
             for layer in specs:
                 want = ref_attention(q, layer)
-                with _nan_empty(P):  # a row no kernel writes (nor a zero fill) shows as NaN
+                with nan_empty(P):  # a row no kernel writes (nor a zero fill) shows as NaN
                     got = attention(q, layer)
                 _check(f"attention layer {layer} seqs {seqs}", got, want, 2e-4)
-
-
-def _nan_empty(module):
-    """The module sees a torch whose empty() is filled with NaN."""
-    import contextlib
-
-    class NaNTorch:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def empty(*shape, **kw):
-            return torch.full(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape,
-                              float("nan"), **kw)
-
-    @contextlib.contextmanager
-    def patched():
-        saved, module.torch = module.torch, NaNTorch()
-        try:
-            yield
-        finally:
-            module.torch = saved
-
-    return patched()
 
 
 def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():

@@ -18,7 +18,6 @@ from compiled_llm.runtime.async_scheduling import PLACEHOLDER, InFlight, async_s
 from compiled_llm.runtime.context_len import check_max_model_len
 from compiled_llm.runtime.errors import EngineDeadError
 from compiled_llm.runtime.executor import Executor, make_executor
-from compiled_llm.runtime.heap import freeze_startup_heap
 from compiled_llm.runtime.input_processor import InputProcessor, load_tokenizer
 from compiled_llm.runtime.kv_plan import build_kv_cache
 from compiled_llm.runtime.output_processor import OutputProcessor, generation_eos_ids
@@ -69,8 +68,7 @@ class LLMEngine:
         self._sync_requests: set[str] = set()  # requests whose sampling reads host-side history (penalties, grammars)
         self.async_steps = 0
         self.sync_steps = 0
-        freeze_startup_heap()
-        self.executor.freeze_heap()  # the other ranks' processes (nothing more for one process)
+        self.executor.freeze_heap()  # this process's heap and every other rank's (runtime/heap.py)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,

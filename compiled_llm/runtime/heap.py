@@ -4,7 +4,8 @@ Start-up leaves hundreds of thousands of long-lived objects (traced graphs, comp
 the collector's permanent generation (`gc.freeze`), a collection while serving no longer walks them: a full
 one took 0.4 s on a tiny model's engine on the CPU, and on the H200 three young-generation collections took
 28.7 ms over 15 one-prompt runs of 26B-A4B, 0.7 ms frozen. vLLM freezes its heap after start-up the same way.
-The engine freezes its process's heap when it is built, and each other rank's through the executor.
+When the engine is built, its executor freezes this process's heap and each other rank's
+(`Executor.freeze_heap`).
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
     pol = moe_launch_policy(num_tokens, top_k, gate_up_proj.shape[0], hidden, gate_up_proj.shape[1] // 2)
     exact_root = scale is None or abs(root_size - router_x.shape[-1] ** -0.5) <= 1e-12 * root_size
     alignment = None
-    if ROUTER_ALIGN and not first and not pol.unsorted and not pol.self_routed and exact_root and proj_weight.shape[0] == gate_up_proj.shape[0]:
+    if (ROUTER_ALIGN and not first and not pol.unsorted and not pol.self_routed and exact_root
+            and proj_weight.shape[0] == gate_up_proj.shape[0]):
         # the router's last program also aligns the picks (one token block: decode batches up to 16)
         if scale is not None:
             MONITOR.note("router_topk", (router_x.dtype, hidden, proj_weight.shape[0], top_k))

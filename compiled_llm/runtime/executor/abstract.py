@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from compiled_llm.runtime.heap import freeze_startup_heap
 from compiled_llm.runtime.model_runner import ModelRunner
 from compiled_llm.runtime.scheduler import ScheduledSeq
 
@@ -87,7 +88,8 @@ class Executor(ABC):
         return True
 
     def freeze_heap(self) -> None:
-        """Freezes the heap of every rank's process but this one (runtime/heap.py); one process: nothing."""
+        """Start-up is over: freezes the heap of this process (runtime/heap.py) and of every other rank's."""
+        freeze_startup_heap()
 
     def shutdown(self) -> None:
         """Stops what the executor started (worker processes); safe to call twice."""

@@ -153,7 +153,7 @@ class MultiProcExecutor(Executor):
         self.collective_rpc("allocate_kv_cache", num_blocks)
 
     def freeze_heap(self) -> None:
-        self.collective_rpc("freeze_heap")
+        self.collective_rpc("freeze_heap")  # rank 0's RankWorker is this process
 
     @torch.inference_mode()  # the step's tensors as warm-up made them: an ordinary tensor fails Dynamo's
     def execute(self, batch: list[ScheduledSeq], pending=None) -> torch.Tensor:  # guard, a recompile each run
