@@ -184,8 +184,17 @@ def main(argv=None) -> int:
     ours, llm = run_ours(folder, shapes, args)
     startup_and_runs = time.perf_counter() - t0
     peers = {}
+    peer_errors = {}
     for peer in args.peer:
-        peers[peer] = run_transformers(llm, cfg, shapes, args, static=peer == "transformers-static")
+        try:
+            peers[peer] = run_transformers(llm, cfg, shapes, args, static=peer == "transformers-static")
+        except Exception as e:  # a peer that cannot run this model (e.g. no static cache for it) is reported, and
+            # our figures still stand
+            peer_errors[peer] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            print(f"peer {peer} failed: {peer_errors[peer]}", flush=True)
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
 
     rows = []
     for s in shapes:
@@ -206,7 +215,8 @@ def main(argv=None) -> int:
               "copy_bandwidth_TBps": bw / 1e12 if bw else None, "matmul_TFLOPs": rate / 1e12 if rate else None,
               "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
               "enable_expert_parallel": args.enable_expert_parallel, "async_scheduling": args.async_scheduling,
-              "max_autotune": args.max_autotune, "tp_allreduce": args.tp_allreduce, "op_providers": args.op_providers, "rows": rows, "ours_total_seconds": startup_and_runs,
+              "max_autotune": args.max_autotune, "tp_allreduce": args.tp_allreduce, "op_providers": args.op_providers, "rows": rows,
+              "peer_errors": peer_errors, "ours_total_seconds": startup_and_runs,
               "date": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

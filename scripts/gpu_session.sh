@@ -93,7 +93,8 @@ for step in $steps; do
     qwen_tiny) run qwen_tiny 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense,qwen_moe --budget 180 \
                  --out "$OUT/qwen_tiny" ;;
     qwen_big) run qwen_big 330 python3 benchmarks/throughput.py --config qwen3.5-35b-a3b --shapes 1024x8x256 \
-                --async-scheduling --warmup 1 --runs 3 --peer transformers --peer-warmup 0 --peer-runs 1 --out "$OUT" ;;
+                --async-scheduling --warmup 1 --runs 3 ${QWEN_PEERS:---peer transformers} --peer-warmup ${QWEN_PEER_WARMUP:-0} \
+                --peer-runs 1 --out "$OUT" ;;  # QWEN_PEERS="--peer transformers --peer transformers-static"
     qwen_tiny32) run qwen_tiny32 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense32,qwen_moe32 \
                    --budget 170 --out "$OUT/qwen_tiny32" ;;  # whole-graph decode for stateful models (head_dim 32)
     qwen_smoke) run qwen_smoke 260 python3 scripts/gpu_smoke.py --sections big --big qwen3.5-35b-a3b --shape 1024x8x256 \
