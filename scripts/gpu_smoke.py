@@ -178,6 +178,10 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
             print(f"tiny {name}: EXCEPTION {e!r}"[:2000], flush=True)
             RESULTS["tiny"].append({"model": name, "error": repr(e)[:2000], "ok": False})
             ok = False
+            eager = llm = None  # the failed model's engine would otherwise hold its memory through the next one
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return ok
 
 

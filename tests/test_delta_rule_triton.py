@@ -28,6 +28,62 @@ def test_delta_rule_kernels(group_results, group):
     check(group_results, group)
 
 
+def test_recurrent_launch_keys_are_warmed(monkeypatch):
+    """Every step's launches of the recurrent kernels (decode of 1 to 9 sequences, prefills of several) take a
+    Triton specialisation (argument types, pointer alignment, integer divisibility) that the JIT warm-up built,
+    so no batch size compiles a kernel mid-serving (the H200 compiled the conv kernel again at a 3-sequence
+    decode: its `slots` pointer moved onto a 16-byte boundary inside the packed layout)."""
+    pytest.importorskip("triton")
+    jit = pytest.importorskip("triton.runtime.jit")
+    if not hasattr(jit, "native_specialize_impl"):
+        pytest.skip("this triton has no native_specialize_impl")
+    import inspect
+
+    import torch
+
+    from compiled_llm.ops.state import StateLayout
+    from compiled_llm.ops.triton import conv1d, delta_rule
+    from triton.backends.compiler import BaseBackend
+
+    keys, phase = {}, ["warm"]
+
+    def recorder(name, kernel):
+        params = list(inspect.signature(kernel.fn).parameters)
+        fixed = {p.name for p in kernel.params if p.do_not_specialize}
+
+        class Launch:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    spec = tuple((p, jit.native_specialize_impl(BaseBackend, a, False, p not in fixed, True))
+                                 for p, a in zip(params, args) if isinstance(a, (torch.Tensor, int)))
+                    keys.setdefault(phase[0], set()).add((name, spec, tuple(sorted(kw.items()))))
+                return launch
+        return Launch()
+
+    for mod in (conv1d, delta_rule):
+        for name in [n for n, v in vars(mod).items() if n.endswith("_kernel") and hasattr(v, "params")]:
+            monkeypatch.setattr(mod, name, recorder(name, getattr(mod, name)))
+    dim, k, hk, hv, dk, dv = 96, 4, 2, 4, 16, 16
+    conv1d._compile((torch.float32, dim, k), torch.device("cpu"))
+    delta_rule._compile((torch.float32, hk, hv, dk, dv), torch.device("cpu"))
+    phase[0] = "step"
+    weight, conv_cache = torch.zeros(dim, k), torch.zeros(12, dim, k - 1)
+    ssm_cache = torch.zeros(12, hv, dk, dv)
+    batches = [[1] * n for n in range(1, 10)] + [[5, 17, 30], [80], [3, 1, 1], [40, 60], [7, 1, 2, 19, 64, 3]]
+    for lens in batches:
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        layout = StateLayout.build(list(range(len(lens))), [i % 2 == 0 for i in range(len(lens))], qsl, "cpu")
+        n = qsl[-1]
+        conv1d.causal_conv1d_varlen(torch.zeros(n, dim), weight, conv_cache, layout)
+        gb = torch.zeros(n, 2 * hv)  # as the warm-up (and the model) lay out the decay and beta
+        delta_rule.gated_delta_rule_varlen(torch.zeros(n, hk, dk), torch.zeros(n, hk, dk), torch.zeros(n, hv, dv),
+                                           gb[:, hv:], gb[:, :hv], ssm_cache, layout)
+    missing = keys["step"] - keys["warm"]
+    assert not missing, sorted(missing, key=repr)[:2]
+
+
 # ---- checks (in the subprocess) ------------------------------------------------------------------
 
 def _slots_and_offsets(cache, lens, init):

@@ -119,7 +119,9 @@ class JitMonitor:
         previous = knobs.runtime.jit_post_compile_hook
 
         def hook(*args, **kwargs):
-            self.compile_event("triton", getattr(kwargs.get("fn"), "name", "kernel"))
+            name = getattr(kwargs.get("fn"), "name", "kernel")  # with its specialisation (argument types,
+            # alignments, constexprs): what differs from the warm-up's build
+            self.compile_event("triton", f"{name} {str(kwargs.get('key', ''))[:600]}".rstrip())
             return previous(*args, **kwargs) if previous else False
 
         knobs.runtime.jit_post_compile_hook = hook

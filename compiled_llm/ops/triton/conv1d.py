@@ -22,7 +22,7 @@ from compiled_llm.ops.jit import JitKernel, register_kernel
 from compiled_llm.ops.state import WARM_LAYOUTS, StateLayout, get_state_metadata
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens", "n_mapped", "n_seqs"])  # per-step counts: one build for all
 def _conv_kernel(X, W, Cache, Out, SeqOf, Qsl, Slots, Init,
                  n_tokens, n_mapped, n_seqs, dim,
                  stride_xt, stride_ot, stride_cs, stride_cd,

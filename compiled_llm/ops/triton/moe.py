@@ -229,10 +229,9 @@ class MoELaunch:
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
 UNSORTED_ONE_TOKEN = os.environ.get(UNSORTED_ENV, "1") != "0"
-# 0: decode batches take the alignment launch (an A/B); all: self-routed whatever the expert count
+# 0: decode batches take the alignment launch (an A/B of the saving)
 SELF_ROUTE_ENV = "COMPILED_LLM_MOE_SELF_ROUTE"
-SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1")
-SELF_ROUTE_MAX_EXPERTS = 128  # the default's limit (see moe_launch_policy)
+SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1") != "0"
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -243,14 +242,11 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
         return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, unsorted=True)
     pairs_per_expert = num_tokens * top_k / max(1, num_experts)
     if pairs_per_expert <= 2:  # decode (T <= ~32 for E=128, k=8)
-        # up to 16 tokens of up to 128 experts without an alignment launch. H200, batch 8 (session 18, when the
-        # down kernel ranked the experts too): Gemma 4 26B-A4B's step 7.45 -> 7.36 ms; Qwen3.5's 256 experts
-        # 7.37 -> 7.66 ms (each of the down kernel's 2,080 programs ranked 512 bins before its first weight
-        # load: 32.7 -> 42.2 us). The down kernel now reads the blocks the gate/up kernel recorded, and the
-        # ranking takes E bins, not 2E; COMPILED_LLM_MOE_SELF_ROUTE=all tries that on more experts.
-        self_routed = (SELF_ROUTE != "0" and num_tokens <= 16
-                       and (SELF_ROUTE == "all" or num_experts <= SELF_ROUTE_MAX_EXPERTS))
-        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, self_routed=self_routed)
+        # up to 16 tokens without an alignment launch: the gate/up kernel ranks the picked experts (E bins) and
+        # records each block for the down kernel. H200, batch 8, one machine (session 19): Gemma 4 26B-A4B
+        # 1,004.8 -> 1,026.4 tok/s, Qwen3.5 35B-A3B (256 experts) 1,012.0 -> 1,038.4. (Session 18's first form,
+        # where the down kernel ranked 2E bins again, lost 3% on Qwen3.5.)
+        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, self_routed=SELF_ROUTE and num_tokens <= 16)
     if pairs_per_expert <= 16:
         return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3)
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
