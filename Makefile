@@ -9,8 +9,10 @@ PY211 := $(VENV211)/bin/python
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 COMPILER_TESTS ?= tests/passes tests/test_audit.py
-# private torch APIs whose presence differs by version, checked under 2.11 too (OmniKV offload's device view)
-TORCH_API_TESTS := tests/test_sparse_kv.py::test_device_view_aliases_the_host_bytes
+# private torch APIs whose presence differs by version, checked under 2.11 too (OmniKV offload's device view);
+# compiled Qwen3.5 against transformers under 2.11 (its Inductor dropped a view's offset in as_strided: wrong
+# tokens on the GPU for six sessions while 2.14 passed)
+TORCH_API_TESTS := tests/test_sparse_kv.py::test_device_view_aliases_the_host_bytes tests/test_qwen3_5_graph.py
 # version-independent bookkeeping (the look-alike sharing report, the dry-run CLI, the report of a pass switched
 # off) runs once, in the main suite; the two-layer 26B-A4B audit's fused half is the whole 26B-A4B audit's
 # (every layer, every compile) under 2.11. Of the released-config audits, 2.11 (the GPU's version) keeps the

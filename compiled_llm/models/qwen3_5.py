@@ -110,22 +110,32 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
-        qg, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
-        q, gate = split_heads(qg, self.num_heads).chunk(2, dim=-1)
+        y = self.qkv_proj(x)
+        sq, sk, _ = self.qkv_proj.local_sizes
+        q, gate = split_heads(y, 0, sq, self.num_heads).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(split_heads(k, self.num_kv_heads))
+        k = self.k_norm(split_heads(y, sq, sk, self.num_kv_heads))
+        v = y[:, sq + sk:]
         q, k = apply_mrope(q, k, cos, sin)  # with the norms and the KV write: what the QK-norm + M-RoPE fusion takes
         out = attention(q.reshape(n, -1), k.reshape(n, -1), v, self.idx)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
 
-def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[tokens, heads * d] -> [tokens, heads, d] for a column slice of a wider tensor (its rows strided). A view
-    (reshape, unflatten) of a strided tensor makes Dynamo and Inductor prove the token count is not 1, a guard
-    that a one-token batch then fails: the whole forward compiled a second time at start-up (19 s of Qwen3.5
-    35B-A3B's cold start on the H200, session 13). The strides are known, so say them."""
-    d = x.shape[-1] // heads
-    return x.as_strided((x.shape[0], heads, d), (x.stride(0), d, x.stride(-1)))  # x's storage offset kept
+def split_heads(y: torch.Tensor, start: int, width: int, heads: int) -> torch.Tensor:
+    """Columns [start, start + width) of y [tokens, columns] (a whole tensor: a projection's or an op's fresh
+    output) as [tokens, heads, width / heads].
+
+    A view (reshape, unflatten) of a column slice makes Dynamo and Inductor prove the token count is not 1, a
+    guard that a one-token batch then fails: the whole forward compiled a second time at start-up (19 s of
+    Qwen3.5 35B-A3B's cold start on the H200, session 13). So the strides are stated, and the slice's storage
+    offset too: torch 2.11's Inductor lowers as_strided of a view on the view's base and takes a missing
+    offset as 0, so every slice read y's first columns (every compiled Qwen3.5 forward on the GPU, whose
+    torch is 2.11, from session 13 to 19; 2.14 keeps the offset; Dynamo cannot trace x.storage_offset())."""
+    if not torch.compiler.is_compiling():  # (the offset given is y's own plus start)
+        assert y.storage_offset() == 0 and y.stride(1) == 1, (y.storage_offset(), y.stride())
+    d = width // heads
+    x = y[:, start:start + width]
+    return x.as_strided((x.shape[0], heads, d), (x.stride(0), d, x.stride(1)), start)
 
 
 class DepthwiseConvWeight(nn.Module):
@@ -196,13 +206,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        qkv, z, ba = self.in_proj(x).split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
-        mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.idx)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        y = self.in_proj(x)
+        qkv, _, ba = y.split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
+        mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.idx)  # [q; k; v]: a fresh tensor
+        kd, hk = self.key_dim, self.num_k_heads
         g, beta = decay_and_beta(ba, self.A_log, self.dt_bias)
-        out = gated_delta_rule(split_heads(q, self.num_k_heads), split_heads(k, self.num_k_heads),
-                               split_heads(v, self.num_v_heads), g, beta, self.idx)
-        z = split_heads(z, self.num_v_heads)
+        out = gated_delta_rule(split_heads(mixed, 0, kd, hk), split_heads(mixed, kd, kd, hk),
+                               split_heads(mixed, 2 * kd, self.value_dim, self.num_v_heads), g, beta, self.idx)
+        z = split_heads(y, self.conv_dim, self.value_dim, self.num_v_heads)
         return self.out_proj(self.norm(out, z).reshape(n, -1))
 
 
