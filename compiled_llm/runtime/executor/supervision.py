@@ -53,6 +53,12 @@ class WorkerProcesses:
         p = self.procs[rank]
         p.join(1)
         code = p.exitcode
+        for _ in range(20):  # another thread's is_alive() may have reaped it first (its waitpid won the race:
+            # this join then saw no child and left the code unset; the code appears once that poll stores it)
+            if code is not None:
+                break
+            time.sleep(0.05)
+            code = p.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code and code < 0 else f"exited with code {code}"
         reason = f"worker rank {rank} (pid {p.pid}) {how}"
         conn = self.conns[rank]
