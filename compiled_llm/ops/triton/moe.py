@@ -760,7 +760,7 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
                       launch: RouterLaunch | None = None, ids_dtype: torch.dtype = torch.int32,
                       align_block_m: int | None = None, weights_dtype: torch.dtype = torch.float32):
     """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
-    Returns (weights [T, k] fp32, ids [T, k] int32), experts in descending probability.
+    Returns (weights [T, k] in weights_dtype, ids [T, k] in ids_dtype), experts in descending probability.
     scale None: Qwen3.5's softmax router (no norm, no scales; the logits rounded to x's dtype first, as
     its projection gives them). launch: override router_launch's choice (benchmarks, tests).
     align_block_m: also align the picks for the grouped GEMMs at that block_m (moe_align's outputs, made by the

@@ -142,6 +142,8 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
     pol = moe_launch_policy(num_tokens, top_k, gate_up_proj.shape[0], hidden, gate_up_proj.shape[1] // 2)
     exact_root = scale is None or abs(root_size - router_x.shape[-1] ** -0.5) <= 1e-12 * root_size
     alignment = None
+    # Qwen3.5 casts its routing weights to its dtype: the router kernel stores them so (one launch less)
+    w_dtype = x.dtype if cast else torch.float32
     if (ROUTER_ALIGN and not first and not pol.unsorted and not pol.self_routed and exact_root
             and proj_weight.shape[0] == gate_up_proj.shape[0]):
         # the router's last program also aligns the picks (one token block: decode batches up to 16)
@@ -151,12 +153,9 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
             MONITOR.note("softmax_router_topk", (router_x.dtype, hidden, proj_weight.shape[0], top_k))
         w, ids, alignment = fused_router_topk(router_x.contiguous(), scale, proj_weight.contiguous(), per_expert_scale,
                                               top_k, eps if scale is not None else 0.0, ids_dtype=torch.int64,
-                                              align_block_m=pol.block_m,
-                                              weights_dtype=x.dtype if cast else torch.float32)
-    else:
-        # Qwen3.5 casts its routing weights to its dtype: the router kernel stores them so (route's cast is then
-        # a no-op, one launch less on the branch)
-        softmax = functools.partial(softmax_router_topk, weights_dtype=x.dtype if cast else torch.float32)
+                                              align_block_m=pol.block_m, weights_dtype=w_dtype)
+    else:  # (route's cast is then a no-op)
+        softmax = functools.partial(softmax_router_topk, weights_dtype=w_dtype)
         w, ids = route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size, x.dtype, cast, first,
                        router_topk, softmax)
     name = "geglu_moe" if activation == "gelu_tanh" else "swiglu_moe"
