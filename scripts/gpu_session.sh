@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
+# moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -95,6 +95,11 @@ for step in $steps; do
     qwen_big) run qwen_big 330 python3 benchmarks/throughput.py --config qwen3.5-35b-a3b --shapes 1024x8x256 \
                 --async-scheduling --warmup 1 --runs 3 ${QWEN_PEERS:---peer transformers} --peer-warmup ${QWEN_PEER_WARMUP:-0} \
                 --peer-runs 1 --out "$OUT" ;;  # QWEN_PEERS="--peer transformers --peer transformers-static"
+    state_kernels) run state_kernels 150 python3 benchmarks/state_kernels.py --batches ${STATE_BATCHES:-1,8,32} \
+                     --out "$OUT/state_kernels.json" ;;  # issue 18: Qwen3.5's conv and delta-rule decode tiles
+    qwen_bisect) run qwen_bisect 300 python3 scripts/qwen_bf16_bisect.py --names ${BISECT_NAMES:-qwen_dense} \
+                   --variants ${BISECT_VARIANTS:-compiled,passes_none,norm_triton,qk_ref,gdr_ref,conv_ref,no_graphs} \
+                   --out "$OUT/qwen_bisect.json" ;;  # issue 18: which part moves compiled bf16 logprobs
     qwen_tiny32) run qwen_tiny32 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense32,qwen_moe32 \
                    --budget 170 --out "$OUT/qwen_tiny32" ;;  # whole-graph decode for stateful models (head_dim 32)
     qwen_smoke) run qwen_smoke 260 python3 scripts/gpu_smoke.py --sections big --big qwen3.5-35b-a3b --shape 1024x8x256 \

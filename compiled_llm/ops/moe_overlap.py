@@ -35,8 +35,8 @@ _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 OVERLAP_MAX_TOKENS = 512
 # The routed branch is a decode step's critical path; COMPILED_LLM_MOE_SIDE_PRIORITY=high gives its stream the
 # device's highest priority, so that its blocks start before the dense branch's when both wait for SMs (torch
-# instantiates CUDA graphs with per-node priority, which a capture takes from the capturing stream). Off until
-# an H200 A/B.
+# instantiates CUDA graphs with per-node priority, which a capture takes from the capturing stream). Off: the
+# H200 A/B (session 20, 26B-A4B 1024x8x256) gave 1,029.9 tok/s with it and 1,029.2 without.
 SIDE_PRIORITY_ENV = "COMPILED_LLM_MOE_SIDE_PRIORITY"
 
 

@@ -94,11 +94,22 @@ def _state_kernel(X, Cache, Qsl, Slots, Init, dim,
         tl.store(base + i[:, None], new, mask=wmask[:, None] & dmask[None, :])
 
 
+def conv_tiles(decode: bool) -> tuple[int, int, int]:
+    """(block_t, block_d, num_warps) of the conv kernel: one choice for decode and one for prefill, whatever the
+    batch (each is one build, warmed at start-up). Decode: 8 x 32 tiles, 2 warps (H200, Qwen3.5 35B-A3B's 8,192
+    channels, benchmarks/state_kernels.py, session 20: 3.46 us against 6.83 for 16 x 128 at 8 sequences, 2.44
+    against 3.29 at 1, 7.11 against 13.77 at 32: the kernel is latency-bound, and more, smaller programs hide it).
+    Prefill keeps 16 x 128 (not swept)."""
+    return (8, 32, 2) if decode else (16, 128, 4)
+
+
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
-                         layout: StateLayout) -> torch.Tensor:
+                         layout: StateLayout, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [tokens, dim] (rows past the layout's tokens: padding; any row stride, e.g. the [q; k; v] columns of
     a wider projection's output, read in place); weight [dim, K]; cache [num_slots, dim, K-1]
-    (updated in place); layout: the step's sequences, its tensors on x's device. Returns [tokens, dim]."""
+    (updated in place); layout: the step's sequences, its tensors on x's device; tiles: (block_t, block_d,
+    num_warps) of the conv kernel, overriding conv_tiles (benchmarks/state_kernels.py sweeps them).
+    Returns [tokens, dim]."""
     n, dim = x.shape
     k = weight.shape[1]
     num_seqs = layout.num_seqs
@@ -111,16 +122,16 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Ten
     t = layout.tensors
     qsl, slots, init = t["query_start_loc"], t["slots"], t["has_initial_state"]
     seq_of = qsl if layout.decode else t["seq_of"]  # not read at decode
-    block_t, block_d = 16, 128
+    block_t, block_d, warps = tiles or conv_tiles(layout.decode)
     _conv_kernel[(triton.cdiv(n, block_t), triton.cdiv(dim, block_d))](
         x, weight, cache, out, seq_of, qsl, slots, init,
         n, seq_of.numel(), num_seqs, dim, x.stride(0), out.stride(0), cache.stride(0), cache.stride(1),
-        K=k, BLOCK_T=block_t, BLOCK_D=block_d, DECODE=layout.decode, num_warps=4)
+        K=k, BLOCK_T=block_t, BLOCK_D=block_d, DECODE=layout.decode, num_warps=warps)
     if not layout.decode:  # a decode step's conv kernel moved the windows itself
         _state_kernel[(num_seqs, triton.cdiv(dim, block_d))](
             x, cache, qsl, slots, init, dim,
             x.stride(0), cache.stride(0), cache.stride(1),
-            K=k, BLOCK_W=max(2, triton.next_power_of_2(k - 1)), BLOCK_D=block_d, num_warps=4)
+            K=k, BLOCK_W=max(2, triton.next_power_of_2(k - 1)), BLOCK_D=128, num_warps=4)
     return out
 
 

@@ -179,9 +179,11 @@ def _lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: StateLayout) -> torch.Tensor:
+def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: StateLayout,
+                            recurrent_tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """Flat tokens of the layout's sequences (rows past them: padding, left zero); its tensors on v's device.
-    The chunked path takes layout.chunk tokens a chunk."""
+    The chunked path takes layout.chunk tokens a chunk. recurrent_tiles: (value block, num_warps) of the
+    recurrent kernel, overriding the policy (benchmarks/state_kernels.py sweeps them)."""
     q, k, v = _lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v)
     g, beta = _lastdim_contiguous(g), _lastdim_contiguous(beta)  # any row stride (the model's: views of one tensor)
     n, hk, dk = q.shape
@@ -197,6 +199,9 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     query_start_loc, slots, has_initial_state = t["query_start_loc"], t["slots"], t["has_initial_state"]
     bk = max(16, triton.next_power_of_2(dk))
     bv = max(16, min(32, triton.next_power_of_2(dv)))
+    rec_warps = 4
+    if recurrent and recurrent_tiles is not None:
+        bv, rec_warps = recurrent_tiles
     prec = dot_precision(v.dtype)
     grid = (num_seqs, hv, triton.cdiv(dv, bv))
     scale, eps = dk ** -0.5, 1e-6
@@ -205,7 +210,7 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
             q, k, v, g, beta, o, cache, query_start_loc, slots, has_initial_state,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
             o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps, num_seqs, n,
-            REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+            REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=rec_warps)
         return o
     chunk, num_chunks = layout.chunk, layout.num_chunks
     u = torch.empty((n, hv, dv), dtype=torch.float32, device=dev)
