@@ -103,7 +103,7 @@ for step in $steps; do
     qwen_tiny32) run qwen_tiny32 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense32,qwen_moe32 \
                    --budget 170 --out "$OUT/qwen_tiny32" ;;  # whole-graph decode for stateful models (head_dim 32)
     qwen_smoke) run qwen_smoke 260 python3 scripts/gpu_smoke.py --sections big --big qwen3.5-35b-a3b --shape 1024x8x256 \
-                  --out "$OUT/qwen_smoke${QWEN_TAG:-}" ;;
+                  ${QWEN_SMOKE_ARGS:-} --out "$OUT/qwen_smoke${QWEN_TAG:-}" ;;  # e.g. QWEN_SMOKE_ARGS="--max-autotune static"
     big26_none) run big26_none 240 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --compile-sizes none \
                   --out "$OUT/big26_none" ;;  # issue 15: the buckets replay the dynamic compile (fewer compiles)
     skinny) run skinny 150 python3 benchmarks/skinny_gemm.py --out "$OUT/skinny_gemm.json" ;;

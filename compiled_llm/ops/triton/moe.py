@@ -708,7 +708,8 @@ def _slices(hidden: int, target: int, block_h: int) -> tuple[int, int]:
 
 def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: int | None = None,
                   splits: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, fused: bool | None = None, norm: bool = True) -> RouterLaunch:
+                  num_stages: int | None = None, fused: bool | None = None, norm: bool = True,
+                  block_t: int | None = None) -> RouterLaunch:
     """The router's launch. Keywords override the policy (benchmarks/moe_kernels.py sweeps them).
 
     Decode (T <= ROUTER_FUSED_MAX_TOKENS): one kernel; the [E, H] weight is split over 16-expert blocks and
@@ -723,7 +724,7 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
     if fused:  # H200 sweep (benchmarks/NOTES.md, 2026-12-01): 128-column steps, 8 warps: 6.7 us vs 11.7 at T=1
         bh = block_h or 128
         n, sh = _slices(hidden, splits or 12, bh)
-        return RouterLaunch(True, 16, block_e or 16, bh, n, sh, num_warps or 8, num_stages or 3)
+        return RouterLaunch(True, block_t or 16, block_e or 16, bh, n, sh, num_warps or 8, num_stages or 3)
     if norm and num_tokens >= ROUTER_WIDE_MIN_TOKENS and block_e is None and splits is None:
         # H200 sweep (prefill_kernels.py, session 17), 8,192 tokens: 88.7 us against 179.2 for the tiles below
         # (the norm pass and the dot pass read a row block once per expert block there); at 1,024 tokens the
