@@ -70,6 +70,25 @@ def test_resolver_shape_limits_and_overrides():
 
 
 
+def test_cuda_graphs_refuse_a_provider_that_reads_device_values_on_the_host():
+    """A reference KV writer checks its padded slots on the host: inside a CUDA graph that fails at capture with
+    CUDA's own message. An engine with CUDA graphs refuses it by name at start-up; without graphs (or on the
+    CPU), and with the default providers, nothing is refused."""
+    from compiled_llm.compiler import check_graph_safe_providers
+    from compiled_llm.ops.registry import Capabilities, preserved_choices, select_providers
+
+    cuda, gpu = torch.device("cuda"), Capabilities("cuda", (9, 0), frozenset({"triton"}))
+    with preserved_choices():
+        select_providers(cuda, torch.bfloat16, _specs(), {}, caps=gpu)
+        check_graph_safe_providers(cuda, [1, 2, 4])  # the GPU's defaults run inside graphs
+        select_providers(cuda, torch.bfloat16, _specs(), {}, overrides="kv_cache_write=reference,attention=reference",
+                         caps=gpu)
+        with pytest.raises(ValueError, match=r"kv_cache_write=reference .*--cudagraph-batch-sizes none"):
+            check_graph_safe_providers(cuda, [1, 2, 4])
+        check_graph_safe_providers(cuda, [])  # no graphs: the host read is only slow
+        check_graph_safe_providers(torch.device("cpu"), [1, 2])  # (the reference attention splits: not refused)
+
+
 def test_fused_allreduce_norm_is_chosen_under_tensor_parallel_cuda_and_its_pass_then_rewrites():
     """The symmetric-memory kernel serves allreduce_rms_norm on CUDA with 2, 4 or 8 TP ranks (the runner puts
     tp_size in the facts); elsewhere the reference stays and the pass only counts; with the kernel chosen the

@@ -105,6 +105,20 @@ def whole_graph_decode_ok(stateful: bool, sparse: bool = False, pipeline: bool =
     return all(spec.capturable() for spec in ops)
 
 
+def check_graph_safe_providers(device: torch.device, batch_sizes) -> None:
+    """With CUDA graphs, every chosen provider of an op inside the compiled pieces must run without reading
+    device values on the host (Provider.syncs): a capture fails at the first such read, with CUDA's own
+    message. Refuses them here, by name (split ops run between the graphs, unless whole-graph decode, which
+    asks them to be capturable)."""
+    if device.type != "cuda" or not batch_sizes:
+        return
+    bad = [f"{op}={p}" for op, spec in OPS.items() if not spec.splits_graph and (p := spec.syncing_choice())]
+    if bad:
+        raise ValueError(f"op providers {', '.join(bad)} read device values on the host and cannot run inside a "
+                         "CUDA graph: choose another provider (--op-providers) or turn the graphs off "
+                         "(--cudagraph-batch-sizes none)")
+
+
 def aot_possible() -> bool:
     """Whether a compile cache also keeps the traced forward (compiler/aot.py): torch >= 2.11, one process (the
     ranks of a parallel engine would share one cache key, and their graphs differ)."""
@@ -130,6 +144,7 @@ class ModelCompiler:
         self.hf_config = {k: v for k, v in hf_config.items() if k != "_name_or_path"}  # no paths in the key
         self.facts = dict(facts or {}, dtype=dtype, layers=specs)
         sizes = parse_sizes(config.cudagraph_batch_sizes, self.device, config.max_num_seqs)
+        check_graph_safe_providers(self.device, sizes)
         ccfg = CompilerConfig(
             batch_sizes=sizes, compile_sizes=parse_compile_sizes(config.compile_sizes, sizes),
             cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode,

@@ -255,7 +255,7 @@ ATTENTION = register(OpSpec("attention", "paged attention over the cache: prefil
 
 KV_CACHE_WRITE = register(OpSpec("kv_cache_write", "scatter this step's k/v into their cache slots", [
     Provider("triton", "compiled_llm.ops.triton.qk_norm_rope:kv_cache_write", lambda caps, shape: caps.triton_ok()),
-    Provider("reference", "compiled_llm.ops.attention:ref_kv_cache_write"),
+    Provider("reference", "compiled_llm.ops.attention:ref_kv_cache_write", syncs=True),  # write_kv's padding check
 ]))
 
 

@@ -44,7 +44,7 @@ def _triton(caps: Capabilities, shape: dict) -> str | None:
 QK_NORM_ROPE_KV_WRITE = register(OpSpec(
     "qk_norm_rope_kv_write", "q,k: per-head RMSNorm + RoPE; v: optional RMSNorm; k/v written to the paged cache", [
         Provider("triton", "compiled_llm.ops.triton.qk_norm_rope:qk_norm_rope_kv_write", _triton),
-        Provider("reference", "compiled_llm.ops.qk_norm_rope:ref_qk_norm_rope_kv_write"),
+        Provider("reference", "compiled_llm.ops.qk_norm_rope:ref_qk_norm_rope_kv_write", syncs=True),
     ]))
 
 
@@ -85,7 +85,7 @@ QK_NORM_MROPE_KV_WRITE = register(OpSpec(
     "qk_norm_mrope_kv_write", "q,k: per-head RMSNorm + partial rotation by a cos/sin table (M-RoPE); k/v written "
     "to the paged cache", [
         Provider("triton", "compiled_llm.ops.triton.qk_norm_rope:qk_norm_mrope_kv_write", _triton_mrope),
-        Provider("reference", "compiled_llm.ops.qk_norm_rope:ref_qk_norm_mrope_kv_write"),
+        Provider("reference", "compiled_llm.ops.qk_norm_rope:ref_qk_norm_mrope_kv_write", syncs=True),
     ]))
 
 

@@ -82,6 +82,9 @@ class Provider:
     # device tensors (sequence lengths, offsets, block tables) and syncs nothing to the host. Whole-graph
     # decode captures the split ops too, so it needs every chosen provider of them to say so.
     capturable: bool = False
+    # reads device values on the host (a check or a data-dependent shape): it cannot run inside any CUDA graph,
+    # a compiled piece's included, so an engine with CUDA graphs refuses it (compiler/__init__.py)
+    syncs: bool = False
 
     def load(self) -> Callable:
         module, attr = self.target.split(":")
@@ -104,6 +107,11 @@ class OpSpec:
         """Every provider chosen for this op (on any layer) can be replayed inside a CUDA graph."""
         names = {name for name, _ in self.chosen.values()}
         return bool(names) and all(p.capturable for p in self.providers if p.name in names)
+
+    def syncing_choice(self) -> str | None:
+        """The chosen provider's name if it reads device values on the host (Provider.syncs), else None."""
+        names = {name for name, _ in self.chosen.values()}
+        return next((p.name for p in self.providers if p.name in names and p.syncs), None)
 
     def resolve(self, caps: Capabilities, shape: dict, force: str | None = None) -> tuple[Provider, list[str]]:
         """First provider whose requirements hold (or the forced one); also the reasons others were skipped."""
