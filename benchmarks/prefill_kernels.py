@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -99,9 +100,9 @@ def router_group(S, T, dev, dt, time_fn, rows, smoke):
         for be, sp, bh, nw, ns in itertools.product((16, 32), (4, 8, 16), (64, 128), (4, 8), (2, 3)):
             cands.append(M.router_launch(T, H, E, fused=True, block_e=be, splits=sp, block_h=bh, num_warps=nw,
                                          num_stages=ns))
-        if T <= 8:  # a token block of 8 rows: half the last program's softmax and top-k work at 8 tokens
-            for be, sp, nw in itertools.product((16, 32), (4, 8), (4, 8)):
-                cands.append(M.router_launch(T, H, E, fused=True, block_e=be, splits=sp, num_warps=nw, block_t=8))
+        if T <= 8:  # token blocks of T rows (up to 8): less of the last program's softmax and top-k work
+            for bt, be, sp, nw in itertools.product(sorted({triton.next_power_of_2(T), 8}), (16, 32), (4, 8), (4, 8)):
+                cands.append(M.router_launch(T, H, E, fused=True, block_e=be, splits=sp, num_warps=nw, block_t=bt))
         grid_t = ()
     else:
         grid_t = (32, 64, 128) if not smoke else (16,)
