@@ -1,11 +1,12 @@
 """Decode-step sweep of Qwen3.5's recurrent-state kernels at 35B-A3B's shapes: the causal conv (window of
 K - 1 inputs per channel) and the gated delta rule's recurrent kernel (a 128 x 128 float32 state per value
-head), each over its tiles, at several decode batch sizes. Each candidate is checked against the policy's
+head), each over its tiles, at several decode batch sizes; also the MoE's top-k sum (group topk_sum, at
+Qwen3.5's hidden size 2,048 and Gemma 4 26B-A4B's 2,816: a latency-bound launch of both models' decode steps). Each candidate is checked against the policy's
 output and new state (bitwise for the conv; within float32 rounding for the delta rule, whose reduction
 order depends on the tile), then timed with CUDA-graph replays that cycle through several states (more bytes
 than the L2 holds), with the bytes each call moves and the bandwidth that makes.
 
-    python3 benchmarks/state_kernels.py [--batches 1,8,32] [--groups conv,gdr] [--out F.json]
+    python3 benchmarks/state_kernels.py [--batches 1,8,32] [--groups conv,gdr,topk_sum] [--out F.json]
     TRITON_INTERPRET=1 python3 benchmarks/state_kernels.py --smoke   # a CPU dry run at toy shapes
 """
 
@@ -26,6 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from compiled_llm.ops.state import StateLayout  # noqa: E402
 from compiled_llm.ops.triton import conv1d as C  # noqa: E402
 from compiled_llm.ops.triton import delta_rule as D  # noqa: E402
+from compiled_llm.ops.triton import moe as M  # noqa: E402
 
 SHAPES = {
     "qwen": dict(hk=16, hv=32, dk=128, dv=128, K=4, extra=4096 + 64),  # 35B-A3B; extra: z, b, a after [q; k; v]
@@ -112,10 +114,24 @@ def gdr_group(S, B, dev, dt, time_fn, rows, smoke):
     sweep("gdr_recurrent", B, cands, run, nbytes, time_fn, rows, exact=False)
 
 
+def topk_sum_group(B, dev, dt, time_fn, rows, smoke):
+    for hidden in ((2048, 2816) if not smoke else (96,)):
+        g = torch.Generator(device=dev).manual_seed(hidden)
+        ys = [torch.randn(B, 8, hidden, device=dev, generator=g).to(dt) for _ in range(COPIES)]
+        policy = M.topk_sum_tiles(hidden)
+        cands = [policy] + [c for c in itertools.product((128, 256, 512, 1024) if not smoke else (32, 128),
+                                                         (1, 2, 4) if not smoke else (1, 4)) if c != policy]
+
+        def run(c, copy):
+            return (M.topk_sum(ys[0 if copy is None else copy], tiles=c),)
+
+        sweep(f"topk_sum H={hidden}", B, cands, run, B * hidden * 9 * dt.itemsize, time_fn, rows, exact=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--groups", default="conv,gdr")
+    ap.add_argument("--groups", default="conv,gdr,topk_sum")
     ap.add_argument("--smoke", action="store_true", help="toy shapes (for TRITON_INTERPRET=1 on the CPU)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -129,13 +145,15 @@ def main() -> int:
             conv_group(S, B, dev, dt, time_fn, rows, a.smoke)
         if "gdr" in a.groups:
             gdr_group(S, B, dev, dt, time_fn, rows, a.smoke)
+        if "topk_sum" in a.groups:
+            topk_sum_group(B, dev, dt, time_fn, rows, a.smoke)
     lines = []
     for key in dict.fromkeys((r["group"], r["batch"]) for r in rows):
         rs = [r for r in rows if (r["group"], r["batch"]) == key and r.get("us")]
         d = next((r for r in rs if r["default"]), None)
         b = min(rs, key=lambda r: r["us"]) if rs else None
         if b:
-            lines.append(f"{key[0]:<14} batch {key[1]:<3} policy {d and d['us']} us ({d and d['TBps']} TB/s)  "
+            lines.append(f"{key[0]:<18} batch {key[1]:<3} policy {d and d['us']} us ({d and d['TBps']} TB/s)  "
                          f"best {b['us']} us ({b['TBps']} TB/s) {b['cand']}")
     print("\nsummary (CUDA-graph replay, us a call):\n" + "\n".join(lines))
     bad = [r for r in rows if r["default"] and not r.get("ok")]

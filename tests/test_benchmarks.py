@@ -270,9 +270,9 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
 
 
 def test_state_kernels_dry_run(tmp_path):
-    """benchmarks/state_kernels.py (Qwen3.5's conv and delta-rule decode tiles) runs its whole path on the CPU
-    under the Triton interpreter: the first row of each group is the engine's launch, and every other tile
-    computes the same outputs and new state (the conv bitwise)."""
+    """benchmarks/state_kernels.py (Qwen3.5's conv and delta-rule decode tiles, the MoE top-k sum's) runs its
+    whole path on the CPU under the Triton interpreter: the first row of each group is the engine's launch, and
+    every other tile computes the same outputs and new state (the conv and the sum bitwise)."""
     import os
     import subprocess
 
@@ -283,11 +283,11 @@ def test_state_kernels_dry_run(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    for group in ("conv", "gdr_recurrent"):
+    for group in ("conv", "gdr_recurrent", "topk_sum H=96"):
         mine = [row for row in rows if row["group"] == group]
         assert len(mine) >= 2 and mine[0]["default"] and all(row["ok"] for row in mine), mine
     assert tuple(next(row for row in rows if row["group"] == "conv")["cand"]) == conv_tiles(True)
-    assert all(row["max_diff"] == 0.0 for row in rows if row["group"] == "conv")
+    assert all(row["max_diff"] == 0.0 for row in rows if row["group"] in ("conv", "topk_sum H=96"))
 
 
 def test_sparse_gpu_check_on_the_cpu():

@@ -449,15 +449,21 @@ def _topk_sum_kernel(Y, Out, T, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     tl.store(Out + t * H + h, acc.to(Out.dtype.element_ty), mask=m)
 
 
-def topk_sum(y: torch.Tensor) -> torch.Tensor:
-    """[T, k, H] -> [T, H]: the weighted expert outputs of each token added in float32."""
+def topk_sum_tiles(hidden: int) -> tuple[int, int]:
+    """(block_h, num_warps) of the top-k sum: one build for every batch size."""
+    return min(1024, triton.next_power_of_2(hidden)), 4
+
+
+def topk_sum(y: torch.Tensor, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """[T, k, H] -> [T, H]: the weighted expert outputs of each token added in float32. tiles: (block_h,
+    num_warps), overriding topk_sum_tiles (benchmarks/state_kernels.py sweeps them)."""
     num_tokens, top_k, hidden = y.shape
     y = y.contiguous()
     out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
     if num_tokens:
-        block_h = min(1024, triton.next_power_of_2(hidden))
+        block_h, warps = tiles or topk_sum_tiles(hidden)
         _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](y, out, num_tokens, hidden, TOP_K=top_k,
-                                                                     BLOCK_H=block_h, num_warps=4)
+                                                                     BLOCK_H=block_h, num_warps=warps)
     return out
 
 
