@@ -102,6 +102,13 @@ def logprob_error(got: list[dict], ref: list[dict]) -> float:
     return sum(errs) / len(errs)
 
 
+def release(device: str) -> None:
+    """Frees what a dropped engine held (its KV cache takes most of the device) before the next one starts."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def cast_emulated_error(folder: Path, prompts, ref32, probe32, decode: str, kw: dict) -> float:
     """The bf16 logprob error of the same engine compiled with Inductor's emulate_precision_casts (every op's
     result rounded to bfloat16 as eager rounds it). A row whose error is over the bound only because a fused
@@ -111,19 +118,15 @@ def cast_emulated_error(folder: Path, prompts, ref32, probe32, decode: str, kw: 
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
-    saved = inductor_config.emulate_precision_casts
-    inductor_config.emulate_precision_casts = True
     try:
-        again = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="1,2,4" if kw["device"] == "cuda" else None,
-                    full_graph_decode=decode, **kw)
-        return logprob_error(probes(again, prompts, ref32), probe32)
+        with inductor_config.patch(emulate_precision_casts=True):
+            again = LLM(str(folder), enforce_eager=False, full_graph_decode=decode,
+                        cudagraph_batch_sizes="1,2,4" if kw["device"] == "cuda" else None, **kw)
+            return logprob_error(probes(again, prompts, ref32), probe32)
     finally:
-        inductor_config.emulate_precision_casts = saved
         again = None  # noqa: F841
-        gc.collect()
         torch._dynamo.reset()
-        if kw["device"] == "cuda":
-            torch.cuda.empty_cache()
+        release(kw["device"])
 
 
 def compare(ref, got) -> tuple[int, float | None, float | None]:
@@ -176,19 +179,15 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
                     s = llm.engine.executor.runner.compiler.summary()
                     agree, gap_e, gap_c = compare(ref, got)
                     same_one = one[0][0] == ref[0][0]
-                    err, err_cast = None, None
+                    err, err_cast = logprob_error(probes(llm, prompts, ref32), probe32), None
                     if dtype == "float32":
-                        err = logprob_error(probes(llm, prompts, ref32), probe32)
                         good = agree == 16 and same_one and err <= F32_ERR_MAX
                     else:  # as close to float32 eager as bfloat16 eager is (token agreement is reported only)
-                        err = logprob_error(probes(llm, prompts, ref32), probe32)
                         good = err <= BF16_ERR_RATIO * err_eager + BF16_ERR_SLACK
                         if not good:  # rounding, or a bug? compiled again with eager's roundings (each op's
                             # result cast to bfloat16, as eager stores it, instead of float32 inside a fused kernel)
-                            llm = None  # its memory (the KV cache takes most of the device) before the next engine
-                            gc.collect()
-                            if device == "cuda":
-                                torch.cuda.empty_cache()
+                            llm = None
+                            release(device)
                             err_cast = cast_emulated_error(folder, prompts, ref32, probe32, decode, kw)
                             good = err_cast <= BF16_ERR_RATIO * err_eager + BF16_ERR_SLACK
                     if decode == "on" and device == "cuda" and name in WHOLE_GRAPH_EXPECTED:
@@ -202,9 +201,9 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
                            "matches": {k: v["matches"] for k, v in s["passes"].items()}, "ok": good}
                     RESULTS["tiny"].append(row)
                     gaps = "" if agree == 16 else f" first divergence: top-2 gap eager {gap_e:.3f} compiled {gap_c:.3f}"
-                    if err is not None and err_eager is None:
+                    if err_eager is None:
                         gaps += f" | logprob error vs float32 eager: {err:.4f}"
-                    elif err is not None:
+                    else:
                         gaps += f" | logprob error vs float32 eager: compiled {err:.4f}, bf16 eager {err_eager:.4f}"
                     if err_cast is not None:
                         gaps += f", compiled with eager's casts {err_cast:.4f}"
@@ -212,17 +211,14 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
                           f"{'ok' if good else 'FAIL'} start {start:.1f}s whole-graph={s['whole_graph_decode_sizes']}"
                           f"{gaps}", flush=True)
                     del llm
-                    gc.collect()
-                    torch.cuda.empty_cache()
+                    release(device)
         except Exception as e:  # report and go on with the next model
             traceback.print_exc()
             print(f"tiny {name}: EXCEPTION {e!r}"[:2000], flush=True)
             RESULTS["tiny"].append({"model": name, "error": repr(e)[:2000], "ok": False})
             ok = False
             eager = llm = None  # the failed model's engine would otherwise hold its memory through the next one
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            release(device)
     return ok
 
 

@@ -8,7 +8,6 @@ logprob error against float32 eager. `--device cpu` with TRITON_INTERPRET=1 runs
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -23,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
 
 from compiled_llm import LLM  # noqa: E402
-from gpu_smoke import greedy, logprob_error, make_tiny, probes  # noqa: E402
+from gpu_smoke import greedy, logprob_error, make_tiny, probes, release  # noqa: E402
 
 VARIANTS = {  # name: LLM keyword overrides for the compiled run ("dtype", "inductor": Inductor config to set)
     "compiled": {},
@@ -71,27 +70,21 @@ def main() -> None:
         for v in args.variants.split(","):
             over = dict(VARIANTS[v])
             inductor = over.pop("inductor", {})
-            saved = {k: getattr(torch._inductor.config, k) for k in inductor}
             t = time.perf_counter()
             llm = None
             try:
-                for k, val in inductor.items():
-                    setattr(torch._inductor.config, k, val)
                 opts = dict(enforce_eager=False, dtype="bfloat16",
                             cudagraph_batch_sizes="1,2,4" if args.device == "cuda" else None)
                 opts.update(over)
-                llm = LLM(str(folder), **opts, **kw)
-                err = logprob_error(probes(llm, prompts, ref32), probe32)
+                with torch._inductor.config.patch(inductor):
+                    llm = LLM(str(folder), **opts, **kw)
+                    err = logprob_error(probes(llm, prompts, ref32), probe32)
             except Exception as e:  # noqa: BLE001  (a variant that cannot run is reported)
                 err = f"{type(e).__name__}: {e}"[:200]
             finally:
-                for k, val in saved.items():
-                    setattr(torch._inductor.config, k, val)
                 del llm
                 torch._dynamo.reset()  # a failed start's compiled pieces (and the model they hold) go too
-            gc.collect()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+            release(args.device)
             rows.append({"model": name, "variant": v, "err": err, "err_eager": err_eager})
             e = f"{err:.4f}" if isinstance(err, float) else err
             print(f"{name} {v:14s} {e}  ({time.perf_counter() - t:.1f}s)", flush=True)

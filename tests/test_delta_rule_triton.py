@@ -179,10 +179,10 @@ def group_chunk():
     _check([20], 2, 2, 12, 20, [True], chunk=16)
 
 
-def _check_conv(lens, dim, k, init, dtype="float32", seed=0, extra=0):
+def _check_conv(lens, dim, k, init, dtype="float32", seed=0, extra=0, tiles=None):
     """extra: x is the first `dim` columns of a [tokens, dim + extra] tensor (row stride dim + extra), as the
     [q; k; v] columns of Qwen3.5's merged [q; k; v; z; b; a] projection reach the conv; both providers read
-    it in place."""
+    it in place. tiles: the conv kernel's, overriding its policy (the window kernel keeps its own)."""
     import torch
 
     from compiled_llm.ops.conv1d import causal_conv1d_with_state
@@ -199,7 +199,7 @@ def _check_conv(lens, dim, k, init, dtype="float32", seed=0, extra=0):
     ref_cache, start = cache.clone(), cache.clone()
     layout = StateLayout.build(slots, init, qsl, "cpu")
     ref = causal_conv1d_with_state(x, w, ref_cache, layout)
-    got = causal_conv1d_varlen(x, w, cache, layout)
+    got = causal_conv1d_varlen(x, w, cache, layout, tiles=tiles)
     if extra:
         assert torch.equal(ref, causal_conv1d_with_state(x.contiguous(), w, start, layout))  # the reference too
     tol = 1e-5 if dt == torch.float32 else 1e-2 * ref.float().abs().max().item()  # the reference rounds in bf16
@@ -218,6 +218,7 @@ def group_conv1d():
     _check_conv([3, 1], 24, 3, [True, True], dtype="bfloat16")
     _check_conv([1, 1, 1], 40, 4, [True, False, True], extra=24)  # row-strided x: decode, prefill
     _check_conv([5, 1, 2, 19], 130, 4, [False, True, True, False], extra=7)
+    _check_conv([5, 1, 2, 19], 300, 4, [False, True, True, False], tiles=(16, 256, 4))  # conv tile > window's
 
 
 def group_engine():

@@ -103,15 +103,19 @@ class OpSpec:
     chosen: dict[Any, tuple[str, Callable]] = field(default_factory=dict)
     _reference: Callable | None = None
 
+    def chosen_providers(self) -> list[Provider]:
+        """The providers chosen for this op, on any layer."""
+        names = {name for name, _ in self.chosen.values()}
+        return [p for p in self.providers if p.name in names]
+
     def capturable(self) -> bool:
         """Every provider chosen for this op (on any layer) can be replayed inside a CUDA graph."""
-        names = {name for name, _ in self.chosen.values()}
-        return bool(names) and all(p.capturable for p in self.providers if p.name in names)
+        chosen = self.chosen_providers()
+        return bool(chosen) and all(p.capturable for p in chosen)
 
     def syncing_choice(self) -> str | None:
         """The chosen provider's name if it reads device values on the host (Provider.syncs), else None."""
-        names = {name for name, _ in self.chosen.values()}
-        return next((p.name for p in self.providers if p.name in names and p.syncs), None)
+        return next((p.name for p in self.chosen_providers() if p.syncs), None)
 
     def resolve(self, caps: Capabilities, shape: dict, force: str | None = None) -> tuple[Provider, list[str]]:
         """First provider whose requirements hold (or the forced one); also the reasons others were skipped."""

@@ -94,6 +94,9 @@ def _state_kernel(X, Cache, Qsl, Slots, Init, dim,
         tl.store(base + i[:, None], new, mask=wmask[:, None] & dmask[None, :])
 
 
+STATE_BLOCK_D = 128  # the window kernel's channel tile (a prefill's one launch a layer)
+
+
 def conv_tiles(decode: bool) -> tuple[int, int, int]:
     """(block_t, block_d, num_warps) of the conv kernel: one choice for decode and one for prefill, whatever the
     batch (each is one build, warmed at start-up). Decode: 8 x 32 tiles, 2 warps (H200, Qwen3.5 35B-A3B's 8,192
@@ -128,10 +131,10 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Ten
         n, seq_of.numel(), num_seqs, dim, x.stride(0), out.stride(0), cache.stride(0), cache.stride(1),
         K=k, BLOCK_T=block_t, BLOCK_D=block_d, DECODE=layout.decode, num_warps=warps)
     if not layout.decode:  # a decode step's conv kernel moved the windows itself
-        _state_kernel[(num_seqs, triton.cdiv(dim, block_d))](
+        _state_kernel[(num_seqs, triton.cdiv(dim, STATE_BLOCK_D))](  # its own channel tile, whatever the conv's
             x, cache, qsl, slots, init, dim,
             x.stride(0), cache.stride(0), cache.stride(1),
-            K=k, BLOCK_W=max(2, triton.next_power_of_2(k - 1)), BLOCK_D=128, num_warps=4)
+            K=k, BLOCK_W=max(2, triton.next_power_of_2(k - 1)), BLOCK_D=STATE_BLOCK_D, num_warps=4)
     return out
 
 
