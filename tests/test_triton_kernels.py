@@ -664,11 +664,21 @@ def _check_router_paths():
         got_w, got_ids = M.fused_router_topk(x, None, w, None, 5, 0.0)
         assert torch.equal(got_ids.long(), ref_ids), (dt, got_ids, ref_ids)
         _close(f"softmax router fused {dt}", got_w, ref_w, rtol=1e-4, atol=1e-6)
-    # every launch a batch size can take is built by JIT warm-up: one fused build for 1..64 tokens
-    tokens = M.launch_variants(128, 8, 2816, 704, 200)
-    keys = {M.router_launch(t, 2816, 128).build_key() for t in range(1, 201)}
-    assert keys == {M.router_launch(t, 2816, 128).build_key() for t in tokens}, tokens
-    assert len({M.router_launch(t, 2816, 128).build_key() for t in range(1, 65)}) == 1
+    # every launch a batch size can take is built by JIT warm-up: two fused builds for Gemma 4's 1..64 tokens
+    # (8-row blocks up to 8 tokens, then 16), Qwen3.5's softmax router one per power of two up to 8
+    for norm, E, H, k, inter, fused_builds in ((True, 128, 2816, 8, 704, 2), (False, 256, 2048, 8, 512, 5)):
+        tokens = M.launch_variants(E, k, H, inter, 200, norm=norm)
+        keys = {M.router_launch(t, H, E, norm=norm).build_key() for t in range(1, 201)}
+        assert keys == {M.router_launch(t, H, E, norm=norm).build_key() for t in tokens}, tokens
+        assert len({M.router_launch(t, H, E, norm=norm).build_key() for t in range(1, 65)}) == fused_builds
+    for T in (1, 3, 8):  # the small token blocks pick the experts the 16-row block picks
+        x, w, _, _ = _router_case(T, 40, 200, 8, torch.float32)
+        small = M.fused_router_topk(x, None, w, None, 5, 0.0)
+        wide = M.fused_router_topk(x, None, w, None, 5, 0.0, launch=M.router_launch(T, 200, 40, norm=False,
+                                                                                     block_t=16, splits=12))
+        assert M.router_launch(T, 200, 40, norm=False).block_t == M.triton.next_power_of_2(T)
+        assert torch.equal(small[1], wide[1]), T
+        _close(f"softmax router block {T}", small[0], wide[0], rtol=1e-5, atol=1e-6)
 
 
 def _check_skinny(M, N, K, dtype, launch=None, x_view=None, seed=0):

@@ -450,8 +450,10 @@ def _topk_sum_kernel(Y, Out, T, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 def topk_sum_tiles(hidden: int) -> tuple[int, int]:
-    """(block_h, num_warps) of the top-k sum: one build for every batch size."""
-    return min(1024, triton.next_power_of_2(hidden)), 4
+    """(block_h, num_warps) of the top-k sum: one build for every batch size. H200 sweep (state_kernels.py,
+    session 21): 256-column tiles, 4 warps: 1.73 -> 1.42 us at 8 tokens and H = 2048, 1.81 -> 1.46 at 2816, and
+    within 0.05 us of the best tile at 1 to 32 tokens (1,024-column tiles left most SMs idle)."""
+    return min(256, triton.next_power_of_2(hidden)), 4
 
 
 def topk_sum(y: torch.Tensor, tiles: tuple[int, int] | None = None) -> torch.Tensor:
@@ -680,6 +682,7 @@ def _router_fused_kernel(
 
 
 ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
+ROUTER_SMALL_BLOCK_TOKENS = 8  # up to here the one-launch router takes a token block of at most 8 rows
 ROUTER_FUSED_MAX_TOKENS = 64  # up to here the router is one launch (_router_fused_kernel); past it, two kernels
 ROUTER_WIDE_MIN_TOKENS = 4096  # from here a normed router's logits take one program per row block for all experts
 
@@ -720,8 +723,9 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
 
     Decode (T <= ROUTER_FUSED_MAX_TOKENS): one kernel; the [E, H] weight is split over 16-expert blocks and
     ~12 hidden slices (H = 2816: 8 x 11 = 88 programs a 16-token block, each reading an 8 KB tile), the last
-    program of a token block sums the 11 partials and picks the experts. The launch does not depend on T in
-    that range, so it is one build. Larger T: the two-kernel path (a decode batch of a few rows has too
+    program of a token block sums the 11 partials and picks the experts. Up to ROUTER_SMALL_BLOCK_TOKENS the
+    token block is 8 rows over 8 slices (Qwen3.5's: the batch's power of two), so the decode batch sizes take
+    one to four builds, which JIT warm-up makes (launch_variants). Larger T: the two-kernel path (a decode batch of a few rows has too
     little work for one program per row block, so the logits are split over expert blocks and hidden slices,
     whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the row first); from
     ROUTER_WIDE_MIN_TOKENS tokens it reads each row block once for all experts (64 x 128 tiles, 8 warps)."""
@@ -729,6 +733,15 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
         fused = num_tokens <= ROUTER_FUSED_MAX_TOKENS
     if fused:  # H200 sweep (benchmarks/NOTES.md, 2026-12-01): 128-column steps, 8 warps: 6.7 us vs 11.7 at T=1
         bh = block_h or 128
+        if num_tokens <= ROUTER_SMALL_BLOCK_TOKENS:
+            # session 21's sweep (prefill_kernels.py --tokens 1,8): a token block of 8 rows and 8 hidden slices,
+            # less softmax and top-k work for the block's last program: Gemma 4 7.14 -> 6.72 us at T = 8 (6.78 ->
+            # 6.53 at 1), Qwen3.5 (E = 256, H = 2048) 10.08 -> 7.86; Qwen3.5's softmax router fits the block to
+            # the batch (one row at T = 1: 5.89 us, 4 warps), Gemma's is best at 8 rows there too (7.36 at one)
+            bt = block_t or (8 if norm else triton.next_power_of_2(num_tokens))
+            n, sh = _slices(hidden, splits or 8, bh)
+            return RouterLaunch(True, bt, block_e or 16, bh, n, sh, num_warps or (4 if bt == 1 else 8),
+                                num_stages or 3)
         n, sh = _slices(hidden, splits or 12, bh)
         return RouterLaunch(True, block_t or 16, block_e or 16, bh, n, sh, num_warps or 8, num_stages or 3)
     if norm and num_tokens >= ROUTER_WIDE_MIN_TOKENS and block_e is None and splits is None:
