@@ -1,5 +1,5 @@
 """Decode-step sweep of Qwen3.5's recurrent-state kernels at 35B-A3B's shapes: the causal conv (window of
-K - 1 inputs per channel) and the gated delta rule's recurrent kernel (a 128 x 128 float32 state per value
+K - 1 inputs per channel) and the gated delta rule's recurrent kernel in the op's form (gating and output norm; a 128 x 128 float32 state per value
 head), each over its tiles, at several decode batch sizes; also the MoE's top-k sum (group topk_sum, at
 Qwen3.5's hidden size 2,048 and Gemma 4 26B-A4B's 2,816: a latency-bound launch of both models' decode steps). Each candidate is checked against the policy's
 output and new state (bitwise for the conv; within float32 rounding for the delta rule, whose reduction
@@ -91,26 +91,28 @@ def conv_group(S, B, dev, dt, time_fn, rows, smoke):
 
 
 def gdr_group(S, B, dev, dt, time_fn, rows, smoke):
+    """The delta rule's decode launch in the op's form (gating from [b; a], the gated output norm: in the kernel
+    when a value block holds the head, else the norm kernel after), on the model's strided views."""
     hk, hv, dk, dv = S["hk"], S["hv"], S["dk"], S["dv"]
     g = torch.Generator(device=dev).manual_seed(0)
-    qkv = torch.randn(B, 2 * hk * dk + hv * dv, device=dev, generator=g).to(dt)  # views of one tensor, as the model's
-    q = qkv[:, :hk * dk].view(B, hk, dk)
-    k = qkv[:, hk * dk:2 * hk * dk].view(B, hk, dk)
-    v = qkv[:, 2 * hk * dk:].view(B, hv, dv)
-    gb = torch.randn(B, 2 * hv, device=dev, generator=g)
-    decay, beta = (-gb[:, :hv].abs() * 0.1).to(dt), torch.sigmoid(gb[:, hv:]).to(dt)
+    q, k, v, z, ba = D.model_views(B, hk, hv, dk, dv, dt, dev)
+    for x in (q, k, v, z, ba):
+        x.copy_(torch.randn(x.shape, device=dev, generator=g))
+    a_log, dt_bias = (torch.rand(hv, device=dev, generator=g) - 0.5).to(dt), torch.randn(hv, device=dev).to(dt)
+    norm_w = torch.ones(dv, device=dev, dtype=dt)
     states = [torch.randn(B, hv, dk, dv, device=dev, generator=g) * 0.1 for _ in range(COPIES)]
     first = states[0].clone()
     layout = StateLayout.build(list(range(B)), [True] * B, list(range(B + 1)), dev)
-    policy = (max(16, min(32, dv)), 4)
+    policy = D.recurrent_tiles_policy(B, dv, True)
     cands = [policy] + [c for c in itertools.product((16, 32, 64, 128) if not smoke else (16, 32),
                                                      (2, 4, 8) if not smoke else (4,)) if c != policy]
 
     def run(c, copy):
         state = first.clone() if copy is None else states[copy]
-        return D.gated_delta_rule_varlen(q, k, v, decay, beta, state, layout, recurrent_tiles=c), state
+        return D.gated_delta_rule_varlen(q, k, v, None, None, state, layout, recurrent_tiles=c,
+                                         gating=(ba, a_log, dt_bias), out_norm=(z, norm_w, 1e-6)), state
 
-    nbytes = B * hv * dk * dv * 4 * 2 + B * (2 * hk * dk + 2 * hv * dv) * dt.itemsize  # the state read and written
+    nbytes = B * hv * dk * dv * 4 * 2 + B * (2 * hk * dk + 3 * hv * dv) * dt.itemsize  # state in and out, q k v z o
     sweep("gdr_recurrent", B, cands, run, nbytes, time_fn, rows, exact=False)
 
 

@@ -93,7 +93,7 @@ for step in $steps; do
     qwen_tiny) run qwen_tiny 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense,qwen_moe --budget 180 \
                  --out "$OUT/qwen_tiny" ;;
     qwen_big) run qwen_big 330 python3 benchmarks/throughput.py --config qwen3.5-35b-a3b --shapes 1024x8x256 \
-                --async-scheduling --warmup 1 --runs 3 ${QWEN_PEERS:---peer transformers} --peer-warmup ${QWEN_PEER_WARMUP:-0} \
+                --async-scheduling --warmup 1 --runs 3 ${QWEN_PEERS:---peer transformers} --peer-warmup ${QWEN_PEER_WARMUP:-1} \
                 --peer-runs 1 --out "$OUT" ;;  # QWEN_PEERS="--peer transformers --peer transformers-static"
     state_kernels) run state_kernels 150 python3 benchmarks/state_kernels.py --batches ${STATE_BATCHES:-1,8,32} \
                      --out "$OUT/state_kernels.json" ;;  # issue 18: Qwen3.5's conv and delta-rule decode tiles

@@ -69,6 +69,7 @@ def test_recurrent_launch_keys_are_warmed(monkeypatch):
     phase[0] = "step"
     weight, conv_cache = torch.zeros(dim, k), torch.zeros(12, dim, k - 1)
     ssm_cache = torch.zeros(12, hv, dk, dv)
+    a_log, dt_bias, norm_w = torch.zeros(hv), torch.zeros(hv), torch.ones(dv)
     batches = [[1] * n for n in range(1, 10)] + [[5, 17, 30], [80], [3, 1, 1], [40, 60], [7, 1, 2, 19, 64, 3]]
     for lens in batches:
         qsl = [0]
@@ -77,9 +78,9 @@ def test_recurrent_launch_keys_are_warmed(monkeypatch):
         layout = StateLayout.build(list(range(len(lens))), [i % 2 == 0 for i in range(len(lens))], qsl, "cpu")
         n = qsl[-1]
         conv1d.causal_conv1d_varlen(torch.zeros(n, dim), weight, conv_cache, layout)
-        gb = torch.zeros(n, 2 * hv)  # as the warm-up (and the model) lay out the decay and beta
-        delta_rule.gated_delta_rule_varlen(torch.zeros(n, hk, dk), torch.zeros(n, hk, dk), torch.zeros(n, hv, dv),
-                                           gb[:, hv:], gb[:, :hv], ssm_cache, layout)
+        q, k, v, z, ba = delta_rule.model_views(n, hk, hv, dk, dv, torch.float32, "cpu")  # the model's layout
+        delta_rule.gated_delta_rule_varlen(q, k, v, None, None, ssm_cache, layout, gating=(ba, a_log, dt_bias),
+                                           out_norm=(z, norm_w, 1e-6))
     missing = keys["step"] - keys["warm"]
     assert not missing, sorted(missing, key=repr)[:2]
 
@@ -133,10 +134,58 @@ def _check(lens, hk, hv, dk, dv, init, chunk=16, seed=0):
     assert torch.equal(cache[untouched], ref_cache[untouched])
 
 
+def _check_gated(lens, hk, hv, dk, dv, init, chunk=16, seed=0, dtype="float32", tiles=None):
+    """The op's form: g and beta from the [b; a] columns, the gated output norm applied (in the recurrent
+    kernel when its value block holds the head, else by the norm kernel), against the PyTorch reference on
+    the model's layout (strided views of the conv's and in_proj's outputs)."""
+    import torch
+
+    from compiled_llm.ops.delta_rule import decay_and_beta, gated_delta_rule_with_state, gated_rms_norm
+    from compiled_llm.ops.state import StateLayout
+    from compiled_llm.ops.triton import delta_rule
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    q, k, v, z, ba = delta_rule.model_views(n, hk, hv, dk, dv, dt, "cpu")
+    for x in (q, k, v, z):
+        x.copy_(torch.randn(x.shape, generator=g))
+    ba.copy_(torch.randn(ba.shape, generator=g) * 3)
+    ba[0, hv] = 30.0  # softplus past its threshold
+    a_log = (torch.rand(hv, generator=g) - 0.5).to(dt)
+    dt_bias = torch.randn(hv, generator=g).to(dt)
+    norm_w = (torch.rand(dv, generator=g) + 0.5).to(dt)
+    cache = torch.randn(len(lens) + 2, hv, dk, dv, generator=g) * 0.5
+    slots, qsl = _slots_and_offsets(cache, lens, init)
+    ref_cache = cache.clone()
+    layout = StateLayout.build(slots, init, qsl, "cpu", chunk=chunk)
+    decay, beta = decay_and_beta(ba, a_log, dt_bias)
+    ref = gated_rms_norm(gated_delta_rule_with_state(q, k, v, decay, beta, ref_cache, layout), z, norm_w, 1e-6)
+    got = delta_rule.gated_delta_rule_varlen(q, k, v, None, None, cache, layout, tiles,
+                                             gating=(ba, a_log, dt_bias), out_norm=(z, norm_w, 1e-6))
+    err = (got.float() - ref.float()).abs().max().item()
+    serr = (cache[slots] - ref_cache[slots]).abs().max().item()
+    scale = ref.float().abs().max().item()
+    print(f"  gated lens={lens} heads={hk}/{hv} dims={dk}/{dv} {dtype} tiles={tiles}: out {err:.2e} "
+          f"(max {scale:.2f}) state {serr:.2e}", flush=True)
+    # bfloat16: the interpreter's float32 -> bfloat16 cast truncates where torch (and the GPU) round to nearest,
+    # so beta and the roundings of o and of the norm can sit an ulp away: a few ulps of the output, a few
+    # thousandths of the float32 state. Float32 checks the arithmetic itself.
+    tol, stol = (1e-4, 1e-4) if dtype == "float32" else (0.05 * max(1.0, scale), 2e-2)
+    assert scale > 0.1 and err < tol and serr < stol, (err, serr, scale)
+
+
 def group_recurrent():
     _check([1, 1, 3, 1], 2, 4, 16, 16, [True, False, True, True])
     _check([1, 2], 1, 1, 8, 24, [False, True])  # dims below / not a power of two
     _check_padded_decode()
+    from compiled_llm.ops.triton.delta_rule import recurrent_tiles_policy
+    assert recurrent_tiles_policy(1, 16, True)[0] < recurrent_tiles_policy(2, 128, True)[0] == 128
+    _check_gated([1], 2, 4, 16, 16, [True])  # one sequence: the norm kernel after
+    _check_gated([1, 1, 1], 2, 4, 16, 16, [True, False, True])  # the whole head: the norm in the kernel
+    _check_gated([1, 1, 1], 2, 4, 16, 16, [True, False, True], dtype="bfloat16")
+    _check_gated([1, 2], 1, 2, 8, 24, [False, True], tiles=(16, 4))  # dv 24 over two blocks: the norm kernel
+    _check_gated([1, 2], 1, 2, 8, 24, [False, True])  # dv 24 in one 32-channel block: in the kernel
 
 
 def _check_padded_decode():
@@ -174,6 +223,8 @@ def _check_padded_decode():
 
 
 def group_chunk():
+    _check_gated([5, 40, 1, 17], 2, 4, 16, 16, [False, True, True, False], chunk=16)
+    _check_gated([33, 7], 1, 2, 32, 24, [True, False], chunk=32, dtype="bfloat16")
     _check([5, 40, 1, 17], 2, 4, 16, 16, [False, True, True, False], chunk=16)
     _check([33, 7], 1, 2, 32, 24, [True, False], chunk=32)
     _check([20], 2, 2, 12, 20, [True], chunk=16)

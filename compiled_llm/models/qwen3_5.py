@@ -33,7 +33,7 @@ from compiled_llm.models.parallel_layers import (MergedColumnParallelLinear, Par
 from compiled_llm.models.qwen3_5_config import FULL, LINEAR, Qwen3_5TextConfig
 from compiled_llm.ops.attention import AttentionSpec, attention
 from compiled_llm.ops.conv1d import causal_conv1d
-from compiled_llm.ops.delta_rule import gated_delta_rule
+from compiled_llm.ops.delta_rule import gated_delta_rule, gated_rms_norm
 from compiled_llm.ops.moe import ref_softmax_router_topk
 from compiled_llm.ops.mrope import apply_mrope, mrope_cos_sin, mrope_owner, rotary_inv_freq
 from compiled_llm.ops.state import StateSpec
@@ -51,10 +51,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * h * F.silu(gate.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # (the delta-rule op applies it)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class Experts(GatedExperts):
@@ -148,19 +146,6 @@ class DepthwiseConvWeight(nn.Module):
         self.weight = segment_parameter((sum(sizes), 1, kernel), sizes, "linear-attention conv channels")
 
 
-def decay_and_beta(ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule's log decay g = -exp(A_log) * softplus(a + dt_bias) (float32) and beta = sigmoid(b) (in the
-    model's dtype, as a float32 view) from the [b; a] columns of in_proj: one elementwise expression over both
-    halves, which Inductor computes in one kernel (as two expressions it made two kernels a layer, H200)."""
-    hv = a_log.shape[0]
-    zeros = torch.zeros_like(a_log, dtype=torch.float32)
-    shift = torch.cat([zeros, dt_bias.float()])
-    scale = torch.cat([zeros, -a_log.float().exp()])
-    is_b = torch.arange(2 * hv, device=ba.device) < hv
-    out = torch.where(is_b, torch.sigmoid(ba).float(), scale * F.softplus(ba.float() + shift))
-    return out[:, hv:], out[:, :hv]
-
-
 class GatedDeltaNet(nn.Module):
     """Linear attention: in_proj -> [q; k; v] through causal conv1d (SiLU), z, b, a; gated delta rule with
     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); gated RMSNorm with z; out_proj.
@@ -209,12 +194,13 @@ class GatedDeltaNet(nn.Module):
         y = self.in_proj(x)
         qkv, _, ba = y.split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
         mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.idx)  # [q; k; v]: a fresh tensor
-        kd, hk = self.key_dim, self.num_k_heads
-        g, beta = decay_and_beta(ba, self.A_log, self.dt_bias)
+        kd, hk, hv = self.key_dim, self.num_k_heads, self.num_v_heads
+        z = split_heads(y, self.conv_dim, self.value_dim, hv)
+        # the op computes the decay and beta from [b; a] and applies the gated output norm (ops/delta_rule.py)
         out = gated_delta_rule(split_heads(mixed, 0, kd, hk), split_heads(mixed, kd, kd, hk),
-                               split_heads(mixed, 2 * kd, self.value_dim, self.num_v_heads), g, beta, self.idx)
-        z = split_heads(y, self.conv_dim, self.value_dim, self.num_v_heads)
-        return self.out_proj(self.norm(out, z).reshape(n, -1))
+                               split_heads(mixed, 2 * kd, self.value_dim, hv), ba, self.A_log, self.dt_bias, z,
+                               self.norm.weight, self.norm.eps, self.idx)
+        return self.out_proj(out.reshape(n, -1))
 
 
 class DecoderLayer(nn.Module):

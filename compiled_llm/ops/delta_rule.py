@@ -7,14 +7,41 @@ Per head, with state S [Dk, Dv], for each token t:
 q and k are L2-normalised and q scaled by Dk^-0.5 first; the state is kept in float32.
 Prefill uses the chunked form (a unit-lower-triangular solve per chunk, then one state update per chunk);
 decode steps the recurrence once for all single-token sequences of a batch.
+
+The op takes the layer's gating inputs and output norm with it (Qwen3.5's Gated DeltaNet): the log decay
+g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) from the [b; a] columns of in_proj, and the
+output's gated RMSNorm weight * o / rms(o) * silu(z) per value head. Inside the op the GPU kernels compute
+them in the recurrence's own launch (two small launches a layer fewer at decode, and one graph piece fewer:
+the op splits the graph, so neither expression could join a neighbouring Inductor kernel).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from compiled_llm.ops.registry import OpSpec, Provider, register
 from compiled_llm.ops.state import StateLayout, get_state_metadata
+
+
+def decay_and_beta(ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's log decay g = -exp(A_log) * softplus(a + dt_bias) (float32) and beta = sigmoid(b) (in the
+    model's dtype, as a float32 view) from the [b; a] columns of in_proj ([tokens, 2 Hv])."""
+    hv = a_log.shape[0]
+    zeros = torch.zeros_like(a_log, dtype=torch.float32)
+    shift = torch.cat([zeros, dt_bias.float()])
+    scale = torch.cat([zeros, -a_log.float().exp()])
+    is_b = torch.arange(2 * hv, device=ba.device) < hv
+    out = torch.where(is_b, torch.sigmoid(ba).float(), scale * F.softplus(ba.float() + shift))
+    return out[:, hv:], out[:, :hv]
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) * silu(gate) over the last dim, rounded as the model's module rounds: the normalised x
+    to x's dtype, weight * x in their common dtype, the product with silu(gate) (float32) back to x's dtype."""
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * h * F.silu(gate.float())).to(x.dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -112,13 +139,16 @@ def gated_delta_rule_with_state(q, k, v, g, beta, cache: torch.Tensor, layout: S
     return out.to(v.dtype)
 
 
-def ref_gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
+def ref_gated_delta_rule(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps: float, layer_idx: int) -> torch.Tensor:
     meta = get_state_metadata()
-    return gated_delta_rule_with_state(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.layout)
+    g, beta = decay_and_beta(ba, a_log, dt_bias)
+    o = gated_delta_rule_with_state(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.layout)
+    return gated_rms_norm(o, z, norm_weight, eps)
 
 
 GATED_DELTA_RULE = register(OpSpec(
-    "gated_delta_rule", "Gated DeltaNet linear attention with per-sequence state: chunked prefill, recurrent decode", [
+    "gated_delta_rule", "Gated DeltaNet linear attention with per-sequence state (gating and gated output norm "
+    "inside): chunked prefill, recurrent decode", [
         Provider("triton", "compiled_llm.ops.triton.delta_rule:gated_delta_rule", lambda caps, shape: caps.triton_ok(),
                  capturable=True),
         Provider("reference", "compiled_llm.ops.delta_rule:ref_gated_delta_rule"),
@@ -126,17 +156,20 @@ GATED_DELTA_RULE = register(OpSpec(
 
 
 @torch.library.custom_op("compiled_llm::gated_delta_rule", mutates_args=())
-def gated_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def gated_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
+                        dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         layer_idx: int) -> torch.Tensor:
-    return GATED_DELTA_RULE.impl()(q, k, v, g, beta, layer_idx)
+    return GATED_DELTA_RULE.impl()(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps, layer_idx)
 
 
 @gated_delta_rule_op.register_fake
-def _(q, k, v, g, beta, layer_idx):
+def _(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps, layer_idx):
     return torch.empty_like(v)
 
 
-def gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
-    """q, k: [tokens, Hk, Dk]; v: [tokens, Hv, Dv]; g (log decay, <= 0), beta: [tokens, Hv].
+def gated_delta_rule(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps: float, layer_idx: int) -> torch.Tensor:
+    """One Gated DeltaNet layer's recurrence, from its gating inputs to its normed output.
+    q, k: [tokens, Hk, Dk]; v, z: [tokens, Hv, Dv]; ba: [tokens, 2 Hv] ([b; a] columns); a_log, dt_bias: [Hv];
+    norm_weight: [Dv]. Returns gated_rms_norm(o, z) of the delta rule's output o, in v's dtype.
     Uses and updates the layer's "ssm" state in the forward context."""
-    return torch.ops.compiled_llm.gated_delta_rule(q, k, v, g, beta, layer_idx)
+    return torch.ops.compiled_llm.gated_delta_rule(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps, layer_idx)

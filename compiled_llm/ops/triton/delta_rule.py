@@ -16,6 +16,12 @@ The batch layout (offsets, slots, initial-state flags, chunk plan) is the step's
 built and uploaded once per step: the kernels read device tensors only, and sequences without tokens (whole-graph
 decode padding) leave their slot alone, so a CUDA graph replays the decode launch.
 Matmuls run as 3xTF32 (float32-grade) for float32 models, so results track the reference, TF32 otherwise.
+
+The op's gating (g and beta from the [b; a] columns of in_proj, GATING) is computed where g and beta are read:
+the recurrent kernel and the chunk prep kernel. Its gated output norm (weight * o / rms(o) * silu(z) per value
+head, NORM) needs a whole head's output in one program: the recurrent kernel applies it when its value block
+spans the head (the decode policy's tile for 2 to 16 sequences); otherwise `_gated_norm_kernel` applies it in
+place afterwards. Both round where the PyTorch reference (ops/delta_rule.py gated_rms_norm) rounds.
 """
 
 from __future__ import annotations
@@ -32,14 +38,65 @@ RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recu
 CHUNK = DELTA_RULE_CHUNK
 
 
+@triton.jit
+def _gating(G, B, AL, DTB, t, sg_t, sb_t, hv, num_hv, mask, GATING: tl.constexpr):
+    """(g, beta) in float32 of rows t (a scalar or a vector) of value head hv. GATING: G is the [b; a] columns
+    (row stride sg_t): beta = sigmoid(b) rounded to their dtype, g = -exp(A_log) * softplus(a + dt_bias) (as
+    torch's softplus: the identity past 20). Otherwise G and B hold g and beta."""
+    if GATING:
+        b = tl.load(G + t * sg_t + hv, mask=mask, other=0.0)
+        a = tl.load(G + t * sg_t + num_hv + hv, mask=mask, other=0.0).to(tl.float32)
+        beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+        x = a + tl.load(DTB + hv).to(tl.float32)
+        soft = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(AL + hv).to(tl.float32)) * soft
+        g = tl.where(mask, g, 0.0)
+        beta = tl.where(mask, beta, 0.0)
+    else:
+        g = tl.load(G + t * sg_t + hv, mask=mask, other=0.0).to(tl.float32)
+        beta = tl.load(B + t * sb_t + hv, mask=mask, other=0.0).to(tl.float32)
+    return g, beta
+
+
+@triton.jit
+def _gated_norm(o, z, w, mask, norm_eps, DV: tl.constexpr, OUT: tl.constexpr, ROUND_WH: tl.constexpr):
+    """gated_rms_norm of one head's output o [.., BV] (float32, masked lanes ignored) with gate z and weight w
+    (float32 copies): o rounded to the output dtype, normalised and rounded, times w (rounded when the weight
+    has the output's dtype), times silu(z); returned in float32."""
+    o = tl.where(mask, o.to(OUT).to(tl.float32), 0.0)
+    rstd = tl.rsqrt(tl.sum(o * o, -1, keep_dims=True) / DV + norm_eps)
+    h = (o * rstd).to(OUT).to(tl.float32)
+    wh = w * h
+    if ROUND_WH:
+        wh = wh.to(OUT).to(tl.float32)
+    return wh * (z * tl.sigmoid(z))
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _gated_norm_kernel(X, Z, W, sx_t, sx_h, sz_t, sz_h, n_rows, norm_eps, DV: tl.constexpr, BD: tl.constexpr,
+                       ROWS: tl.constexpr, ROUND_WH: tl.constexpr):
+    """In place: X[t, h] <- gated_rms_norm(X[t, h], Z[t, h]) for ROWS token rows of head h a program."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    od = tl.arange(0, BD)
+    m = (t < n_rows)[:, None] & (od < DV)[None, :]
+    x = tl.load(X + t[:, None] * sx_t + h * sx_h + od[None, :], mask=m, other=0.0).to(tl.float32)
+    z = tl.load(Z + t[:, None] * sz_t + h * sz_h + od[None, :], mask=m, other=0.0).to(tl.float32)
+    w = tl.load(W + od, mask=od < DV, other=0.0).to(tl.float32)[None, :]
+    y = _gated_norm(x, z, w, m, norm_eps, DV, X.dtype.element_ty, ROUND_WH)
+    tl.store(X + t[:, None] * sx_t + h * sx_h + od[None, :], y.to(X.dtype.element_ty), mask=m)
+
+
 @triton.jit(do_not_specialize=["n_seqs", "n_rows"])
-def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT,
-                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_n, ss_h, ss_k,
-                          scale, eps, n_seqs, n_rows,
-                          REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
+                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_n, ss_h, ss_k, sz_t, sz_h,
+                          scale, eps, norm_eps, n_seqs, n_rows,
+                          REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          GATING: tl.constexpr = False, NORM: tl.constexpr = False, ROUND_WH: tl.constexpr = False):
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
+    num_hv = tl.num_programs(1)
     if seq == 0:  # the rows past the last sequence (a CUDA graph's padding) are zero: no fill launch for them
         ov0 = vb * BV + tl.arange(0, BV)
         for t64 in range(tl.load(QSL + n_seqs).to(tl.int64), n_rows):
@@ -57,28 +114,33 @@ def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT,
     s_ptr = S + slot * ss_n + hv * ss_h + ok[:, None] * ss_k + ov[None, :]
     s = tl.load(s_ptr, mask=m2, other=0.0).to(tl.float32)
     s = tl.where(init != 0, s, 0.0)  # first piece: start from zeros (the slot may hold anything)
+    if NORM:  # this program holds the whole head (BV >= DV)
+        w = tl.load(NW + ov, mask=mv, other=0.0).to(tl.float32)
     for t64 in range(start, end):
         q = tl.load(Q + t64 * sq_t + hk * sq_h + ok, mask=mk, other=0.0).to(tl.float32)
         k = tl.load(K + t64 * sk_t + hk * sk_h + ok, mask=mk, other=0.0).to(tl.float32)
         v = tl.load(V + t64 * sv_t + hv * sv_h + ov, mask=mv, other=0.0).to(tl.float32)
-        g = tl.load(G + t64 * sg_t + hv).to(tl.float32)
-        beta = tl.load(B + t64 * sb_t + hv).to(tl.float32)
+        g, beta = _gating(G, B, AL, DTB, t64, sg_t, sb_t, hv, num_hv, t64 < end, GATING)
         q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
         k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], 0)
+        if NORM:
+            z = tl.load(Z + t64 * sz_t + hv * sz_h + ov, mask=mv, other=0.0).to(tl.float32)
+            o = _gated_norm(o, z, w, mv, norm_eps, DV, O.dtype.element_ty, ROUND_WH)
         tl.store(O + t64 * so_t + hv * so_h + ov, o.to(O.dtype.element_ty), mask=mv)
     tl.store(s_ptr, s.to(S.dtype.element_ty), mask=m2 & (end > start))  # no tokens: the slot is not ours
 
 
 @triton.jit
-def _gdr_chunk_prep_kernel(Q, K, V, G, B, U, W, A, CUM, CH_START, CH_END,
+def _gdr_chunk_prep_kernel(Q, K, V, G, B, U, W, A, CUM, CH_START, CH_END, AL, DTB,
                            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, su_t, su_h, sw_t, sw_h, sc_t,
                            scale, eps,
                            REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                           BDV: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr):
+                           BDV: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr,
+                           GATING: tl.constexpr = False):
     """Per (chunk, value head), independent of the state: u = T beta V, w = T beta exp(c) K with
     T = (I + L)^-1, the masked intra-chunk scores A = tril(exp(c_i - c_j) q_i.k_j) and c."""
     cid = tl.program_id(0)
@@ -99,8 +161,7 @@ def _gdr_chunk_prep_kernel(Q, K, V, G, B, U, W, A, CUM, CH_START, CH_END,
     q = tl.load(Q + t[:, None] * sq_t + hk * sq_h + ok[None, :], mask=mqk, other=0.0).to(tl.float32)
     k = tl.load(K + t[:, None] * sk_t + hk * sk_h + ok[None, :], mask=mqk, other=0.0).to(tl.float32)
     v = tl.load(V + t[:, None] * sv_t + hv * sv_h + ov[None, :], mask=mtv, other=0.0).to(tl.float32)
-    g = tl.load(G + t * sg_t + hv, mask=mt, other=0.0).to(tl.float32)
-    beta = tl.load(B + t * sb_t + hv, mask=mt, other=0.0).to(tl.float32)
+    g, beta = _gating(G, B, AL, DTB, t, sg_t, sb_t, hv, tl.num_programs(1), mt, GATING)
     q = q * (tl.rsqrt(tl.sum(q * q, 1) + eps) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
     c = tl.cumsum(g, 0)
@@ -179,17 +240,42 @@ def _lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def recurrent_tiles_policy(num_seqs: int, dv: int, norm: bool) -> tuple[int, int]:
+    """(value block, num_warps) of the recurrent kernel. H200 (benchmarks/state_kernels.py, sessions 20-21):
+    32-channel blocks, 4 warps are best at 1 to 32 sequences (Qwen3.5: 3.67 / 13.43 / 45.96 us), a whole
+    128-channel head costs the same at 8 (13.52) but more at 1 (5.49) and 32 (47.68). With the gated norm to
+    apply, the whole head takes it in this launch (no norm launch after: ~2 us a layer at decode), so it
+    wins from 2 to 16 sequences."""
+    if norm and 2 <= num_seqs <= 16 and dv <= 128:
+        return max(16, triton.next_power_of_2(dv)), 4
+    return max(16, min(32, triton.next_power_of_2(dv))), 4
+
+
 def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: StateLayout,
-                            recurrent_tiles: tuple[int, int] | None = None) -> torch.Tensor:
+                            recurrent_tiles: tuple[int, int] | None = None, *, gating: tuple | None = None,
+                            out_norm: tuple | None = None) -> torch.Tensor:
     """Flat tokens of the layout's sequences (rows past them: padding, left zero); its tensors on v's device.
     The chunked path takes layout.chunk tokens a chunk. recurrent_tiles: (value block, num_warps) of the
-    recurrent kernel, overriding the policy (benchmarks/state_kernels.py sweeps them)."""
+    recurrent kernel, overriding the policy (benchmarks/state_kernels.py sweeps them).
+    gating: (ba [tokens, 2 Hv] as [b; a], A_log [Hv], dt_bias [Hv]) instead of g and beta (then None);
+    out_norm: (z [tokens, Hv, Dv], weight [Dv], eps): the output is gated_rms_norm(o, z)."""
     q, k, v = _lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v)
-    g, beta = _lastdim_contiguous(g), _lastdim_contiguous(beta)  # any row stride (the model's: views of one tensor)
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert cache.stride(-1) == 1 and cache.shape[1:] == (hv, dk, dv), (cache.shape, (hv, dk, dv))
     dev = v.device
+    if gating is not None:  # the [b; a] columns stand in for both (any row stride: a view of in_proj's output)
+        g, a_log, dt_bias = _lastdim_contiguous(gating[0]), gating[1].contiguous(), gating[2].contiguous()
+        beta = g
+        assert g.shape[-1] == 2 * hv and a_log.numel() == hv == dt_bias.numel(), (g.shape, a_log.shape, hv)
+    else:
+        g, beta = _lastdim_contiguous(g), _lastdim_contiguous(beta)  # any row stride (views of one tensor)
+        a_log = dt_bias = g  # unused
+    if out_norm is not None:
+        z, norm_w, norm_eps = _lastdim_contiguous(out_norm[0]), out_norm[1].contiguous(), float(out_norm[2])
+        round_wh = torch.promote_types(norm_w.dtype, v.dtype) == v.dtype
+    else:
+        z, norm_w, norm_eps, round_wh = v, v, 0.0, False  # unused
     num_seqs = layout.num_seqs
     if n == 0 or num_seqs == 0:
         return torch.zeros(v.shape, dtype=v.dtype, device=dev)
@@ -198,44 +284,52 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     t = layout.tensors
     query_start_loc, slots, has_initial_state = t["query_start_loc"], t["slots"], t["has_initial_state"]
     bk = max(16, triton.next_power_of_2(dk))
-    bv = max(16, min(32, triton.next_power_of_2(dv)))
-    rec_warps = 4
+    bv, rec_warps = recurrent_tiles_policy(num_seqs, dv, out_norm is not None)
     if recurrent and recurrent_tiles is not None:
         bv, rec_warps = recurrent_tiles
+    norm_in_kernel = recurrent and out_norm is not None and bv >= dv
     prec = dot_precision(v.dtype)
     grid = (num_seqs, hv, triton.cdiv(dv, bv))
     scale, eps = dk ** -0.5, 1e-6
     if recurrent:
         _gdr_recurrent_kernel[grid](
-            q, k, v, g, beta, o, cache, query_start_loc, slots, has_initial_state,
+            q, k, v, g, beta, o, cache, query_start_loc, slots, has_initial_state, a_log, dt_bias, z, norm_w,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps, num_seqs, n,
-            REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=rec_warps)
-        return o
-    chunk, num_chunks = layout.chunk, layout.num_chunks
-    u = torch.empty((n, hv, dv), dtype=torch.float32, device=dev)
-    w = torch.empty((n, hv, dk), dtype=torch.float32, device=dev)
-    cum = torch.empty((n, hv), dtype=torch.float32, device=dev)
-    scores = torch.empty((num_chunks, hv, chunk, chunk), dtype=torch.float32, device=dev)
-    _gdr_chunk_prep_kernel[(num_chunks, hv)](
-        q, k, v, g, beta, u, w, scores, cum, t["chunk_starts"], t["chunk_ends"],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        u.stride(0), u.stride(1), w.stride(0), w.stride(1), cum.stride(0), scale, eps,
-        REP=hv // hk, DK=dk, DV=dv, BK=bk, BDV=max(16, triton.next_power_of_2(dv)), C=chunk,
-        LOG2C=chunk.bit_length() - 1, PREC=prec, num_warps=4)
-    _gdr_chunk_state_kernel[grid](
-        q, k, u, w, scores, cum, o, cache, query_start_loc, slots, has_initial_state, t["chunk_first"],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), u.stride(0), u.stride(1), w.stride(0), w.stride(1),
-        cum.stride(0), o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps,
-        REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, PREC=prec, num_warps=4,
-        num_stages=2 if chunk <= 32 else 1)  # the pipelined [C, Dk] float32 tiles must fit in shared memory
+            o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), z.stride(0), z.stride(1),
+            scale, eps, norm_eps, num_seqs, n,
+            REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, GATING=gating is not None, NORM=norm_in_kernel,
+            ROUND_WH=round_wh, num_warps=rec_warps)
+    else:
+        chunk, num_chunks = layout.chunk, layout.num_chunks
+        u = torch.empty((n, hv, dv), dtype=torch.float32, device=dev)
+        w = torch.empty((n, hv, dk), dtype=torch.float32, device=dev)
+        cum = torch.empty((n, hv), dtype=torch.float32, device=dev)
+        scores = torch.empty((num_chunks, hv, chunk, chunk), dtype=torch.float32, device=dev)
+        _gdr_chunk_prep_kernel[(num_chunks, hv)](
+            q, k, v, g, beta, u, w, scores, cum, t["chunk_starts"], t["chunk_ends"], a_log, dt_bias,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            beta.stride(0), u.stride(0), u.stride(1), w.stride(0), w.stride(1), cum.stride(0), scale, eps,
+            REP=hv // hk, DK=dk, DV=dv, BK=bk, BDV=max(16, triton.next_power_of_2(dv)), C=chunk,
+            LOG2C=chunk.bit_length() - 1, PREC=prec, GATING=gating is not None, num_warps=4)
+        _gdr_chunk_state_kernel[grid](
+            q, k, u, w, scores, cum, o, cache, query_start_loc, slots, has_initial_state, t["chunk_first"],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), u.stride(0), u.stride(1), w.stride(0), w.stride(1),
+            cum.stride(0), o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), scale, eps,
+            REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, PREC=prec, num_warps=4,
+            num_stages=2 if chunk <= 32 else 1)  # the pipelined [C, Dk] float32 tiles must fit in shared memory
+    if out_norm is not None and not norm_in_kernel:
+        rows = 4
+        _gated_norm_kernel[(triton.cdiv(n, rows), hv)](
+            o, z, norm_w, o.stride(0), o.stride(1), z.stride(0), z.stride(1), n, norm_eps, DV=dv,
+            BD=max(16, triton.next_power_of_2(dv)), ROWS=rows, ROUND_WH=round_wh, num_warps=4)
     return o
 
 
-def gated_delta_rule(q, k, v, g, beta, layer_idx: int) -> torch.Tensor:
+def gated_delta_rule(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps: float, layer_idx: int) -> torch.Tensor:
     """The op's Triton provider: state and batch layout from the forward context."""
     meta = get_state_metadata()
-    return gated_delta_rule_varlen(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.layout)
+    return gated_delta_rule_varlen(q, k, v, None, None, meta.caches[layer_idx]["ssm"], meta.layout,
+                                   gating=(ba, a_log, dt_bias), out_norm=(z, norm_weight, eps))
 
 
 # ---- JIT warm-up ---------------------------------------------------------------------------------
@@ -255,16 +349,30 @@ def _keys(facts: dict) -> list:
     return sorted(keys, key=repr)
 
 
+def model_views(n: int, hk: int, hv: int, dk: int, dv: int, dtype, device) -> tuple:
+    """Zero inputs laid out as Qwen3.5's layer passes them (qwen3_5.py GatedDeltaNet): q, k, v as head views of
+    the conv's [tokens, q; k; v] output, z and [b; a] as views of in_proj's [tokens, q; k; v; z; b; a] rows,
+    so that the warm-up's launches take the model's strides and alignments (Triton specialises on both)."""
+    conv_dim = 2 * hk * dk + hv * dv
+    mixed = torch.zeros(n, conv_dim, dtype=dtype, device=device)
+    y = torch.zeros(n, conv_dim + hv * dv + 2 * hv, dtype=dtype, device=device)
+    q = mixed[:, :hk * dk].view(n, hk, dk)
+    k = mixed[:, hk * dk:2 * hk * dk].view(n, hk, dk)
+    v = mixed[:, 2 * hk * dk:].view(n, hv, dv)
+    z = y[:, conv_dim:conv_dim + hv * dv].view(n, hv, dv)
+    return q, k, v, z, y[:, conv_dim + hv * dv:]
+
+
 def _compile(key, device) -> None:
     dtype, hk, hv, dk, dv = key
     cache = torch.zeros(2, hv, dk, dv, dtype=torch.float32, device=device)
+    a_log, dt_bias = (torch.zeros(hv, dtype=dtype, device=device) for _ in range(2))
+    norm_w = torch.ones(dv, dtype=dtype, device=device)
     for slots, init, qsl in WARM_LAYOUTS:
         n, layout = qsl[-1], StateLayout.build(slots, init, qsl, device)
-        q, k = (torch.zeros(n, hk, dk, dtype=dtype, device=device) for _ in range(2))
-        v = torch.zeros(n, hv, dv, dtype=dtype, device=device)
-        gb = torch.zeros(n, 2 * hv, device=device)  # the model's layout (qwen3_5.py decay_and_beta): one tensor
-        g, beta = gb[:, hv:], gb[:, :hv]
-        gated_delta_rule_varlen(q, k, v, g, beta, cache, layout)
+        q, k, v, z, ba = model_views(n, hk, hv, dk, dv, dtype, device)
+        gated_delta_rule_varlen(q, k, v, None, None, cache, layout, gating=(ba, a_log, dt_bias),
+                                out_norm=(z, norm_w, 1e-6))
 
 
 register_kernel(JitKernel("gated_delta_rule", "gated_delta_rule", "triton", _keys, _compile))
