@@ -1,0 +1,189 @@
+"""Where the decode MoE's last 15% of bandwidth goes: the routed experts' time against how many experts a batch
+touches, and against a kernel that only streams the same weights.
+
+At batch 8 the grouped GEMMs read ~57 of Qwen3.5 35B-A3B's 256 experts (~50 of Gemma 4 26B-A4B's 128) at
+3.6-4.0 TB/s of the expected touched bytes, against a 4.22 TB/s copy (sessions 17-21). The tile sweeps
+(`prefill_kernels.py`) found every tile within 2%, so the loss is not the tile. This separates the rest:
+
+- `moe`: the routed experts as the engine runs them at the decode policy (`fused_moe`, gate/up then down, each
+  pick's weighted output left unsummed), for 8 tokens whose k picks cover D distinct experts, D from k to T x k.
+  A line t(D) = a + b D over D: b is the time per expert (its bytes / b: the streaming bandwidth), a the fixed
+  cost of the two launches (launch, pipeline fill, the self-routing prologue, the last wave).
+- `stream`: a kernel with the gate/up kernel's grid and tiles (a program per picked expert and column block,
+  stepping through K as the GEMM does) that loads the same gate and up tiles and adds them up, without the
+  token rows, the dot or the activation: the bandwidth of that access pattern alone. `stream_dot`: the same
+  summed by a dot with a block of ones, which Triton pipelines through shared memory as it does the GEMM
+  (its occupancy too): the GEMM's weight stream without the self-routing, the token gather, the activation
+  and the down kernel.
+- `copy`: torch's copy of the touched experts' gate/up weights (read + write), the device's reference.
+
+    python3 benchmarks/moe_stream.py [--qwen] [--distinct 8,16,32,48,57,64] [--out F.json]
+    TRITON_INTERPRET=1 python3 benchmarks/moe_stream.py --smoke   # a CPU dry run at toy shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from compiled_llm.ops.triton import moe as M  # noqa: E402
+
+SHAPES = {
+    "gemma": dict(E=128, H=2816, I=704, k=8, act="gelu_tanh"),  # Gemma 4 26B-A4B
+    "qwen": dict(E=256, H=2048, I=512, k=8, act="silu"),  # Qwen3.5 35B-A3B
+    "smoke": dict(E=16, H=64, I=32, k=4, act="silu"),
+}
+
+
+@triton.jit
+def _stream_kernel(W, Experts, Out, N, K, stride_we, stride_wn,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """Program (b, n): the gate and up tiles of expert Experts[b], columns [n BLOCK_N, +BLOCK_N), all of K, in
+    BLOCK_K steps, as the gate/up kernel loads them; their sum goes to Out[b, n] (so nothing is optimised away).
+    DOT: summed by a dot with a 16-row block of ones, so that Triton pipelines the loads through shared memory
+    as it does the GEMM's (plain loads are not pipelined: their programs hide latency by occupancy instead)."""
+    b = tl.program_id(0)
+    n = tl.program_id(1)
+    e = tl.load(Experts + b).to(tl.int64)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    g_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]
+    u_ptr = g_ptr + N * stride_wn
+    if DOT:
+        ones = tl.full([16, BLOCK_K], 1.0, W.dtype.element_ty)
+        acc2 = tl.zeros([16, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m = (kk < K - k0)[:, None] & (cols < N)[None, :]
+        g = tl.load(g_ptr, mask=m, other=0.0)
+        u = tl.load(u_ptr, mask=m, other=0.0)
+        if DOT:
+            acc2 += tl.dot(ones, g) + tl.dot(ones, u)
+        else:
+            acc += g.to(tl.float32) + u.to(tl.float32)
+        g_ptr += BLOCK_K
+        u_ptr += BLOCK_K
+    if DOT:
+        total = tl.sum(tl.sum(acc2, 1), 0) / 16
+    else:
+        total = tl.sum(tl.sum(acc, 1), 0)
+    tl.store(Out + b * tl.num_programs(1) + n, total)
+
+
+def picks(T: int, k: int, E: int, distinct: int, device) -> torch.Tensor:
+    """[T, k] expert ids covering exactly `distinct` experts (k <= distinct <= T k), none twice in a row: pick j of
+    token t is expert perm[(t k + j) mod distinct] of a fixed random permutation."""
+    assert k <= distinct <= min(E, T * k), (k, distinct, T * k, E)
+    perm = torch.randperm(E, generator=torch.Generator().manual_seed(distinct))[:distinct]
+    idx = (torch.arange(T)[:, None] * k + torch.arange(k)[None, :]) % distinct
+    return perm[idx].to(torch.int32).to(device)
+
+
+def timer(smoke: bool):
+    if smoke:
+        def run(fn):
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e6
+        return run
+    from graph_timing import graph_time_us
+    return lambda fn: graph_time_us(fn, replays=20, calls=10)
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (a, b) of t = a + b D."""
+    n = len(points)
+    mx = sum(d for d, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((d - mx) ** 2 for d, _ in points)
+    b = sum((d - mx) * (t - my) for d, t in points) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--qwen", action="store_true", help="Qwen3.5 35B-A3B's experts (default: Gemma 4 26B-A4B's)")
+    ap.add_argument("--smoke", action="store_true", help="toy shapes (for TRITON_INTERPRET=1 on the CPU)")
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--distinct", default=None, help="distinct experts per call (default: k, 2k, ..., T k)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    S = SHAPES["smoke" if a.smoke else "qwen" if a.qwen else "gemma"]
+    E, H, I, k, T = S["E"], S["H"], S["I"], S["k"], a.tokens
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    dt = torch.float32 if a.smoke else torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate_up = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H ** -0.5).to(dt)
+    down = (torch.randn(E, H, I, device=dev, generator=g) * I ** -0.5).to(dt)
+    x = torch.randn(T, H, device=dev, generator=g).to(dt)
+    wts = torch.softmax(torch.randn(T, k, device=dev, generator=g), -1)
+    pol = M.moe_launch_policy(T, k, E, H, I)
+    ds = [int(d) for d in a.distinct.split(",")] if a.distinct else sorted({*range(k, min(E, T * k) + 1, k),
+                                                                             min(E, T * k)})
+    time_fn = timer(a.smoke)
+    per_expert = {"gate_up": 2 * I * H * gate_up.element_size(), "down": H * I * down.element_size()}
+    rows = []
+    for d in ds:
+        ids = picks(T, k, E, d, dev)
+        experts = ids.unique().to(torch.int32)
+        nbytes = d * (per_expert["gate_up"] + per_expert["down"])
+        out = torch.empty(d, triton.cdiv(I, pol.a_block_n), dtype=torch.float32, device=dev)
+        sel = torch.empty(d, 2 * I, H, dtype=dt, device=dev)
+
+        def moe():
+            return M.fused_moe(x, gate_up, down, wts, ids, activation=S["act"], sum_slots=False)
+
+        def stream(dot=False):
+            _stream_kernel[(d, triton.cdiv(I, pol.a_block_n))](
+                gate_up, experts, out, I, H, gate_up.stride(0), gate_up.stride(1),
+                BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k, DOT=dot, num_warps=pol.a_warps,
+                num_stages=pol.a_stages)
+
+        def copy():
+            torch.index_select(gate_up, 0, experts.long(), out=sel)
+
+        row = {"distinct": d, "touched_MB": round(nbytes / 1e6, 1)}
+        if d == ds[0]:  # the stream kernel reads what the GEMM reads: its sums equal the weights' own
+            want = gate_up[experts.long()].float()
+            want = want.view(d, 2, I, H).sum(1).view(d, -1, pol.a_block_n, H).sum((2, 3))
+            for dot in (False, True):
+                stream(dot)
+                assert torch.allclose(out, want, rtol=1e-2, atol=0.5), (dot, out, want)
+        gu_bytes = d * per_expert["gate_up"]
+        for name, fn, b in (("moe", moe, nbytes), ("stream", stream, gu_bytes),
+                            ("stream_dot", lambda: stream(True), gu_bytes), ("copy", copy, 2 * gu_bytes)):
+            us = time_fn(fn)
+            row[f"{name}_us"] = round(us, 2)
+            row[f"{name}_TBps"] = round(b / (us * 1e-6) / 1e12, 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    summary = {}
+    for name, b_expert in (("moe", per_expert["gate_up"] + per_expert["down"]), ("stream", per_expert["gate_up"]),
+                           ("stream_dot", per_expert["gate_up"]), ("copy", 2 * per_expert["gate_up"])):
+        a0, b1 = fit([(r["distinct"], r[f"{name}_us"]) for r in rows])
+        summary[name] = {"fixed_us": round(a0, 2), "us_per_expert": round(b1, 3),
+                         "slope_TBps": round(b_expert / (b1 * 1e-6) / 1e12, 3) if b1 > 0 else None}
+    print("\nt(D) = fixed + D x per expert, least squares over D =", ds)
+    for name, s in summary.items():
+        print(f"  {name:8s} fixed {s['fixed_us']:8.2f} us   per expert {s['us_per_expert']:7.3f} us   "
+              f"streaming at {s['slope_TBps']} TB/s")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"shape": S, "tokens": T, "policy": str(pol), "rows": rows,
+                                           "fit": summary}, indent=1))
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
