@@ -34,6 +34,20 @@ def graph_time_us(fn: Callable, replays: int = 50, calls: int = 10, before: Call
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
+def kernel_timer(smoke: bool, calls: int = 10, replays: int = 20) -> Callable:
+    """fn -> microseconds a call: graph_time_us on the GPU; under the Triton interpreter (smoke runs on the CPU)
+    one call's wall time, which only shows the path runs (the ordering of candidates means nothing there)."""
+    if smoke:
+        import time
+
+        def run(fn):
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e6
+        return run
+    return lambda fn: graph_time_us(fn, replays=replays, calls=calls)
+
+
 def start_profiler() -> torch.profiler.profile:
     """A torch.profiler session, entered: CPU events, and the device's kernels where there is a GPU (the caller
     exits it after the steps it wants)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from compiled_llm.ops.triton import moe as M  # noqa: E402
+from graph_timing import kernel_timer  # noqa: E402
 
 SHAPES = {
     "gemma": dict(E=128, H=2816, I=704, k=8, act="gelu_tanh"),  # Gemma 4 26B-A4B
@@ -90,17 +90,6 @@ def picks(T: int, k: int, E: int, distinct: int, device) -> torch.Tensor:
     return perm[idx].to(torch.int32).to(device)
 
 
-def timer(smoke: bool):
-    if smoke:
-        def run(fn):
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e6
-        return run
-    from graph_timing import graph_time_us
-    return lambda fn: graph_time_us(fn, replays=20, calls=10)
-
-
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares (a, b) of t = a + b D."""
     n = len(points)
@@ -131,7 +120,7 @@ def main() -> int:
     pol = M.moe_launch_policy(T, k, E, H, I)
     ds = [int(d) for d in a.distinct.split(",")] if a.distinct else sorted({*range(k, min(E, T * k) + 1, k),
                                                                              min(E, T * k)})
-    time_fn = timer(a.smoke)
+    time_fn = kernel_timer(a.smoke, calls=10)
     per_expert = {"gate_up": 2 * I * H * gate_up.element_size(), "down": H * I * down.element_size()}
     rows = []
     for d in ds:

@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from compiled_llm.ops.rope import rope_inv_freq  # noqa: E402
 from compiled_llm.ops.triton import moe as M  # noqa: E402
 from compiled_llm.ops.triton import paged_attention as PA  # noqa: E402
+from graph_timing import kernel_timer  # noqa: E402
 
 SHAPES = {  # 26B-A4B; smoke: toy sizes for the interpreter
     "full": dict(E=128, H=2816, I=704, k=8, HQ=16, page=16,
@@ -38,17 +38,6 @@ SHAPES = {  # 26B-A4B; smoke: toy sizes for the interpreter
                   sliding=dict(kv_heads=2, head_dim=32, window=24, k_eq_v=False),
                   glob=dict(kv_heads=1, head_dim=64, window=None, k_eq_v=True)),
 }
-
-
-def timer(smoke: bool):
-    if smoke:  # the interpreter: one call, wall time (the ordering of candidates means nothing there)
-        def run(fn):
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e6
-        return run
-    from graph_timing import graph_time_us
-    return lambda fn: graph_time_us(fn, replays=20, calls=5)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -242,7 +231,7 @@ def main() -> int:
     dt = torch.bfloat16
     tokens = [24] if a.smoke else [int(t) for t in a.tokens.split(",")]
     att = [[40, 40]] if a.smoke else [[int(L)] * int(n) for n, L in (s.split("x") for s in a.attention.split(","))]
-    time_fn, rows, groups = timer(a.smoke), [], a.groups.split(",")
+    time_fn, rows, groups = kernel_timer(a.smoke, calls=5), [], a.groups.split(",")
     for T in tokens:
         if "router" in groups:
             router_group(S, T, dev, dt, time_fn, rows, a.smoke)

@@ -16,7 +16,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,23 +27,13 @@ from compiled_llm.ops.state import StateLayout  # noqa: E402
 from compiled_llm.ops.triton import conv1d as C  # noqa: E402
 from compiled_llm.ops.triton import delta_rule as D  # noqa: E402
 from compiled_llm.ops.triton import moe as M  # noqa: E402
+from graph_timing import kernel_timer  # noqa: E402
 
 SHAPES = {
     "qwen": dict(hk=16, hv=32, dk=128, dv=128, K=4, extra=4096 + 64),  # 35B-A3B; extra: z, b, a after [q; k; v]
     "smoke": dict(hk=2, hv=4, dk=16, dv=32, K=4, extra=8),
 }
 COPIES = 8  # states cycled through by the timed calls
-
-
-def timer(smoke: bool):
-    if smoke:
-        def run(fn):
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e6
-        return run
-    from graph_timing import graph_time_us
-    return lambda fn: graph_time_us(fn, replays=20, calls=COPIES)
 
 
 def sweep(group: str, batch: int, cands: list, run, nbytes: float, time_fn, rows: list, exact: bool) -> None:
@@ -141,7 +130,7 @@ def main() -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = torch.bfloat16
     batches = [2] if a.smoke else [int(b) for b in a.batches.split(",")]
-    time_fn, rows = timer(a.smoke), []
+    time_fn, rows = kernel_timer(a.smoke, calls=COPIES), []
     for B in batches:
         if "conv" in a.groups:
             conv_group(S, B, dev, dt, time_fn, rows, a.smoke)
