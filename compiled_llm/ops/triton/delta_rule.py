@@ -284,9 +284,10 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     t = layout.tensors
     query_start_loc, slots, has_initial_state = t["query_start_loc"], t["slots"], t["has_initial_state"]
     bk = max(16, triton.next_power_of_2(dk))
-    bv, rec_warps = recurrent_tiles_policy(num_seqs, dv, out_norm is not None)
-    if recurrent and recurrent_tiles is not None:
-        bv, rec_warps = recurrent_tiles
+    if recurrent:
+        bv, rec_warps = recurrent_tiles or recurrent_tiles_policy(num_seqs, dv, out_norm is not None)
+    else:  # the chunk state kernel's value block (its [C, BV] and [Dk, BV] float32 tiles)
+        bv = max(16, min(32, triton.next_power_of_2(dv)))
     norm_in_kernel = recurrent and out_norm is not None and bv >= dv
     prec = dot_precision(v.dtype)
     grid = (num_seqs, hv, triton.cdiv(dv, bv))

@@ -725,25 +725,24 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
     ~12 hidden slices (H = 2816: 8 x 11 = 88 programs a 16-token block, each reading an 8 KB tile), the last
     program of a token block sums the 11 partials and picks the experts. Up to ROUTER_SMALL_BLOCK_TOKENS the
     token block is 8 rows over 8 slices (Qwen3.5's: the batch's power of two), so the decode batch sizes take
-    one to four builds, which JIT warm-up makes (launch_variants). Larger T: the two-kernel path (a decode batch of a few rows has too
-    little work for one program per row block, so the logits are split over expert blocks and hidden slices,
-    whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the row first); from
+    two to five builds, which JIT warm-up makes (launch_variants). Larger T: the two-kernel path (a decode
+    batch of a few rows has too little work for one program per row block, so the logits are split over expert
+    blocks and hidden slices, whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the row first); from
     ROUTER_WIDE_MIN_TOKENS tokens it reads each row block once for all experts (64 x 128 tiles, 8 warps)."""
     if fused is None:
         fused = num_tokens <= ROUTER_FUSED_MAX_TOKENS
     if fused:  # H200 sweep (benchmarks/NOTES.md, 2026-12-01): 128-column steps, 8 warps: 6.7 us vs 11.7 at T=1
         bh = block_h or 128
-        if num_tokens <= ROUTER_SMALL_BLOCK_TOKENS:
-            # session 21's sweep (prefill_kernels.py --tokens 1,8): a token block of 8 rows and 8 hidden slices,
-            # less softmax and top-k work for the block's last program: Gemma 4 7.14 -> 6.72 us at T = 8 (6.78 ->
-            # 6.53 at 1), Qwen3.5 (E = 256, H = 2048) 10.08 -> 7.86; Qwen3.5's softmax router fits the block to
-            # the batch (one row at T = 1: 5.89 us, 4 warps), Gemma's is best at 8 rows there too (7.36 at one)
-            bt = block_t or (8 if norm else triton.next_power_of_2(num_tokens))
-            n, sh = _slices(hidden, splits or 8, bh)
-            return RouterLaunch(True, bt, block_e or 16, bh, n, sh, num_warps or (4 if bt == 1 else 8),
-                                num_stages or 3)
-        n, sh = _slices(hidden, splits or 12, bh)
-        return RouterLaunch(True, block_t or 16, block_e or 16, bh, n, sh, num_warps or 8, num_stages or 3)
+        # up to ROUTER_SMALL_BLOCK_TOKENS, session 21's sweep (prefill_kernels.py --tokens 1,8): a token block of
+        # 8 rows and 8 hidden slices, less softmax and top-k work for the block's last program: Gemma 4 7.14 ->
+        # 6.72 us at T = 8 (6.78 -> 6.53 at 1), Qwen3.5 (E = 256, H = 2048) 10.08 -> 7.86; Qwen3.5's softmax
+        # router fits the block to the batch (one row at T = 1: 5.89 us, 4 warps), Gemma's is best at 8 rows
+        # there too (7.36 at one)
+        small = num_tokens <= ROUTER_SMALL_BLOCK_TOKENS
+        bt = block_t or ((8 if norm else triton.next_power_of_2(num_tokens)) if small else 16)
+        n, sh = _slices(hidden, splits or (8 if small else 12), bh)
+        return RouterLaunch(True, bt, block_e or 16, bh, n, sh, num_warps or (4 if small and bt == 1 else 8),
+                            num_stages or 3)
     if norm and num_tokens >= ROUTER_WIDE_MIN_TOKENS and block_e is None and splits is None:
         # H200 sweep (prefill_kernels.py, session 17), 8,192 tokens: 88.7 us against 179.2 for the tiles below
         # (the norm pass and the dot pass read a row block once per expert block there); at 1,024 tokens the
