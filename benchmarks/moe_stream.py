@@ -17,13 +17,18 @@ At batch 8 the grouped GEMMs read ~57 of Qwen3.5 35B-A3B's 256 experts (~50 of G
   and the down kernel.
 - `copy`: torch's copy of the touched experts' gate/up weights (read + write), the device's reference.
 
-    python3 benchmarks/moe_stream.py [--qwen] [--distinct 8,16,32,48,57,64] [--out F.json]
+- `gate_up`, `down` (`--parts`): each of the two kernels alone (`moe_launches`; the down kernel on what the gate/up
+  kernel recorded), fitted the same way: which kernel carries the fixed cost; `gate_up_aligned`: the gate/up
+  kernel on blocks aligned beforehand (`moe_align`, not timed) instead of ranking the experts itself.
+
+    python3 benchmarks/moe_stream.py [--qwen] [--distinct 8,16,32,48,57,64] [--parts] [--out F.json]
     TRITON_INTERPRET=1 python3 benchmarks/moe_stream.py --smoke   # a CPU dry run at toy shapes
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -106,6 +111,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="toy shapes (for TRITON_INTERPRET=1 on the CPU)")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--distinct", default=None, help="distinct experts per call (default: k, 2k, ..., T k)")
+    ap.add_argument("--parts", action="store_true", help="also time the gate/up and down kernels each alone")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     S = SHAPES["smoke" if a.smoke else "qwen" if a.qwen else "gemma"]
@@ -150,22 +156,38 @@ def main() -> int:
                 stream(dot)
                 assert torch.allclose(out, want, rtol=1e-2, atol=0.5), (dot, out, want)
         gu_bytes = d * per_expert["gate_up"]
-        for name, fn, b in (("moe", moe, nbytes), ("stream", stream, gu_bytes),
-                            ("stream_dot", lambda: stream(True), gu_bytes), ("copy", copy, 2 * gu_bytes)):
+        variants = [("moe", moe, nbytes)]
+        if a.parts:
+            up, dn = M.moe_launches(x, gate_up, down, wts, ids, activation=S["act"])
+            up()  # the down kernel reads the blocks this recorded
+            assert torch.equal(dn(), moe().reshape(T * k, H))
+            variants += [("gate_up", up, gu_bytes), ("down", dn, d * per_expert["down"])]
+            if pol.self_routed:  # the gate/up kernel on blocks aligned beforehand: the self-routing prologue's cost
+                aligned = dataclasses.replace(pol, self_routed=False)
+                up_aligned, _ = M.moe_launches(x, gate_up, down, wts, ids, activation=S["act"], policy=aligned,
+                                               alignment=M.moe_align(ids, E, pol.block_m))
+                variants.append(("gate_up_aligned", up_aligned, gu_bytes))
+        variants += [("stream", stream, gu_bytes), ("stream_dot", lambda: stream(True), gu_bytes),
+                     ("copy", copy, 2 * gu_bytes)]
+        for name, fn, b in variants:
             us = time_fn(fn)
             row[f"{name}_us"] = round(us, 2)
             row[f"{name}_TBps"] = round(b / (us * 1e-6) / 1e12, 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     summary = {}
-    for name, b_expert in (("moe", per_expert["gate_up"] + per_expert["down"]), ("stream", per_expert["gate_up"]),
-                           ("stream_dot", per_expert["gate_up"]), ("copy", 2 * per_expert["gate_up"])):
+    parts = (("gate_up", per_expert["gate_up"]), ("down", per_expert["down"])) if a.parts else ()
+    if a.parts and pol.self_routed:
+        parts += (("gate_up_aligned", per_expert["gate_up"]),)
+    for name, b_expert in (("moe", per_expert["gate_up"] + per_expert["down"]), *parts,
+                           ("stream", per_expert["gate_up"]), ("stream_dot", per_expert["gate_up"]),
+                           ("copy", 2 * per_expert["gate_up"])):
         a0, b1 = fit([(r["distinct"], r[f"{name}_us"]) for r in rows])
         summary[name] = {"fixed_us": round(a0, 2), "us_per_expert": round(b1, 3),
                          "slope_TBps": round(b_expert / (b1 * 1e-6) / 1e12, 3) if b1 > 0 else None}
     print("\nt(D) = fixed + D x per expert, least squares over D =", ds)
     for name, s in summary.items():
-        print(f"  {name:8s} fixed {s['fixed_us']:8.2f} us   per expert {s['us_per_expert']:7.3f} us   "
+        print(f"  {name:15s} fixed {s['fixed_us']:8.2f} us   per expert {s['us_per_expert']:7.3f} us   "
               f"streaming at {s['slope_TBps']} TB/s")
     if a.out:
         Path(a.out).write_text(json.dumps({"shape": S, "tokens": T, "policy": str(pol), "rows": rows,

@@ -14,6 +14,7 @@ do_not_specialize, so the only builds are one per launch-policy tier.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -378,15 +379,36 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     weighted output, [T, k, H], for the caller to sum (`topk_sum`; ops/moe_overlap.py does it on another stream).
     alignment: moe_align's outputs for these ids at the policy's block_m, made already (the router's last program
     can make them: fused_router_topk align_block_m)."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        assert activation in ACTIVATIONS, activation
+        return torch.zeros_like(x) if sum_slots else x.new_zeros(0, top_k, hidden)
+    gate_up, down = moe_launches(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation=activation,
+                                 policy=policy, alignment=alignment)
+    gate_up()
+    y = down()
+    if not sum_slots:
+        return y.view(num_tokens, top_k, hidden)
+    if top_k == 1:
+        return y
+    return topk_sum(y.view(num_tokens, top_k, hidden))
+
+
+def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, *, activation: str = "gelu_tanh", policy: MoELaunch | None = None,
+                 alignment: tuple | None = None) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
+    """fused_moe's two grouped GEMMs as two calls on buffers made once (at least one token): `gate_up()` writes
+    the activations (and, self-routed, each block's expert and rows), then `down()` returns each pick's weighted
+    output [T k, H]. Each call launches one kernel, so a benchmark can time them apart (benchmarks/moe_stream.py
+    --parts; the down kernel reads what the last gate/up call recorded)."""
     assert activation in ACTIVATIONS, activation
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     assert gate_up_proj.shape[2] == hidden and down_proj.shape == (num_experts, hidden, inter)
-    assert x.stride(1) == 1 and gate_up_proj.stride(2) == 1 and down_proj.stride(2) == 1
-    if num_tokens == 0:
-        return torch.zeros_like(x) if sum_slots else x.new_zeros(0, topk_ids.shape[1], hidden)
+    assert x.stride(1) == 1 and gate_up_proj.stride(2) == 1 and down_proj.stride(2) == 1 and num_tokens > 0
     pol = policy or moe_launch_policy(num_tokens, top_k, num_experts, hidden, inter)
     num_pairs = num_tokens * top_k
     route: dict = {}
@@ -412,28 +434,30 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
             sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, pol.block_m)
         num_blocks, rows = expert_ids.numel(), sorted_ids.numel()
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, pol.a_block_n))](
-        x, gate_up_proj, sorted_ids, expert_ids, num_padded, act,
-        num_pairs, inter, hidden, num_experts,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
-        SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps, num_stages=pol.a_stages,
-        **route, **up_route,
-    )
     weights = topk_weights.contiguous()  # any float dtype: the down kernel reads it as float32 (no cast launch)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, pol.b_block_n))](
-        act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
-        num_pairs, hidden, inter, num_experts,
-        act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
-        BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype),
-        num_warps=pol.b_warps, num_stages=pol.b_stages, **route, **({"TOP_K": top_k} if route else {}),
-    )
-    if not sum_slots:
-        return y.view(num_tokens, top_k, hidden)
-    if top_k == 1:
+
+    def gate_up() -> None:
+        _gate_up_kernel[(num_blocks, triton.cdiv(inter, pol.a_block_n))](
+            x, gate_up_proj, sorted_ids, expert_ids, num_padded, act,
+            num_pairs, inter, hidden, num_experts,
+            x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+            TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
+            SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps,
+            num_stages=pol.a_stages, **route, **up_route,
+        )
+
+    def down() -> torch.Tensor:
+        _down_kernel[(num_blocks, triton.cdiv(hidden, pol.b_block_n))](
+            act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
+            num_pairs, hidden, inter, num_experts,
+            act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
+            BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype),
+            num_warps=pol.b_warps, num_stages=pol.b_stages, **route, **({"TOP_K": top_k} if route else {}),
+        )
         return y
-    return topk_sum(y.view(num_tokens, top_k, hidden))
+
+    return gate_up, down
 
 
 @triton.jit(do_not_specialize=["T"])
