@@ -21,7 +21,11 @@ At batch 8 the grouped GEMMs read ~57 of Qwen3.5 35B-A3B's 256 experts (~50 of G
   kernel recorded), fitted the same way: which kernel carries the fixed cost; `gate_up_aligned`: the gate/up
   kernel on blocks aligned beforehand (`moe_align`, not timed) instead of ranking the experts itself.
 
-    python3 benchmarks/moe_stream.py [--qwen] [--distinct 8,16,32,48,57,64] [--parts] [--out F.json]
+- `moe[...]` (`--launch "b_block_k=512;a_block_n=64,a_stages=3"`): the routed op at other MoELaunch fields (each
+  `;`-separated set over the policy's), its output checked against the policy's; with --parts also its down
+  kernel alone (`down[...]`). At the operating point only: `--distinct 56`.
+
+    python3 benchmarks/moe_stream.py [--qwen] [--distinct 8,16,32,48,57,64] [--parts] [--launch ...] [--out F.json]
     TRITON_INTERPRET=1 python3 benchmarks/moe_stream.py --smoke   # a CPU dry run at toy shapes
 """
 
@@ -112,6 +116,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--distinct", default=None, help="distinct experts per call (default: k, 2k, ..., T k)")
     ap.add_argument("--parts", action="store_true", help="also time the gate/up and down kernels each alone")
+    ap.add_argument("--launch", default="", help="MoELaunch field sets to time beside the policy's, e.g. "
+                    "'b_block_k=512;b_block_n=128,b_stages=3'")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     S = SHAPES["smoke" if a.smoke else "qwen" if a.qwen else "gemma"]
@@ -128,6 +134,8 @@ def main() -> int:
                                                                              min(E, T * k)})
     time_fn = kernel_timer(a.smoke, calls=10)
     per_expert = {"gate_up": 2 * I * H * gate_up.element_size(), "down": H * I * down.element_size()}
+    launches = [(spec, {k: int(v) for k, v in (f.split("=") for f in spec.split(","))})
+                 for spec in a.launch.split(";") if spec]
     rows = []
     for d in ds:
         ids = picks(T, k, E, d, dev)
@@ -167,6 +175,22 @@ def main() -> int:
                 up_aligned, _ = M.moe_launches(x, gate_up, down, wts, ids, activation=S["act"], policy=aligned,
                                                alignment=M.moe_align(ids, E, pol.block_m))
                 variants.append(("gate_up_aligned", up_aligned, gu_bytes))
+        for label, over in launches:
+            lp = dataclasses.replace(pol, **over)
+            try:
+                got = M.fused_moe(x, gate_up, down, wts, ids, activation=S["act"], sum_slots=False, policy=lp)
+            except Exception as exc:  # a tile that does not build (shared memory, registers): noted, not timed
+                print(f"launch {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                row[f"moe[{label}]_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            want = moe()
+            assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max())), label
+            variants.append((f"moe[{label}]", lambda lp=lp: M.fused_moe(x, gate_up, down, wts, ids, activation=S["act"],
+                                                                        sum_slots=False, policy=lp), nbytes))
+            if a.parts:
+                up_v, dn_v = M.moe_launches(x, gate_up, down, wts, ids, activation=S["act"], policy=lp)
+                up_v()
+                variants.append((f"down[{label}]", dn_v, d * per_expert["down"]))
         variants += [("stream", stream, gu_bytes), ("stream_dot", lambda: stream(True), gu_bytes),
                      ("copy", copy, 2 * gu_bytes)]
         for name, fn, b in variants:
@@ -179,15 +203,21 @@ def main() -> int:
     parts = (("gate_up", per_expert["gate_up"]), ("down", per_expert["down"])) if a.parts else ()
     if a.parts and pol.self_routed:
         parts += (("gate_up_aligned", per_expert["gate_up"]),)
-    for name, b_expert in (("moe", per_expert["gate_up"] + per_expert["down"]), *parts,
+    both = per_expert["gate_up"] + per_expert["down"]
+    parts += tuple((f"moe[{label}]", both) for label, _ in launches)
+    parts += tuple((f"down[{label}]", per_expert["down"]) for label, _ in launches) if a.parts else ()
+    for name, b_expert in (("moe", both), *parts,
                            ("stream", per_expert["gate_up"]), ("stream_dot", per_expert["gate_up"]),
                            ("copy", 2 * per_expert["gate_up"])):
-        a0, b1 = fit([(r["distinct"], r[f"{name}_us"]) for r in rows])
+        points = [(r["distinct"], r[f"{name}_us"]) for r in rows if f"{name}_us" in r]
+        if not points:
+            continue
+        a0, b1 = fit(points)
         summary[name] = {"fixed_us": round(a0, 2), "us_per_expert": round(b1, 3),
                          "slope_TBps": round(b_expert / (b1 * 1e-6) / 1e12, 3) if b1 > 0 else None}
     print("\nt(D) = fixed + D x per expert, least squares over D =", ds)
     for name, s in summary.items():
-        print(f"  {name:15s} fixed {s['fixed_us']:8.2f} us   per expert {s['us_per_expert']:7.3f} us   "
+        print(f"  {name:28s} fixed {s['fixed_us']:8.2f} us   per expert {s['us_per_expert']:7.3f} us   "
               f"streaming at {s['slope_TBps']} TB/s")
     if a.out:
         Path(a.out).write_text(json.dumps({"shape": S, "tokens": T, "policy": str(pol), "rows": rows,

@@ -107,7 +107,7 @@ for step in $steps; do
     big26_none) run big26_none 240 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --compile-sizes none \
                   --out "$OUT/big26_none" ;;  # issue 15: the buckets replay the dynamic compile (fewer compiles)
     moe_stream) run moe_stream 120 python3 benchmarks/moe_stream.py ${MOE_STREAM_ARGS:-} \
-                  --out "$OUT/moe_stream${MOE_STREAM_TAG:-}.json" ;;  # e.g. MOE_STREAM_ARGS="--qwen --parts" MOE_STREAM_TAG=_qwen
+                  --out "$OUT/moe_stream${MOE_STREAM_TAG:-}.json" ;;  # e.g. MOE_STREAM_ARGS="--qwen --parts --distinct 56 --launch b_block_k=512" MOE_STREAM_TAG=_qwen
     skinny) run skinny 300 python3 benchmarks/skinny_gemm.py ${SKINNY_ARGS:-} --out "$OUT/skinny_gemm.json" ;;  # e.g. "--models qwen --tokens 1,8 --sweep"
     big26) run big26 260 python3 scripts/gpu_smoke.py --sections big --shape ${BIG26_SHAPE:-1024x8x256} \
              ${BIG26_PASSES:+--compile-passes $BIG26_PASSES} --out "$OUT/big26_${BIG26_SHAPE:-1024x8x256}${BIG26_PASSES:+_passes}${BIG26_TAG:-}" ;;

@@ -308,19 +308,21 @@ def test_moe_stream_dry_run(tmp_path):
     streams the same gate/up tiles) runs its whole path on the CPU under the Triton interpreter: the stream
     kernel's sums equal the touched weights' own (checked inside), each call's picks cover exactly the asked
     number of experts with no expert twice in a token, and the fit spans every point (with --parts, the gate/up and
-    down kernels each alone, whose output is checked equal to the whole routed op's)."""
+    down kernels each alone, whose output is checked equal to the whole routed op's; with --launch, the routed op
+    at another tile, checked close to the policy's)."""
     import os
     import subprocess
 
     pytest.importorskip("triton")
     out = tmp_path / "moe_stream.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_stream.py"), "--smoke", "--parts",
-                        "--out", str(out)],
+                        "--launch", "b_block_n=32,b_stages=2", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [row["distinct"] for row in data["rows"]] == [4, 8, 12, 16]
-    names = ("moe", "gate_up", "down", "gate_up_aligned", "stream", "stream_dot", "copy")  # --parts: each alone
+    names = ("moe", "gate_up", "down", "gate_up_aligned", "stream", "stream_dot", "copy",  # --parts: each alone
+             "moe[b_block_n=32,b_stages=2]", "down[b_block_n=32,b_stages=2]")  # --launch: another tile
     assert all(row[f"{v}_us"] > 0 for row in data["rows"] for v in names)
     assert set(data["fit"]) == set(names)
     from moe_stream import picks
