@@ -90,6 +90,26 @@ def test_a_missing_moe_fusion_shows_as_the_dense_expert_sum():
     assert big.shape == (128, 8192, 2816) and big.bytes == 128 * 8192 * 2816 * 2
 
 
+@pytest.mark.parametrize("rows, persistent", [(None, True), ("0", False)])
+def test_the_gpu_code_generation_runs_on_the_cpu(monkeypatch, rows, persistent):
+    """codegen=True: 26B-A4B's shapes (two layers; the dynamic compile and batch 8) go on through Inductor's CUDA
+    code generation with an H200's properties and no GPU (compiler/inspect.py fake_cuda_codegen), so its errors
+    show here first. The kernels are the GPU's: the residual add + RMSNorm chains over 2,816-wide rows are
+    persistent reductions by our heuristic (compiler/codegen.py; `triton_per_`), looped ones (`triton_red_`)
+    with Inductor's own 1,024-element limit. The patched device functions are restored afterwards."""
+    if rows is not None:
+        monkeypatch.setenv("COMPILED_LLM_PERSISTENT_ROWS", rows)
+    cfg = config_dict("gemma-4-26b-a4b")
+    cfg.update(num_hidden_layers=2, layer_types=cfg["layer_types"][:2])
+    props = torch.cuda.get_device_properties
+    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=8192, batch_sizes=[8], codegen=True)
+    assert torch.cuda.get_device_properties is props
+    assert r.mismatches == [] and len(r.kernels) >= 20
+    norms = [k for k in r.kernels if "add_mean_mul_pow" in k]
+    assert len(norms) >= 4
+    assert all(k.startswith("triton_per_" if persistent else "triton_red_") for k in norms), norms
+
+
 def test_replaying_look_alike_pieces_reports_what_inspecting_each_does(tiny_ckpt):
     cfg = json.loads((tiny_ckpt("moe")[0] / "config.json").read_text())  # layers 0-1 and 1-2 end alike
     fast = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[2])

@@ -2,13 +2,22 @@
 (runtime/audit.py) and the pass tests give the backend. Nothing is generated, so it runs on fake tensors of
 any device, a GPU's included, on a machine without one. Each inspected piece reports the largest tensor
 it materialises; a piece that repeats an inspected one for other layers is not compiled again.
+
+With codegen=True Inductor goes on through its CUDA code generation (scheduling, fusion, tiling, the Triton
+kernels' source and the wrapper) under `fake_cuda_codegen`: an H200's device properties stand in for the
+missing GPU and the kernels are not built. Errors of Inductor's GPU code generation at the released shapes can
+then show on the CPU, and the GPU's kernel choices can be checked there. (Not all: session 22's `CantSplit` in
+the CUDA tiling, seen on the H200, did not reproduce under it.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import types
 from collections import Counter
 from dataclasses import dataclass, replace
+from unittest import mock
 
 import torch
 import torch.fx
@@ -75,6 +84,64 @@ class _Stop(Exception):
     pass
 
 
+# an H200 (sm_90): what Inductor's CUDA code generation asks of the device
+H200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
+                             total_memory=141 * 2**30, regs_per_multiprocessor=65536,
+                             max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32,
+                             L2_cache_size=60 * 2**20, shared_memory_per_block_optin=232448, gcnArchName="",
+                             uuid="fake-h200")
+
+
+class _Unbuilt:
+    """A Triton kernel whose source was generated and never built (fake_cuda_codegen)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def fake_cuda_codegen(props=H200, kernels: list | None = None):
+    """Inductor's CUDA code generation on a machine without a GPU: the device's properties from `props`, Triton
+    taken as present, the kernels' sources generated but not built (their names appended to `kernels`). Only for
+    compiles whose result is not run."""
+    names = kernels if kernels is not None else []
+
+    def unbuilt(self, kernel_name, *args, **kwargs):
+        names.append(kernel_name)
+        return _Unbuilt()
+
+    import torch._inductor.async_compile as async_compile
+    import torch._inductor.codegen.triton as triton_codegen
+    import torch._inductor.compile_fx as compile_fx_module
+    import torch._inductor.scheduler as scheduler
+    import torch.utils._triton as torch_triton
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    def device_properties(cls, device):
+        return cls(type="cuda", index=device.index or 0, multi_processor_count=props.multi_processor_count,
+                   cc=props.major * 10 + props.minor, major=props.major,
+                   regs_per_multiprocessor=props.regs_per_multiprocessor,
+                   max_threads_per_multi_processor=props.max_threads_per_multi_processor,
+                   max_threads_per_block=props.max_threads_per_block, warp_size=props.warp_size)
+
+    targets = [
+        (torch.cuda, "get_device_properties", lambda *a, **k: props),
+        (torch.cuda, "get_device_capability", lambda *a, **k: (props.major, props.minor)),
+        (torch.cuda, "current_device", lambda: 0),
+        (DeviceProperties, "create", classmethod(device_properties)),
+        (compile_fx_module, "_check_triton_bf16_support", lambda *a, **k: None),
+        (scheduler, "has_triton", lambda: True),
+        (async_compile.AsyncCompile, "triton", unbuilt),
+        (torch_triton, "triton_hash_with_backend", lambda: "unbuilt"),
+        (triton_codegen, "triton_hash_with_backend", lambda: "unbuilt"),
+    ]
+    with contextlib.ExitStack() as stack:
+        for owner, name, value in targets:
+            if hasattr(owner, name):  # (names differ a little between torch versions)
+                stack.enter_context(mock.patch.object(owner, name, value))
+        yield
+
+
 def piece_signature(gm: torch.fx.GraphModule, args: list, strict: bool = False) -> tuple[tuple, int]:
     """(key, first layer) of a Dynamo graph piece. Our ops' layer indices are already relative to the first
     layer (piecewise.relative_layer_args). strict: the key is the graph itself with its inputs' shapes,
@@ -118,10 +185,12 @@ def piece_signature(gm: torch.fx.GraphModule, args: list, strict: bool = False) 
     return tuple(rows), base
 
 
-def inspect_compile(tokens: int, stats: dict | None = None, dedupe: bool = True):
+def inspect_compile(tokens: int, stats: dict | None = None, dedupe: bool = True, codegen: bool = False):
     """A compile function for the backend: Inductor up to and including our passes, then stop. A piece
     whose signature matches one inspected before is not compiled again: its matches and largest tensor
-    are replayed for its own layers. stats (optional) counts 'inspected' and 'replayed' pieces."""
+    are replayed for its own layers. stats (optional) counts 'inspected' and 'replayed' pieces, and with
+    codegen=True (CUDA pieces: Inductor's code generation under fake_cuda_codegen, see the module doc)
+    lists in 'kernels' the names of the Triton kernels generated."""
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
@@ -145,20 +214,26 @@ def inspect_compile(tokens: int, stats: dict | None = None, dedupe: bool = True)
             def __call__(self, graph):
                 passes(graph)
                 seen["largest"] = largest_tensor(graph, tokens)
-                raise _Stop
+                if not codegen:
+                    raise _Stop
 
             def uuid(self):
                 return None
 
         before = counters["inductor"].copy()
-        try:
-            # uniform-value constant folding evaluates constants on the real device, which the audit may lack;
-            # it never touches what our patterns match
-            compile_fx(gm, args, config_patches={**config_patches, "post_grad_custom_pre_pass": Inspect(),
-                                                 "fx_graph_cache": False, "joint_graph_constant_folding": False})
-        except Exception:
-            if "largest" not in seen:
-                raise
+        patches = {**config_patches, "post_grad_custom_pre_pass": Inspect(), "fx_graph_cache": False,
+                   # uniform-value constant folding evaluates constants on the real device, which the audit may
+                   # lack; it never touches what our patterns match
+                   "joint_graph_constant_folding": False}
+        if codegen:
+            with fake_cuda_codegen(kernels=stats.setdefault("kernels", [])):
+                compile_fx(gm, args, config_patches=patches)  # any error of the code generation propagates
+        else:
+            try:
+                compile_fx(gm, args, config_patches=patches)
+            except Exception:
+                if "largest" not in seen:
+                    raise
         delta = Counter({k: v for k, v in (counters["inductor"] - before).items() if k.startswith("compiled_llm.")})
         seen_pieces[key] = (base, delta, seen["largest"])
         stats["inspected"] = stats.get("inspected", 0) + 1

@@ -50,6 +50,7 @@ class AuditReport:
     num_experts: int = 0
     inspected: int = 0  # piece compiles run through Inductor
     replayed: int = 0  # piece compiles that repeated an inspected one for other layers
+    kernels: list = field(default_factory=list)  # the Triton kernels generated (codegen=True), by name
     mismatches: list = field(default_factory=list)
 
     def layer_matches(self, shape: str = "dynamic") -> dict[int | None, Counter]:
@@ -104,10 +105,12 @@ def _default_dtype(dtype: torch.dtype):
 @torch.inference_mode()
 def audit(hf_config: dict, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, tokens: int = 8192,
           batch_sizes: list[int] | None = None, passes: tuple[str, ...] | None = None,
-          block_size: int = 16, dedupe: bool = True) -> AuditReport:
+          block_size: int = 16, dedupe: bool = True, codegen: bool = False) -> AuditReport:
     """Builds the model from its Hugging Face config under fake tensors and compiles it as far as our
     passes (see the module docstring). batch_sizes: the static buckets (CUDA graphs); default none.
-    dedupe: inspect each distinct piece once and replay it for its look-alikes (piece_signature)."""
+    dedupe: inspect each distinct piece once and replay it for its look-alikes (piece_signature). codegen: go on
+    through Inductor's CUDA code generation (compiler/inspect.py fake_cuda_codegen; CUDA only), whose errors then
+    propagate; the report's `kernels` names the Triton kernels generated."""
     model_cls = resolve_model_class(hf_config)
     cfg = model_cls.config_from_hf(hf_config)
     device = torch.device(device)
@@ -123,7 +126,8 @@ def audit(hf_config: dict, *, device: str = "cuda", dtype: torch.dtype = torch.b
                               dtype=dtype)
         compiled = CompiledModel(model, ccfg, device, whole_graph_decode_ok(has_recurrent_state(model)))
         stats: dict = {}
-        compiled.backend.compile_fn = inspect_compile(tokens, stats, dedupe)
+        assert not codegen or device.type == "cuda", "codegen: Inductor's CUDA code generation"
+        compiled.backend.compile_fn = inspect_compile(tokens, stats, dedupe, codegen)
         compiled.backend.shared_compiles = None  # the audit inspects (or replays, with dedupe) every piece itself
         with fake:
             ids = torch.zeros(tokens, dtype=torch.long, device=device)
@@ -146,6 +150,6 @@ def audit(hf_config: dict, *, device: str = "cuda", dtype: torch.dtype = torch.b
         layers={i: layer_kind(specs[i]) if i in specs else "recurrent" for i in range(cfg.num_hidden_layers)},
         expected=expected, matches=matches, enabled=checked, pieces=len(compiled.backend.pieces),
         graphs=compiled.backend.graph_count, attention_ops=len(compiled.backend.attention_pieces), largest=largest, num_experts=num_experts,
-        inspected=stats.get("inspected", 0), replayed=stats.get("replayed", 0))
+        inspected=stats.get("inspected", 0), replayed=stats.get("replayed", 0), kernels=stats.get("kernels", []))
     report.mismatches = compare(expected, matches, checked)
     return report
