@@ -134,13 +134,14 @@ def main() -> int:
                                                                              min(E, T * k)})
     time_fn = kernel_timer(a.smoke, calls=10)
     per_expert = {"gate_up": 2 * I * H * gate_up.element_size(), "down": H * I * down.element_size()}
+    both = per_expert["gate_up"] + per_expert["down"]
+    timed: dict[str, int] = {}  # every timed variant, in order, with the bytes it moves per distinct expert
     launches = [(spec, {k: int(v) for k, v in (f.split("=") for f in spec.split(","))})
                  for spec in a.launch.split(";") if spec]
     rows = []
     for d in ds:
         ids = picks(T, k, E, d, dev)
         experts = ids.unique().to(torch.int32)
-        nbytes = d * (per_expert["gate_up"] + per_expert["down"])
         out = torch.empty(d, triton.cdiv(I, pol.a_block_n), dtype=torch.float32, device=dev)
         sel = torch.empty(d, 2 * I, H, dtype=dt, device=dev)
 
@@ -156,25 +157,25 @@ def main() -> int:
         def copy():
             torch.index_select(gate_up, 0, experts.long(), out=sel)
 
-        row = {"distinct": d, "touched_MB": round(nbytes / 1e6, 1)}
+        row = {"distinct": d, "touched_MB": round(d * both / 1e6, 1)}
         if d == ds[0]:  # the stream kernel reads what the GEMM reads: its sums equal the weights' own
             want = gate_up[experts.long()].float()
             want = want.view(d, 2, I, H).sum(1).view(d, -1, pol.a_block_n, H).sum((2, 3))
             for dot in (False, True):
                 stream(dot)
                 assert torch.allclose(out, want, rtol=1e-2, atol=0.5), (dot, out, want)
-        gu_bytes = d * per_expert["gate_up"]
-        variants = [("moe", moe, nbytes)]
+        # (name, call, bytes per distinct expert)
+        variants = [("moe", moe, both)]
         if a.parts:
             up, dn = M.moe_launches(x, gate_up, down, wts, ids, activation=S["act"])
             up()  # the down kernel reads the blocks this recorded
             assert torch.equal(dn(), moe().reshape(T * k, H))
-            variants += [("gate_up", up, gu_bytes), ("down", dn, d * per_expert["down"])]
+            variants += [("gate_up", up, per_expert["gate_up"]), ("down", dn, per_expert["down"])]
             if pol.self_routed:  # the gate/up kernel on blocks aligned beforehand: the self-routing prologue's cost
                 aligned = dataclasses.replace(pol, self_routed=False)
                 up_aligned, _ = M.moe_launches(x, gate_up, down, wts, ids, activation=S["act"], policy=aligned,
                                                alignment=M.moe_align(ids, E, pol.block_m))
-                variants.append(("gate_up_aligned", up_aligned, gu_bytes))
+                variants.append(("gate_up_aligned", up_aligned, per_expert["gate_up"]))
         for label, over in launches:
             lp = dataclasses.replace(pol, **over)
             try:
@@ -186,33 +187,23 @@ def main() -> int:
             want = moe()
             assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max())), label
             variants.append((f"moe[{label}]", lambda lp=lp: M.fused_moe(x, gate_up, down, wts, ids, activation=S["act"],
-                                                                        sum_slots=False, policy=lp), nbytes))
+                                                                        sum_slots=False, policy=lp), both))
             if a.parts:
                 up_v, dn_v = M.moe_launches(x, gate_up, down, wts, ids, activation=S["act"], policy=lp)
                 up_v()
-                variants.append((f"down[{label}]", dn_v, d * per_expert["down"]))
-        variants += [("stream", stream, gu_bytes), ("stream_dot", lambda: stream(True), gu_bytes),
-                     ("copy", copy, 2 * gu_bytes)]
-        for name, fn, b in variants:
+                variants.append((f"down[{label}]", dn_v, per_expert["down"]))
+        gu = per_expert["gate_up"]
+        variants += [("stream", stream, gu), ("stream_dot", lambda: stream(True), gu), ("copy", copy, 2 * gu)]
+        for name, fn, b_expert in variants:
             us = time_fn(fn)
+            timed[name] = b_expert
             row[f"{name}_us"] = round(us, 2)
-            row[f"{name}_TBps"] = round(b / (us * 1e-6) / 1e12, 3)
+            row[f"{name}_TBps"] = round(d * b_expert / (us * 1e-6) / 1e12, 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     summary = {}
-    parts = (("gate_up", per_expert["gate_up"]), ("down", per_expert["down"])) if a.parts else ()
-    if a.parts and pol.self_routed:
-        parts += (("gate_up_aligned", per_expert["gate_up"]),)
-    both = per_expert["gate_up"] + per_expert["down"]
-    parts += tuple((f"moe[{label}]", both) for label, _ in launches)
-    parts += tuple((f"down[{label}]", per_expert["down"]) for label, _ in launches) if a.parts else ()
-    for name, b_expert in (("moe", both), *parts,
-                           ("stream", per_expert["gate_up"]), ("stream_dot", per_expert["gate_up"]),
-                           ("copy", 2 * per_expert["gate_up"])):
-        points = [(r["distinct"], r[f"{name}_us"]) for r in rows if f"{name}_us" in r]
-        if not points:
-            continue
-        a0, b1 = fit(points)
+    for name, b_expert in timed.items():
+        a0, b1 = fit([(r["distinct"], r[f"{name}_us"]) for r in rows if f"{name}_us" in r])
         summary[name] = {"fixed_us": round(a0, 2), "us_per_expert": round(b1, 3),
                          "slope_TBps": round(b_expert / (b1 * 1e-6) / 1e12, 3) if b1 > 0 else None}
     print("\nt(D) = fixed + D x per expert, least squares over D =", ds)
