@@ -25,7 +25,7 @@ from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, alloca
 from compiled_llm.runtime.host_memory import MappedHost
 from compiled_llm.runtime.kv_plan import KVCachePlanner
 from compiled_llm.runtime.memory import gib
-from compiled_llm.runtime.sampler import PendingTokens, fill_pending, to_device
+from compiled_llm.runtime.sampler import PendingTokens, fill_pending, to_device_packed
 from compiled_llm.runtime.scheduler import ScheduledSeq
 from compiled_llm.runtime.sparse_kv import SparseKV, SparseKVConfig
 
@@ -231,27 +231,32 @@ class ModelRunner(KVCachePlanner):
                 table = seq.block_tables[g]
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
         width = max(len(item.seq.block_tables[g]) for item in batch for g in groups)
-        metas = {}
+        tables = {}
         for g in groups:  # through numpy: torch.tensor of the nested lists took 5 ms at 16 x 64K tokens a group
-            tables = np.full((len(batch), width), -1, dtype=np.int32)
+            tables[g] = np.full((len(batch), width), -1, dtype=np.int32)
             for i, item in enumerate(batch):
                 t = item.seq.block_tables[g]
-                tables[i, :len(t)] = np.fromiter(t, np.int32, len(t))
-            metas[g] = GroupMetadata(to_device(tables, torch.int32, dev), to_device(slots[g], torch.long, dev))
-        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas)
-        # made here without a stream sync (the attention kernels would make them with one); on the CPU too, where
-        # they cost nothing and the reference decode attention reads them
-        meta.seq_lens_tensor = to_device(seq_lens, torch.int32, dev)
-        meta.query_start_loc_tensor = to_device(qsl, torch.int32, dev)
+                tables[g][i, :len(t)] = np.fromiter(t, np.int32, len(t))
         positions = torch.tensor(pos, dtype=torch.long)
         if any(item.seq.mm is not None and item.seq.mm.mrope is not None for item in batch):
             positions = mrope_batch_positions(batch, positions)
             if bool((positions == positions[:1]).all()):  # text and decode tokens only: one row says it all,
                 positions = positions[0]  # and the step keeps the compiled path
-        input_ids = to_device(ids, torch.long, dev)
-        fill = (to_device(fill_at, torch.long, dev), to_device(fill_from, torch.long, dev)) if fill_at else None
-        positions = positions.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else positions
-        return input_ids, positions, meta, to_device(logit_rows, torch.long, dev), fill
+        # every host array of the step in one copy (on CUDA; to_device_packed), the sequence lengths and offsets
+        # included: made here without a stream sync (the attention kernels would make them with one); on the
+        # CPU too, where they cost nothing and the reference decode attention reads them
+        items = [(ids, torch.long), (positions, torch.long), (seq_lens, torch.int32), (qsl, torch.int32),
+                 (logit_rows, torch.long)]
+        for g in groups:
+            items += [(tables[g], torch.int32), (slots[g], torch.long)]
+        if fill_at:
+            items += [(fill_at, torch.long), (fill_from, torch.long)]
+        input_ids, positions, lens_t, qsl_t, rows_t, *rest = to_device_packed(items, dev)
+        metas = {g: GroupMetadata(rest[2 * i], rest[2 * i + 1]) for i, g in enumerate(groups)}
+        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas)
+        meta.seq_lens_tensor, meta.query_start_loc_tensor = lens_t, qsl_t
+        fill = tuple(rest[2 * len(groups):]) if fill_at else None
+        return input_ids, positions, meta, rows_t, fill
 
     def forward_context(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> ForwardContext:
         """The context the ops read: KV cache and, for hybrid models, each sequence's state slot
