@@ -284,6 +284,26 @@ def run_prefill():
         attn_time_prefill(L, SLIDING, "prefill sliding d256")
 
 
+def run_logits():
+    """The soft cap of the final logits (ops/triton/logits.py) against eager PyTorch's three launches, at the
+    LM head's decode shape: the same roundings, so equal but for tanh's last bit (reported: how many differ)."""
+    log("[logits]")
+    from compiled_llm.ops.logits import ref_logits_softcap
+    from compiled_llm.ops.triton.logits import logits_softcap
+
+    vocab = 262144 if not ARGS.smoke else 3000
+    for dtype in dict.fromkeys((BF16, torch.float32)):
+        x = (torch.randn(8, vocab, device=DEV, generator=torch.Generator(device=DEV).manual_seed(9)) * 20).to(dtype)
+        got, ref = logits_softcap(x, 30.0), ref_logits_softcap(x, 30.0)
+        diff = (got - ref).abs()
+        frac = (diff > 0).float().mean().item()
+        tol = 30.0 * 2.0 ** -7 if dtype != torch.float32 else 1e-5  # one ulp of the output's dtype at the cap
+        record(f"logits_softcap {str(dtype)[6:]} 8 x {vocab} ({frac:.2e} of values differ)", diff.max().item(), tol)
+        if not ARGS.no_time:
+            timed("logits_softcap", f"8 x {vocab} {str(dtype)[6:]}", lambda: logits_softcap(x, 30.0),
+                  lambda: ref_logits_softcap(x, 30.0), work_bytes=x.numel() * (x.element_size() + 4))
+
+
 # ------------------------------------------------------------------------------------------------------
 # MoE
 
@@ -341,7 +361,7 @@ def run_moe():
         T = sz(T) if ARGS.smoke else T
         x = torch.randn(T, H, device=DEV, dtype=BF16, generator=g) * 2
         w, ids = M.fused_router_topk(x, bf_router.scale, bf_router.proj.weight, bf_router.per_expert_scale, TOPK,
-                                     bf_router.norm.eps)
+                                     bf_router.eps)
         ref_w, ref_ids = router(x.float())
         ids_s, o1 = ids.long().sort(1)
         ref_s, o2 = ref_ids.sort(1)
@@ -463,7 +483,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--quick", action="store_true", help="skip the largest fp32 references")
-    ap.add_argument("--only", default="decode,prefill,moe,tune")
+    ap.add_argument("--only", default="decode,prefill,moe,tune,logits")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter at tiny shapes (fp32)")
     ap.add_argument("--smoke-time", action="store_true", help="with --smoke: also run the timing code paths")
     ARGS = ap.parse_args()
@@ -480,7 +500,7 @@ def main():
         log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
     groups = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "tune": run_tune,
-              "decode_small": run_decode_small}
+              "decode_small": run_decode_small, "logits": run_logits}
     if ARGS.no_time:
         groups.pop("tune")
     for name in ARGS.only.split(","):

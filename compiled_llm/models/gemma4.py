@@ -27,6 +27,7 @@ from compiled_llm.models.parallel_layers import (ParallelLMHead, PPMissingLayer,
                                                  make_layers)
 from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.attention import AttentionSpec, attention
+from compiled_llm.ops.logits import logits_softcap
 from compiled_llm.ops.moe import geglu_moe, ref_router_topk
 from compiled_llm.ops.rope import apply_rope, rope_inv_freq, rotated_pairs
 
@@ -270,8 +271,8 @@ class Gemma4ForCausalLM(nn.Module, SupportsPP, SupportsTP, SupportsEP):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden)
         cap = self.cfg.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+        if cap is not None:  # float32 (the sampler's dtype), one launch on the GPU
+            logits = logits_softcap(logits, cap)
         return logits
 
     def hf_to_ours(self, name: str) -> str | None:

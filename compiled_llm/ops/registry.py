@@ -217,7 +217,7 @@ def select_providers(device: torch.device | str, dtype: torch.dtype, layers: dic
 def model_facts(model_config, **extra) -> dict:
     """Model-wide shapes the resolver and the JIT registry key on (extra: engine facts such as block_size)."""
     names = ("hidden_size", "num_experts", "top_k_experts", "moe_intermediate_size", "rms_norm_eps", "vocab_size",
-             "moe_op", "rotary_dim")
+             "moe_op", "rotary_dim", "final_logit_softcapping")
     facts = {k: getattr(model_config, k) for k in names if getattr(model_config, k, None) is not None}
     if "top_k_experts" not in facts and getattr(model_config, "num_experts_per_tok", None):
         facts["top_k_experts"] = model_config.num_experts_per_tok  # Qwen's name for it
