@@ -4,17 +4,18 @@ A MoE layer's router and routed experts do not depend on its dense branch (Gemma
 shared expert). In a decode step the branches' kernels are short and latency-bound (the router, the
 alignment, the dense GEMMs' ramp-up and tail), so running them one after the other leaves the GPU half idle
 at each kernel boundary. `moe_start` forks a side stream from the current one, launches the router and the
-grouped expert GEMMs on it and returns at once with each pick's weighted output [T, k, H]; the compiled
-graph's dense branch runs meanwhile on the main stream; `moe_join` makes the main stream wait for the side
-stream and adds the k outputs of each token (the top-k sum the routed op ends with anyway, so the split costs
-no kernel). The fork and the join are event waits, which CUDA-graph capture records as graph edges; the
+grouped expert GEMMs on it and returns at once with the routed output [T, H] (each token's k weighted picks
+added by the top-k sum kernel, on the side stream too); the compiled graph's dense branch runs meanwhile on the
+main stream; `moe_join` makes the main stream wait for the side stream. It is
+declared to write the start's output (it writes nothing), so that every read of that output in the compiled
+graph follows it. The fork and the join are event waits, which CUDA-graph capture records as graph edges; the
 side stream's allocations during a capture go to the graph's pool (torch routes every stream of a capture
 there). H200, 26B-A4B shapes (benchmarks/ffn_overlap.py): 19.6 us a layer less at 8 tokens, 13.8 at 1.
 
 `passes/moe_overlap.py` rewrites a graph's router + routed-op pair into these two ops. `keep` holds the
 start's tensor inputs until the join: the side stream may still read them after the start returns, and the
 compiled graph would otherwise free or reuse their memory after their last use in program order. On the
-CPU there is no stream: the start computes, the join sums (the pass is off there unless asked for).
+CPU there is no stream: the start computes, the join does nothing (the pass is off there unless asked for).
 """
 
 from __future__ import annotations
@@ -73,19 +74,21 @@ def route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size,
 
 def ref_moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k: int, eps: float,
                   root_size: float, first: int, activation: str, cast: bool) -> torch.Tensor:
-    """Each pick's weighted expert output [T, k, H] in x's dtype (the reference: one routed sum per pick)."""
+    """The routed output [T, H] in x's dtype: each pick's weighted expert output (one routed sum per pick, in
+    x's dtype) added in float32."""
     w, ids = route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size, x.dtype, cast, first,
                    ref_router_topk, ref_softmax_router_topk)
     act = ACTIVATIONS[activation]
-    return torch.stack([ref_gated_moe(x, w[:, j:j + 1], ids[:, j:j + 1], gate_up_proj, down_proj, act)
-                        for j in range(top_k)], dim=1)
+    picks = torch.stack([ref_gated_moe(x, w[:, j:j + 1], ids[:, j:j + 1], gate_up_proj, down_proj, act)
+                         for j in range(top_k)], dim=1)
+    return picks.float().sum(1).to(x.dtype)
 
 
 def _triton(caps: Capabilities, shape: dict) -> str | None:
     return caps.triton_ok()
 
 
-MOE_START = register(OpSpec("moe_start", "router and routed experts up to each pick's output, on a side stream", [
+MOE_START = register(OpSpec("moe_start", "router and routed experts (their top-k sum included), on a side stream", [
     Provider("triton", "compiled_llm.ops.triton.providers:moe_start", _triton),
     Provider("reference", "compiled_llm.ops.moe_overlap:ref_moe_start"),
 ]))
@@ -109,21 +112,18 @@ def moe_start(router_x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Te
 @moe_start.register_fake
 def _(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k, eps, root_size, first,
       activation, cast):
-    return x.new_empty(x.shape[0], top_k, x.shape[1])
+    return torch.empty_like(x)
 
 
-@torch.library.custom_op("compiled_llm::moe_join", mutates_args=())
-def moe_join(slots: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
-    """[T, k, H] -> [T, H], added in float32, after the side stream's work (keep: see the module doc)."""
-    if not slots.is_cuda:
-        return slots.float().sum(1).to(slots.dtype)
-    if slots.shape[0] <= OVERLAP_MAX_TOKENS:
-        torch.cuda.current_stream(slots.device).wait_stream(side_stream(slots.device))
-    from compiled_llm.ops.triton.moe import topk_sum
-
-    return topk_sum(slots)
+# Declared as writing `routed` (it writes nothing): Inductor then orders every read of the start's output after it
+@torch.library.custom_op("compiled_llm::moe_join", mutates_args=("routed",))
+def moe_join(routed: torch.Tensor, keep: list[torch.Tensor]) -> None:
+    """The main stream waits for the side stream's work on `routed`, moe_start's output (keep: see the module
+    doc)."""
+    if routed.is_cuda and routed.shape[0] <= OVERLAP_MAX_TOKENS:
+        torch.cuda.current_stream(routed.device).wait_stream(side_stream(routed.device))
 
 
 @moe_join.register_fake
-def _(slots, keep):
-    return slots.new_empty(slots.shape[0], slots.shape[2])
+def _(routed, keep):
+    return None

@@ -10,7 +10,8 @@ whose router outputs feed nothing else:
   Qwen3.5's router and experts read the layer's input, so its shared expert follows anyway);
 - moe_join goes right before the first user of the routed op's output past its dtype casts (which move after
   the join), and takes the start's tensor inputs as `keep`, so that their memory outlives the side stream's
-  reads.
+  reads; the routed op's users then read the start's output (the join is declared to write it, so they follow
+  the join).
 What Inductor then emits keeps that order (the pass's test reads the generated code). One match per MoE layer,
 counted like a fusion (`compiled_llm.moe_overlap@+layer`). Off on the CPU, which has no streams, unless a
 compile names it; on CUDA `COMPILED_LLM_MOE_OVERLAP=0` turns it off (an A/B of the saving).
@@ -118,9 +119,8 @@ class MoEOverlapPass:
             first_user = min(tail.users, key=order.get)
             keep = [a for a in dict.fromkeys((args[0], args[4])) if a.op != "placeholder"]
             with graph.inserting_before(first_user):
-                join = graph.call_function(ops.moe_join.default, (start, keep))
-            _with_val(join, near)
-            routed.replace_all_uses_with(join)
+                _with_val(graph.call_function(ops.moe_join.default, (start, keep)), near)
+            routed.replace_all_uses_with(start)
             for cast_node in casts:
                 first_user.prepend(cast_node)
             order = {n: i for i, n in enumerate(graph.nodes)}

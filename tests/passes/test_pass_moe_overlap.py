@@ -106,6 +106,35 @@ def test_the_generated_code_runs_the_dense_branch_between_start_and_join(model, 
     torch.testing.assert_close(out, fn(*args), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("model, dtype", [("gemma", torch.float32), ("qwen", torch.bfloat16)])
+def test_the_routed_output_is_read_after_the_join(model, dtype):
+    """moe_start returns the routed output itself (its top-k sum included); the join only waits, and is declared
+    to write that output, so every kernel that reads it comes after the join in the generated code (on the GPU
+    the side stream's work on it is done by then)."""
+    import re
+
+    from torch._inductor.compile_fx import compile_fx
+
+    from compiled_llm.passes.manager import PassManager
+
+    fn, args = (gemma_ffn, gemma_inputs(dtype=dtype)) if model == "gemma" else (qwen_moe, qwen_inputs(dtype=dtype))
+    torch._dynamo.reset()
+    pm = PassManager(PASSES, dtype, "cpu")
+    compiled = torch.compile(fn, backend=lambda gm, ex: compile_fx(gm, ex, config_patches=pm.inductor_config()))
+    with torch.inference_mode():
+        out, codes = run_and_get_code(compiled, *args)
+    code = "\n".join(codes)
+    start = code.index("torch.ops.compiled_llm.moe_start.default(")
+    found = re.search(r"torch\.ops\.compiled_llm\.moe_join\.default\((buf\d+), ", code)
+    routed, join = found.group(1), found.start()  # the start's output (some torch versions rename it once)
+    assert start < join
+    readers = [m for m in re.finditer(r"\n\s*(cpp_fused_\w+)\(([^)]*)\)", code)
+               if routed in re.split(r"[\s,]+", m.group(2))]
+    assert readers and all(m.start() > join for m in readers), [(m.group(1), m.start(), join) for m in readers]
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, fn(*args), atol=tol, rtol=tol)
+
+
 def test_expert_parallel_shift_moves_into_the_start():
     args = gemma_inputs(experts=E // 2)
     matches, out = fuse(gemma_ffn_ep, args, PASSES)

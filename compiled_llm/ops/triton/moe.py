@@ -247,7 +247,11 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
         # records each block for the down kernel. H200, batch 8, one machine (session 19): Gemma 4 26B-A4B
         # 1,004.8 -> 1,026.4 tok/s, Qwen3.5 35B-A3B (256 experts) 1,012.0 -> 1,038.4. (Session 18's first form,
         # where the down kernel ranked 2E bins again, lost 3% on Qwen3.5.)
-        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, self_routed=SELF_ROUTE and num_tokens <= 16)
+        # the down kernel's stages: 2 where its K (the expert's intermediate size) is 512 or less, four 128-column
+        # steps a program. H200, Qwen3.5 35B-A3B (I 512) at 56 experts (session 23, moe_stream --launch, two
+        # calls): down 31.98 -> 31.07 and 31.96 -> 31.02 us; Gemma 4 (I 704) keeps 4
+        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 2 if inter <= 512 else 4,
+                         self_routed=SELF_ROUTE and num_tokens <= 16)
     if pairs_per_expert <= 16:
         return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3)
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
@@ -392,6 +396,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         return y.view(num_tokens, top_k, hidden)
     if top_k == 1:
         return y
+    # (the sum inside the down kernel, by the last program of each column block, was measured slower on the
+    # H200: session 23, benchmarks/results/moe_topk_sum_in_down_kernel_rejected_*.diff)
     return topk_sum(y.view(num_tokens, top_k, hidden))
 
 
