@@ -19,7 +19,7 @@ long shapes (8 x 4.4K, 4 x 8.5K). Per case:
               CUDA-core and tensor-core kernels, over the same caches (issue 14 item 3)
 Every candidate's output is compared with the engine policy's (max abs difference, bf16).
 
-    python3 benchmarks/decode_attention.py [--out FILE.json] [--quick]
+    python3 benchmarks/decode_attention.py [--out FILE.json] [--quick | --no-sweep]
     python3 benchmarks/decode_attention.py --dry-run   # CPU, Triton interpreter, tiny shapes
 """
 
@@ -82,6 +82,8 @@ def candidates(layer: dict, seqs: int, max_len: int, quick: bool) -> list[tuple[
         full = PA.attention_launch_policy(seqs, max_len, layer["head_dim"], num_kv_heads=layer["kv_heads"],
                                           k_eq_v=True)
         out.append(("every key rebuilt (session 12)", full, None))
+    if quick is None:  # --no-sweep: the engine's launch (and its merge alternative) only
+        return out
     splits = (8, 16, 32) if quick else (4, 8, 16, 32, 64)
     for n in splits:
         for w in (4, 8):
@@ -100,7 +102,7 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
     caches, tables, q, seq_lens, opts = make_layers(layer, seqs, ctx, n, dev, dtype, seed=seqs * 7 + ctx)
     rows = []
     ref = None
-    cands = candidates(layer, seqs, args.max_len, args.quick)
+    cands = candidates(layer, seqs, args.max_len, None if args.no_sweep else args.quick)
     for name, pol, rot in cands[:4] if args.dry_run else cands:  # (dry run: the code paths, not the sweep)
         def call(pol=pol, opts=opts, caches=caches, rot=rot):
             for c in caches:
@@ -187,6 +189,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-len", type=int, default=131072, help="the engine's block-table bound (tokens)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="only the engine's launch (and, global, the key-rebuild comparisons)")
     ap.add_argument("--layers", default="sliding,global")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true")
