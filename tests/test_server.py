@@ -340,10 +340,12 @@ def test_dropped_stream_frees_kv_blocks(server):
 
 def test_dropped_non_streaming_request_is_aborted(server):
     idle = wait_idle(server)
-    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    # 240 tokens take ~0.85 s on a CI core (200 took 0.67-0.73 s, once under the 0.5 s timeout this test had):
+    # the client gives up at 0.2 s, well before the request can end
+    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     t0 = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
-        post(server, "/v1/completions", body, timeout=0.5)
+        post(server, "/v1/completions", body, timeout=0.2)
     after = wait_idle(server, timeout=10)
     assert metric(after, "compiled_llm_requests_total", status="abort") >= metric(
         idle, "compiled_llm_requests_total", status="abort") + 1
