@@ -8,7 +8,7 @@ engine's: 16 tokens, one sequence's pages in allocation order.
 
 Cases: the sliding layer (8 KV heads, head_dim 256, GQA 2, window 1024) and the global one (2 KV heads,
 head_dim 512, GQA 8, K=V with the key rebuilt in the kernel), at 1 and 8 sequences of ~1.1K tokens and at the
-long shapes (8 x 4.4K, 4 x 8.5K). Per case:
+long shapes (1 x 8.5K, 8 x 4.4K, 4 x 8.5K). Per case:
   engine      attention_launch_policy with the engine's bound (the block-table width: --max-len, default the
               config's 131,072), keys rebuilt on the rotated dims only (global): what a decode step runs now
   every key   (global) the same launch rebuilding every key dim, as session 12's kernel did
@@ -48,7 +48,7 @@ from compiled_llm.ops.triton import paged_attention as PA  # noqa: E402
 PAGE = 16
 SLIDING = dict(name="sliding", kv_heads=8, head_dim=256, group=2, window=1024, k_eq_v=False)
 GLOBAL = dict(name="global", kv_heads=2, head_dim=512, group=8, window=None, k_eq_v=True, rotated_pairs=64)
-CASES = [(1, 1100), (8, 1100), (8, 4400), (4, 8500)]
+CASES = [(1, 1100), (1, 8500), (8, 1100), (8, 4400), (4, 8500)]
 
 
 def make_layers(layer: dict, seqs: int, ctx: int, n: int, dev, dtype, seed: int):

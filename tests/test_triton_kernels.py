@@ -207,6 +207,8 @@ DECODE_CASES = [
     dict(seq_lens=[90, 7], page=16, kv_heads=2, group=8, head_dim=128, k_eq_v=True, splits=3, block_n=16),
     dict(seq_lens=[90, 7], page=16, kv_heads=2, group=8, head_dim=128, k_eq_v=True, splits=3, block_n=16,
          full_rebuild=True),
+    # one sequence's 64-key tiles (the batch-1 global-layer launch), a partial last tile
+    dict(seq_lens=[150], page=16, kv_heads=2, group=8, head_dim=128, k_eq_v=True, splits=2, block_n=64),
 ]
 
 PREFILL_CASES = [
@@ -850,6 +852,9 @@ def test_decode_split_policy_picks_the_h200_sweeps_best(seqs, ctx, head_dim, kv_
     pol = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
                                      k_eq_v=head_dim == 512)
     assert pol.num_splits == splits
-    if head_dim == 512:  # Gemma 4's global layers rebuild 64 of 256 angles' keys: 32-key tiles, 2 stages
+    if head_dim == 512:  # Gemma 4's global layers rebuild 64 of 256 angles' keys: 32-key tiles, 2 stages; one
+        # sequence: at most 32 splits of 64-key tiles, 8 warps (session 23's sweep)
         part = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True, rotated_pairs=64)
-        assert (part.num_splits, part.block_n, part.num_stages, pol.block_n, pol.num_stages) == (splits, 32, 2, 16, 3)
+        want = (min(splits, 32), 64, 2, 8) if seqs == 1 else (splits, 32, 2, 4)
+        assert (part.num_splits, part.block_n, part.num_stages, part.num_warps) == want
+        assert (pol.block_n, pol.num_stages) == (16, 3)

@@ -89,6 +89,12 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
     want = triton.next_power_of_2(triton.cdiv(waves * num_sms, base))
     by_len = _pow2_floor(triton.cdiv(ctx, min_keys))
     splits = max(1, min(want, by_len, 64))
+    if partial and head_dim >= 512 and base <= 2:
+        # one sequence of Gemma 4's global layers (H200 sweep, session 23, decode_attention.py at 1 x 1.1K with
+        # the engine's table bound): 32 splits of 64-key tiles at 8 warps, 16.64 us against 19.15 for 64 splits of
+        # 32-key tiles at 4 (at 8 sequences equal, 26.27 / 26.46: the tiles above stay). ptxas sm_90: 238
+        # registers, no spill (the 4-warp tile: 255 and a 56-byte spill)
+        return AttnLaunch(num_splits=min(splits, 32), block_n=64, num_warps=8, num_stages=stages)
     return AttnLaunch(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
