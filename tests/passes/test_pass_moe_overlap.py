@@ -73,6 +73,21 @@ def _order(code: str) -> tuple[int, int, list[int]]:
     return start, join, mms
 
 
+def _compiled(model: str, dtype):
+    """The model's MoE block compiled by Inductor with the passes: (fn, args, its output, the generated code)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from compiled_llm.passes.manager import PassManager
+
+    fn, args = (gemma_ffn, gemma_inputs(dtype=dtype)) if model == "gemma" else (qwen_moe, qwen_inputs(dtype=dtype))
+    torch._dynamo.reset()
+    pm = PassManager(PASSES, dtype, "cpu")
+    compiled = torch.compile(fn, backend=lambda gm, ex: compile_fx(gm, ex, config_patches=pm.inductor_config()))
+    with torch.inference_mode():
+        out, codes = run_and_get_code(compiled, *args)
+    return fn, args, out, "\n".join(codes)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model", ["gemma", "qwen"])
 def test_routed_branch_is_split_around_the_dense_branch(model, dtype):
@@ -89,17 +104,8 @@ def test_routed_branch_is_split_around_the_dense_branch(model, dtype):
 def test_the_generated_code_runs_the_dense_branch_between_start_and_join(model, dtype, dense):
     """Gemma 4: the dense MLP's gate/up and down GEMMs; Qwen3.5: the shared expert's gate/up, down and gate
     GEMMs (its routed op sits early in the graph, with the output's casts right after it)."""
-    from torch._inductor.compile_fx import compile_fx
-
-    from compiled_llm.passes.manager import PassManager
-
-    fn, args = (gemma_ffn, gemma_inputs(dtype=dtype)) if model == "gemma" else (qwen_moe, qwen_inputs(dtype=dtype))
-    torch._dynamo.reset()
-    pm = PassManager(PASSES, dtype, "cpu")
-    compiled = torch.compile(fn, backend=lambda gm, ex: compile_fx(gm, ex, config_patches=pm.inductor_config()))
-    with torch.inference_mode():
-        out, codes = run_and_get_code(compiled, *args)
-    start, join, mms = _order("\n".join(codes))
+    fn, args, out, code = _compiled(model, dtype)
+    start, join, mms = _order(code)
     assert start < join
     assert len([i for i in mms if start < i < join]) == dense, (start, join, mms)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -113,17 +119,7 @@ def test_the_routed_output_is_read_after_the_join(model, dtype):
     the side stream's work on it is done by then)."""
     import re
 
-    from torch._inductor.compile_fx import compile_fx
-
-    from compiled_llm.passes.manager import PassManager
-
-    fn, args = (gemma_ffn, gemma_inputs(dtype=dtype)) if model == "gemma" else (qwen_moe, qwen_inputs(dtype=dtype))
-    torch._dynamo.reset()
-    pm = PassManager(PASSES, dtype, "cpu")
-    compiled = torch.compile(fn, backend=lambda gm, ex: compile_fx(gm, ex, config_patches=pm.inductor_config()))
-    with torch.inference_mode():
-        out, codes = run_and_get_code(compiled, *args)
-    code = "\n".join(codes)
+    fn, args, out, code = _compiled(model, dtype)
     start = code.index("torch.ops.compiled_llm.moe_start.default(")
     found = re.search(r"torch\.ops\.compiled_llm\.moe_join\.default\((buf\d+), ", code)
     routed, join = found.group(1), found.start()  # the start's output (some torch versions rename it once)
