@@ -308,27 +308,3 @@ def test_empty_batch_and_row_mismatch():
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 5), [row()])
 
-
-def test_pack_host_round_trip():
-    """A step's host arrays in one buffer (one copy to the GPU a step): every array comes back with its values,
-    dtype and shape, each at a 16-byte-aligned offset, empty and 2-D arrays included, and the views do not
-    overlap (writing one leaves the others)."""
-    import numpy as np
-
-    from compiled_llm.runtime.sampler import pack_host, to_device_packed, unpack
-
-    items = [([5, -1, 7], torch.long), (torch.arange(6, dtype=torch.long).view(2, 3), torch.long),
-             ([3, 9], torch.int32), ([0, 1, 2], torch.int32), ([], torch.long),
-             (np.array([[4, -1], [6, 8]], dtype=np.int32), torch.int32), (list(range(1, 12)), torch.long)]
-    host, layout = pack_host(items)
-    views = unpack(host, layout)
-    for (data, dt), v, (off, nbytes, _, _) in zip(items, views, layout):
-        want = torch.as_tensor(np.asarray(data.numpy() if isinstance(data, torch.Tensor) else data)).to(dt)
-        assert v.dtype == dt and v.shape == want.shape and torch.equal(v, want)
-        assert off % 16 == 0 and nbytes == want.numel() * want.element_size()
-        assert nbytes == 0 or v.data_ptr() == host.data_ptr() + off  # a view of the one buffer
-    views[0].fill_(0)
-    assert views[6].tolist() == list(range(1, 12)) and views[2].tolist() == [3, 9]
-    # off the GPU each array is its own tensor, with the same values
-    cpu = to_device_packed(items, "cpu")
-    assert all(torch.equal(a, b) for a, b in zip(cpu[1:], views[1:]))

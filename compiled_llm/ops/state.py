@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from compiled_llm.ops.context import get_forward_context
+from compiled_llm.ops.upload import to_device_packed
 
 STATE_KEY = "state"
 # tokens per chunk of the Triton delta rule's chunked prefill: the step's chunk plan is built with the layout
 DELTA_RULE_CHUNK = 64
-_ALIGN = 4  # int32 entries in 16 bytes: where each part of a packed layout starts
 # (slots, has initial state, query start offsets) of the steps whose launches the recurrent kernels' JIT warm-up
 # builds: decode of one and of two sequences (integer arguments specialise on 1), one prefill and two
 WARM_LAYOUTS = (([0], [True], [0, 1]), ([0, 1], [True, False], [0, 1, 2]), ([0], [False], [0, 80]),
@@ -96,18 +96,10 @@ class StateLayout:
             parts.update(seq_of=[i for i, n in enumerate(lens) for _ in range(n)],
                          single=[i for i, n in enumerate(lens) if n == 1],
                          chunk_starts=starts, chunk_ends=ends, chunk_first=first)
-        # each part starts on a 16-byte boundary: Triton keys a kernel by its pointers' alignment, so a part
-        # whose offset moved with the batch's size would build another variant mid-serving (a 3-sequence
-        # decode put `slots` on a boundary that the 1- and 2-sequence warm-up layouts did not)
-        flat, at_of = [], {}
-        for name, values in parts.items():
-            flat.extend([0] * (-len(flat) % _ALIGN))
-            at_of[name] = len(flat)
-            flat.extend(values)
-        host = torch.tensor(flat, dtype=torch.int32)
-        device = torch.device(device)
-        packed = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-        tensors = {name: packed[at:at + len(parts[name])] for name, at in at_of.items()}
+        # one copy on CUDA, each part on a 16-byte boundary (ops/upload.py): Triton keys a kernel by its pointers'
+        # alignment, so a part whose offset moved with the batch's size would build another variant mid-serving
+        # (a 3-sequence decode put `slots` on a boundary that the 1- and 2-sequence warm-up layouts did not)
+        tensors = dict(zip(parts, to_device_packed([(v, torch.int32) for v in parts.values()], device)))
         return cls(list(slots), list(has_initial_state), list(query_start_loc), max_len, decode, tensors, chunk,
                    num_chunks)
 

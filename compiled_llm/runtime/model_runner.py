@@ -22,10 +22,11 @@ from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMet
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, allocate_states, copy_state_slots
+from compiled_llm.ops.upload import to_device_packed
 from compiled_llm.runtime.host_memory import MappedHost
 from compiled_llm.runtime.kv_plan import KVCachePlanner
 from compiled_llm.runtime.memory import gib
-from compiled_llm.runtime.sampler import PendingTokens, fill_pending, to_device_packed
+from compiled_llm.runtime.sampler import PendingTokens, fill_pending
 from compiled_llm.runtime.scheduler import ScheduledSeq
 from compiled_llm.runtime.sparse_kv import SparseKV, SparseKVConfig
 

@@ -156,40 +156,6 @@ def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-_NP = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32}
-
-
-def to_device_packed(items: list, device) -> list[torch.Tensor]:
-    """Several host arrays as tensors on `device` with one copy. items: (data, dtype) pairs, data a list, numpy
-    array or CPU tensor. On CUDA they are written into one pinned buffer (pack_host), copied once,
-    non-blocking, and come back as views of one device buffer: a decode step's eleven small copies each held
-    the GPU's stream ~2.8 us on the H200 (benchmarks/NOTES.md, session 23). Elsewhere: each as a tensor."""
-    if torch.device(device).type != "cuda":
-        return [d.to(dt) if isinstance(d, torch.Tensor) else to_device(d, dt, device) for d, dt in items]
-    host, layout = pack_host(items, pin=True)
-    return unpack(host.to(device, non_blocking=True), layout)
-
-
-def pack_host(items: list, pin: bool = False) -> tuple[torch.Tensor, list]:
-    """(data, dtype) pairs written into one uint8 buffer, each at a 16-byte-aligned offset; returns the buffer
-    and the layout `unpack` reads back."""
-    arrays = [np.asarray(d.numpy() if isinstance(d, torch.Tensor) else d, dtype=_NP[dt]) for d, dt in items]
-    layout, total = [], 0
-    for a, (_, dt) in zip(arrays, items):
-        layout.append((total, a.nbytes, dt, a.shape))
-        total += -(-a.nbytes // 16) * 16
-    host = torch.empty(max(16, total), dtype=torch.uint8, pin_memory=pin)
-    raw = host.numpy()
-    for a, (off, nbytes, _, _) in zip(arrays, layout):
-        raw[off:off + nbytes].view(a.dtype).reshape(a.shape)[...] = a
-    return host, layout
-
-
-def unpack(buf: torch.Tensor, layout: list) -> list[torch.Tensor]:
-    """The tensors pack_host wrote, as views of buf (the packed buffer or its copy on a device)."""
-    return [buf[off:off + nbytes].view(dt).view(shape) for off, nbytes, dt, shape in layout]
-
-
 @dataclass
 class PendingTokens:
     """Async scheduling: a launched step's sampled tokens, still on the device, for the next step's inputs.

@@ -380,7 +380,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
               sum_slots: bool = True, alignment: tuple | None = None) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
     activation: gelu_tanh (GEGLU) or silu (SwiGLU). Returns [T, H] in x.dtype; sum_slots=False: each pick's
-    weighted output, [T, k, H], for the caller to sum (`topk_sum`; ops/moe_overlap.py does it on another stream).
+    weighted output, [T, k, H], for the caller to sum (`topk_sum`; benchmarks time the two apart).
     alignment: moe_align's outputs for these ids at the policy's block_m, made already (the router's last program
     can make them: fused_router_topk align_block_m)."""
     num_tokens, hidden = x.shape
