@@ -110,7 +110,7 @@ def router_group(S, T, dev, dt, time_fn, rows, smoke):
     sweep("router", T, cands, run, check, 2.0 * T * H * E, time_fn, rows)
 
 
-def moe_group(S, T, dev, dt, time_fn, rows, smoke):
+def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False):
     E, H, I, k = S["E"], S["H"], S["I"], S["k"]
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(T, H, device=dev, generator=g).to(dt)
@@ -121,7 +121,10 @@ def moe_group(S, T, dev, dt, time_fn, rows, smoke):
     p0 = M.moe_launch_policy(T, k, E, H, I)
     R = dataclasses.replace
     cands = [p0]
-    if smoke:
+    if order_only:  # the launch order alone (MoELaunch.n_fast), and larger column tiles in each order
+        for fast in (p0.n_fast, not p0.n_fast):
+            cands += [R(p0, n_fast=fast), R(p0, n_fast=fast, a_block_n=128), R(p0, n_fast=fast, b_block_n=256)]
+    elif smoke:
         cands += [R(p0, block_m=32, a_block_n=16, a_block_k=32), R(p0, b_block_n=32, b_block_k=32)]
     elif T * k <= 2 * E:  # decode sizes: weight-streaming tiles
         for bn, bk, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 4, 5)):
@@ -220,6 +223,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="toy shapes (for TRITON_INTERPRET=1 on the CPU)")
     ap.add_argument("--qwen", action="store_true", help="Qwen3.5 35B-A3B's router and MoE shapes (no attention)")
     ap.add_argument("--compile-shard", default=None, help="i/n: only build every n-th candidate (parallel warm-up)")
+    ap.add_argument("--moe-order", action="store_true",
+                    help="MoE: only the launch order (MoELaunch.n_fast) and two larger column tiles in each order")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     global SHARD
@@ -236,7 +241,7 @@ def main() -> int:
         if "router" in groups:
             router_group(S, T, dev, dt, time_fn, rows, a.smoke)
         if "moe" in groups:
-            moe_group(S, T, dev, dt, time_fn, rows, a.smoke)
+            moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order)
     if "attention" in groups and "glob" in S:
         for lens in att:
             attention_group(S, lens, dev, dt, time_fn, rows, a.smoke)

@@ -302,6 +302,30 @@ def run_logits():
         if not ARGS.no_time:
             timed("logits_softcap", f"8 x {vocab} {str(dtype)[6:]}", lambda: logits_softcap(x, 30.0),
                   lambda: ref_logits_softcap(x, 30.0), work_bytes=x.numel() * (x.element_size() + 4))
+            if dtype == BF16:  # other launches of the same kernel (the base column: the default one)
+                for block, warps in ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)):
+                    timed("logits_softcap", f"8 x {vocab} bf16 block {block} w{warps}",
+                          lambda b=block, w=warps: logits_softcap(x, 30.0, block=b, warps=w),
+                          lambda: logits_softcap(x, 30.0), work_bytes=x.numel() * (x.element_size() + 4))
+    # the greedy rows' argmax (ops/logits.py argmax_rows) against torch.argmax: equal indices, ties and NaN included
+    from compiled_llm.ops.triton.logits import argmax_rows
+
+    g = torch.Generator(device=DEV).manual_seed(10)
+    x = torch.tanh(torch.randn(8, vocab, device=DEV, generator=g)) * 30.0
+    x[1, [5, vocab // 2, vocab - 1]] = 99.0  # a tie across chunks
+    x[2] = float("-inf")
+    x[3, [vocab // 3, vocab - 2]] = float("nan")
+    x[4, :] = 7.0
+    got, ref = argmax_rows(x), x.argmax(dim=-1)
+    record(f"argmax_rows 8 x {vocab} (rows differing: {int((got != ref).sum())})", float((got != ref).sum()), 0.0)
+    if not ARGS.no_time:
+        y = torch.randn(8, vocab, device=DEV, generator=g)
+        timed("argmax_rows", f"8 x {vocab} f32", lambda: argmax_rows(y), lambda: y.argmax(dim=-1),
+              work_bytes=y.numel() * 4)
+        for chunk, warps in ((2048, 4), (4096, 4), (8192, 8), (16384, 8), (16384, 16)):
+            timed("argmax_rows", f"8 x {vocab} chunk {chunk} w{warps}",
+                  lambda c=chunk, w=warps: argmax_rows(y, chunk=c, warps=w), lambda: y.argmax(dim=-1),
+                  work_bytes=y.numel() * 4)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from interp_groups import check, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST = ["gelu", "logits_softcap", "decode", "prefill", "moe", "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
+FAST = ["gelu", "logits_softcap", "argmax_rows", "decode", "prefill", "moe", "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
 SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
 
 
@@ -185,6 +185,31 @@ def check_logits_softcap():
         ulp = cap * (2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -21)
         _close(f"logits_softcap {dtype} cap={cap}", got, ref, rtol=0, atol=(4 if dtype == torch.bfloat16 else 1) * ulp)
         assert (got.abs() <= cap).all()
+
+
+def check_argmax_rows():
+    import torch
+
+    from compiled_llm.ops.triton.logits import argmax_rows
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 5003, generator=g)
+    x[1, 4000:] = 0.0
+    x[1, [7, 4100, 5002]] = 9.0  # a tie across chunks: the first index
+    x[2, [300, 301]] = 9.0  # a tie inside one chunk
+    x[3, 5002] = 50.0  # the partial last chunk
+    x[4] = float("-inf")  # every value -inf: index 0
+    x[5, [10, 3000]] = float("nan")  # NaN beats every number, the first NaN wins
+    x[5, 20] = float("inf")
+    x[6, 4500] = float("inf")
+    for chunk in (64, 1024, 8192):  # many chunks (the merge's wider block), a few, one
+        got = argmax_rows(x, chunk=chunk)
+        assert got.dtype == torch.long
+        assert torch.equal(got, x.argmax(dim=-1)), (chunk, got, x.argmax(dim=-1))
+    col = x[:, 1:2001:2]  # a strided view (no stride-1 rows)
+    assert torch.equal(argmax_rows(col), col.argmax(dim=-1))
+    sub = x[:, :3000]  # rows with a stride past their length
+    assert torch.equal(argmax_rows(sub), sub.argmax(dim=-1))
 
 
 def check_gelu():
@@ -484,6 +509,10 @@ def check_moe():
     _check_moe(6, 4, 160, 48, 3, 5, policy=(16, 32, 64, 4, 2, 64, 32, 4, 2, True))  # unsorted, experts shared
     _check_moe(5, 8, 64, 48, 3, 1)
     _check_moe(37, 6, 96, 40, 2, 2, policy=(32, 16, 32, 4, 2, 32, 16, 4, 2))
+    # the column blocks on grid axis 0 (MoELaunch.n_fast): several of them in both kernels
+    _check_moe(37, 6, 96, 40, 2, 2, policy=(32, 16, 32, 4, 2, 32, 16, 4, 2, False, False, True))
+    _check_moe(100, 4, 64, 48, 2, 12)  # a prefill tier (50 pairs an expert): n_fast by default
+    _check_moe_skipped(60, 4, 32, 24, 3, 4, 13)  # the same with another rank's pairs (45 an expert)
     _check_moe(20, 16, 64, 32, 1, 3)
     # decode batches up to block_m tokens: the grouped kernels rank the picked experts themselves
     pol = moe_launch_policy(2, 8, 128, 2816, 704)

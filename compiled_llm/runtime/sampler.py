@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from compiled_llm.ops.logits import argmax_rows
 from compiled_llm.sampling_params import SamplingParams
 
 
@@ -235,7 +236,7 @@ class Sampler:
             logits = apply_grammar_masks(logits, rows)
 
         # 5. greedy rows take the argmax of the penalised logits.
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
 
         # 6. random rows.
         rand_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -226,6 +226,11 @@ class MoELaunch:
     b_stages: int
     unsorted: bool = False
     self_routed: bool = False  # up to block_m tokens: the grouped kernels rank the picked experts themselves
+    # the column blocks of one row block launch one after another (grid axis 0), so a block's token rows are
+    # read from memory once and the other column blocks find them in L2. Row-block-first order (False) reads
+    # every row block again for each column block: at prefill sizes the rows (8,192 tokens x 8 picks x 2,816
+    # x 2 bytes = 369 MB for Gemma 4's gate/up) are far past the L2, 11 passes of them against 1 GB of weights.
+    n_fast: bool = False
 
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
@@ -233,6 +238,8 @@ UNSORTED_ONE_TOKEN = os.environ.get(UNSORTED_ENV, "1") != "0"
 # 0: decode batches take the alignment launch (an A/B of the saving)
 SELF_ROUTE_ENV = "COMPILED_LLM_MOE_SELF_ROUTE"
 SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1") != "0"
+N_FAST_ENV = "COMPILED_LLM_MOE_N_FAST"  # 0: prefill-sized batches launch row blocks first (an A/B of MoELaunch.n_fast)
+N_FAST = os.environ.get(N_FAST_ENV, "1") != "0"
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -257,14 +264,22 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
     # Qwen3.5 549 -> 534), 256-column down tiles at 8,192 (2,362 -> 2,285 us; 1,579 -> 1,457)
     if pairs_per_expert <= 96:
-        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3)
+        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST)
     if pairs_per_expert <= 256:
-        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3)
-    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3)
+        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST)
+    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, n_fast=N_FAST)
 
 
 # ----------------------------------------------------------------------------------------------------
 # grouped GEMMs
+
+
+@triton.jit
+def _block_ids(N_FAST: tl.constexpr):
+    """(row block, column block) of this program: MoELaunch.n_fast puts the column blocks on grid axis 0."""
+    if N_FAST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -274,11 +289,10 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_an,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU: tl.constexpr, PREC: tl.constexpr, TopkIds=None, SELF_ROUTE: tl.constexpr = False,
-    K_PAD: tl.constexpr = 8, BINS: tl.constexpr = 256,
+    K_PAD: tl.constexpr = 8, BINS: tl.constexpr = 256, N_FAST: tl.constexpr = False,
 ):
     # act[row] = act_fn(x @ gate[e].T) * (x @ up[e].T) for a block of rows sorted by expert
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_ids(N_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if SELF_ROUTE:  # rank the picked experts; the first column block records its block for the down kernel
         e32, pair, rmask = _self_route(TopkIds, pid_m, num_pairs // TOP_K, E, TOP_K, BLOCK_M, K_PAD, BINS)
@@ -328,16 +342,15 @@ def _down_kernel(
     num_pairs, N, K, E,
     stride_an, stride_we, stride_wn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    TopkIds=None, SELF_ROUTE: tl.constexpr = False, TOP_K: tl.constexpr = 1,
+    TopkIds=None, SELF_ROUTE: tl.constexpr = False, TOP_K: tl.constexpr = 1, N_FAST: tl.constexpr = False,
 ):
     # y[pair] = w_pair * act[row] @ down[e].T, scattered to the pair's row of [T * k, H]
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_ids(N_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if SELF_ROUTE:  # the blocks the gate/up kernel recorded (it ran first on this stream)
-        if pid_m == tl.num_programs(0) - 1:
+        if pid_m == tl.num_programs(1 if N_FAST else 0) - 1:
             _zero_skipped_pairs(TopkIds, Y, num_pairs // TOP_K, E, stride_yt, cols, cmask, TOP_K, BLOCK_M, BLOCK_N)
             return
         e = tl.load(ExpertIds + pid_m).to(tl.int64)
@@ -443,23 +456,29 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
     weights = topk_weights.contiguous()  # any float dtype: the down kernel reads it as float32 (no cast launch)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
 
+    n_fast = pol.n_fast and num_blocks < 65536  # (grid axis 1 holds at most 65,535)
+
+    def grid(n_blocks: int) -> tuple[int, int]:
+        return (n_blocks, num_blocks) if n_fast else (num_blocks, n_blocks)
+
     def gate_up() -> None:
-        _gate_up_kernel[(num_blocks, triton.cdiv(inter, pol.a_block_n))](
+        _gate_up_kernel[grid(triton.cdiv(inter, pol.a_block_n))](
             x, gate_up_proj, sorted_ids, expert_ids, num_padded, act,
             num_pairs, inter, hidden, num_experts,
             x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
             TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
             SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps,
-            num_stages=pol.a_stages, **route, **up_route,
+            num_stages=pol.a_stages, N_FAST=n_fast, **route, **up_route,
         )
 
     def down() -> torch.Tensor:
-        _down_kernel[(num_blocks, triton.cdiv(hidden, pol.b_block_n))](
+        _down_kernel[grid(triton.cdiv(hidden, pol.b_block_n))](
             act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
             num_pairs, hidden, inter, num_experts,
             act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
             BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype),
-            num_warps=pol.b_warps, num_stages=pol.b_stages, **route, **({"TOP_K": top_k} if route else {}),
+            num_warps=pol.b_warps, num_stages=pol.b_stages, N_FAST=n_fast, **route,
+            **({"TOP_K": top_k} if route else {}),
         )
         return y
 
