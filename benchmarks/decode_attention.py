@@ -15,6 +15,8 @@ long shapes (1 x 8.5K, 8 x 4.4K, 4 x 8.5K). Per case:
   sweep       split count, warps, stages and key tile
   no-rebuild  (global) the K!=V path over the same bytes (K and V the same tensor): what any key rebuild
               costs (its output is not attention of this layer; not checked)
+  rot keys    (global) the rows as the engine keeps them now (AttentionSpec.rot_keys: the rotated keys after
+              each value, read instead of rebuilt), the engine's launch and, unless --no-sweep, other tiles
   flashinfer  (sliding, when installed: WITH_FLASHINFER=1 and the carried wheels) FlashInfer's paged decode,
               CUDA-core and tensor-core kernels, over the same caches (issue 14 item 3)
 Every candidate's output is compared with the engine policy's (max abs difference, bf16).
@@ -125,6 +127,8 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
                          rotated_pairs=rot))
     if not layer["k_eq_v"] and not args.dry_run:
         rows += flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref, args)
+    if layer["k_eq_v"] and layer.get("rotated_pairs"):
+        rows += rot_keys_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, ref, args)
     if layer["k_eq_v"]:  # the same bytes through the K!=V path: what the key rebuild costs
         kv_opts = {k: v for k, v in opts.items() if k not in ("k_norm_weight", "inv_freq")} | dict(k_eq_v=False)
         pairs = [c.expand(2, *c.shape[1:]) for c in caches]
@@ -139,6 +143,65 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
         us = float("nan") if args.dry_run else graph_time_us(plain, replays=args.replays, calls=1) / n
         rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate="no-rebuild (K!=V path, same bytes)",
                          us=us, gbps=per_layer / us / 1e3 if us == us else None))
+    return rows
+
+
+def rot_rows(cache: torch.Tensor, opts: dict, rot: int, per_seq: int) -> torch.Tensor:
+    """The cache as the engine keeps it with AttentionSpec.rot_keys: rows [v | k1 | k2] with the keys of the first
+    rot dims of each half rotated at each slot's position (one sequence's pages in order), as the value view."""
+    from types import SimpleNamespace
+
+    from compiled_llm.ops.attention import keys_from_values
+
+    _, blocks, page, kv, d = cache.shape
+    full = torch.empty(1, blocks, page, kv, d + 2 * rot, dtype=cache.dtype, device=cache.device)
+    full[..., :d] = cache
+    pos = ((torch.arange(blocks, device=cache.device) % per_seq)[:, None] * page
+           + torch.arange(page, device=cache.device)[None, :]).reshape(-1)
+    src = SimpleNamespace(k_norm_weight=opts["k_norm_weight"], inv_freq=opts["inv_freq"])
+    keys = keys_from_values(cache[0].reshape(-1, kv, d), pos, src).view(blocks, page, kv, d)
+    full[0, ..., d:d + rot] = keys[..., :rot]
+    full[0, ..., d + rot:] = keys[..., d // 2:d // 2 + rot]
+    return full[..., :d]
+
+
+def rot_keys_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, ref, args) -> list[dict]:
+    """(global) The rows keeping the rotated keys (AttentionSpec.rot_keys): the engine's launch reading them
+    instead of rebuilding, and (unless --no-sweep) other tiles, as the kernel needs fewer registers then."""
+    R = dataclasses.replace
+    rot = PA.rotated_block(layer["rotated_pairs"], layer["head_dim"] // 2)
+    rcaches = [rot_rows(c, opts, rot, triton.cdiv(ctx, PAGE)) for c in caches]
+    base = candidates(layer, seqs, args.max_len, None)[0][1]
+    cands = [("rot keys cached: engine", base)]
+    grid = [(n_, w, st, bn) for n_ in (8, 16, 32, 64) for w in (4, 8) for st in (2, 3) for bn in (32, 64)]
+    if args.no_sweep:
+        grid = [(base.num_splits, 4, 3, 32), (base.num_splits, 4, 2, 64), (base.num_splits, 8, 2, 64),
+                (max(1, base.num_splits // 2), 4, 2, 64)]
+    for n_, w, st, bn in grid:
+        p = R(base, num_splits=n_, num_warps=w, num_stages=st, block_n=bn)
+        if p != base:
+            cands.append((f"rot keys cached: splits={n_} w={w} st={st} bn={bn}", p))
+    rows = []
+    for name, pol in cands[:3] if args.dry_run else cands:
+        def call(pol=pol):
+            for c in rcaches:
+                out = PA.paged_decode(q, c, tables, seq_lens, policy=pol, rotated_pairs=layer["rotated_pairs"],
+                                      rot_keys=rot, **opts)
+            return out
+
+        try:
+            out = PA.paged_decode(q, rcaches[0], tables, seq_lens, policy=pol, rotated_pairs=layer["rotated_pairs"],
+                                  rot_keys=rot, **opts)
+            diff = (out.float() - ref.float()).abs().max().item()
+            us = float("nan") if args.dry_run else graph_time_us(call, replays=args.replays, calls=1) / n
+        except Exception as e:  # a candidate that does not build is reported, not fatal
+            rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name,
+                             error=f"{type(e).__name__}: {e}"[:200]))
+            continue
+        rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name, us=us, max_diff=diff,
+                         gbps=per_layer * (1 + 2 * rot / layer["head_dim"]) / us / 1e3 if us == us else None,
+                         splits=pol.num_splits, warps=pol.num_warps, stages=pol.num_stages, block_n=pol.block_n,
+                         rotated_pairs=layer["rotated_pairs"], rot_keys=rot))
     return rows
 
 
@@ -213,7 +276,8 @@ def main():
                        key=lambda r: r["us"], default=None)
             for r in rows:
                 if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx and \
-                        (r["candidate"] in ("engine", "every key rebuilt (session 12)") or r is best
+                        (r["candidate"] in ("engine", "every key rebuilt (session 12)", "rot keys cached: engine")
+                         or r is best
                          or "rebuild" in r["candidate"] or "flashinfer" in r["candidate"] or "error" in r):
                     print(f"{r['layer']:8} S={seqs} ctx={ctx:5}  {r['candidate']:36} "
                           + (f"{r['us']:8.2f} us  {r['gbps'] or 0:7.0f} GB/s  diff {r.get('max_diff', 0):.1e}"

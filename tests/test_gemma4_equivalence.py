@@ -106,3 +106,38 @@ def test_prefix_cache_off_counts_no_hits(tiny_ckpt):
     generate_ids(llm, ps)
     generate_ids(llm, ps)
     assert llm.engine.get_stats()["prefix_cache_hits"] == 0
+
+
+def test_k_eq_v_rows_keep_rotated_keys(tiny_ckpt, hf_reference, monkeypatch):
+    """K=V global layers whose keys rotate in a quarter of each half keep those keys beside each cached value
+    (AttentionSpec.rot_keys, written at the token's position); the ops see the value part, a view. The rows
+    hold exactly the keys rebuilt from the values, and the tokens match transformers with and without them."""
+    from compiled_llm.ops.attention import cache_rows, keys_from_values
+    from compiled_llm.runtime.kv_plan import ROT_KEYS_ENV
+
+    folder, _ = tiny_ckpt("k_eq_v")
+    ps, ref = hf_reference("k_eq_v")
+    llm = make_llm(folder, enable_prefix_caching=False)
+    runner = llm.engine.executor.runner
+    full = [i for i, s in runner.specs.items() if s.k_eq_v]
+    assert full and all(runner.specs[i].rot_keys == 16 and runner.specs[i].cache_dim == 96 for i in full)
+    assert all(runner.specs[i].rot_keys == 0 for i in runner.specs if i not in full)
+    bytes_k_eq_v = runner.group_block_bytes()[None]
+    assert generate_ids(llm, ps[1:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    # one sequence's rows after its prompt and 8 tokens: the cached keys are the rebuilt ones, bit for bit
+    spec = runner.specs[full[0]]
+    cache = runner.kv_caches[full[0]]
+    assert cache.shape[-1] == 64 and cache.stride(-2) == 96
+    rows = cache_rows(cache, spec).reshape(-1, spec.num_kv_heads, 96)
+    n = len(ps[1]) + 7  # the last token's KV is never written
+    written = (rows[:, :, :64].abs().sum((1, 2)) > 0).nonzero().flatten()
+    assert len(written) == n
+    slots = written.sort().values  # one sequence in order: block ids rise with its positions here
+    keys = keys_from_values(rows[slots, :, :64], torch.arange(n), spec)
+    assert torch.equal(rows[slots, :, 64:80], keys[..., :16]) and torch.equal(rows[slots, :, 80:], keys[..., 32:48])
+    assert generate_ids(llm, ps) == ref
+    monkeypatch.setenv(ROT_KEYS_ENV, "0")
+    off = make_llm(folder)
+    assert all(s.rot_keys == 0 for s in off.engine.executor.runner.specs.values())
+    assert off.engine.executor.runner.group_block_bytes()[None] * 96 == bytes_k_eq_v * 64
+    assert generate_ids(off, ps) == ref

@@ -19,7 +19,7 @@ from interp_groups import check, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST = ["gelu", "logits_softcap", "argmax_rows", "decode", "prefill", "moe", "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
+FAST = ["gelu", "logits_softcap", "argmax_rows", "rot_keys", "decode", "prefill", "moe", "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
 SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
 
 
@@ -185,6 +185,62 @@ def check_logits_softcap():
         ulp = cap * (2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -21)
         _close(f"logits_softcap {dtype} cap={cap}", got, ref, rtol=0, atol=(4 if dtype == torch.bfloat16 else 1) * ulp)
         assert (got.abs() <= cap).all()
+
+
+def check_rot_keys():
+    """K=V rows that keep their rotated keys (AttentionSpec.rot_keys): the Triton write equals the reference
+    write (the value exactly, the rotated keys to float32 rounding), and the decode kernel reading them equals the
+    reference decode, which rebuilds the keys from the values; with those cached keys spoiled it no longer does
+    (so they are what it reads)."""
+    import torch
+
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops import context as C
+    from compiled_llm.ops.rope import rope_inv_freq, rotated_pairs
+    from compiled_llm.ops.triton.providers import attention as triton_attention
+    from compiled_llm.ops.triton.qk_norm_rope import kv_cache_write
+
+    g = torch.Generator().manual_seed(5)
+    d, kvh, heads, page = 64, 2, 4, 16
+    spec = A.AttentionSpec(0, heads, kvh, d, None, 0, d ** -0.5, 40.0, True,
+                           rotated_pairs=rotated_pairs(d, "proportional", 0.25))
+    spec.rot_keys = A.cached_rot_keys(spec)
+    assert spec.rot_keys == 16 and spec.cache_dim == 96  # 8 rotated pairs a half, as a 16-wide block
+    spec.k_norm_weight = torch.rand(d, generator=g) + 0.5
+    spec.inv_freq = rope_inv_freq(d, 10_000.0, "proportional", 0.25)
+    lens = [37, 50, 9]
+    nblk = [-(-n // page) for n in lens]
+    perm = torch.randperm(sum(nblk), generator=g)
+    bt = torch.full((3, max(nblk)), -1, dtype=torch.int32)
+    off = 0
+    for i, nb in enumerate(nblk):
+        bt[i, :nb] = perm[off:off + nb].int()
+        off += nb
+    pos = torch.cat([torch.arange(n) for n in lens])
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    slots = (bt[seq, pos // page].long() * page + pos % page)
+    qsl = [0, 37, 87, 96]
+    v = torch.randn(len(pos), kvh * d, generator=g)
+    caches = [torch.full((1, sum(nblk), page, kvh, spec.cache_dim), float("nan"))[..., :d] for _ in range(2)]
+    meta = C.AttentionMetadata(qsl, lens, page, {None: C.GroupMetadata(bt, slots)}, positions=pos)
+    with C.set_forward_context(C.ForwardContext(meta, {0: caches[0]}, {0: spec})):
+        kv_cache_write(None, v, 0)
+    A.write_kv(caches[1], None, v, slots, spec, pos)
+    rows = [A.cache_rows(c, spec) for c in caches]
+    written = rows[1].reshape(-1, kvh, spec.cache_dim)[slots]
+    assert torch.isfinite(written).all()
+    assert torch.equal(rows[0].reshape(-1, kvh, 96)[slots][..., :d], written[..., :d])
+    _close("rot_keys write", rows[0].reshape(-1, kvh, 96)[slots][..., d:], written[..., d:], rtol=1e-5, atol=1e-5)
+    # decode: each sequence's last token
+    q = torch.randn(3, heads * d, generator=g)
+    dmeta = C.AttentionMetadata([0, 1, 2, 3], lens, page, {None: C.GroupMetadata(bt, slots[[36, 86, 95]])})
+    with C.set_forward_context(C.ForwardContext(dmeta, {0: caches[0]}, {0: spec})):
+        ref = A.ref_attention(q, 0)
+        got = triton_attention(q, 0)
+        _close("rot_keys decode (cached rotated keys) vs reference (rebuilt)", got, ref)
+        rows[0][..., d:] = torch.randn(rows[0][..., d:].shape, generator=g)  # (a shift alike for every key
+        spoiled = triton_attention(q, 0)  # would cancel in the softmax)
+    assert (spoiled - ref).abs().max() > 1e-1, "the decode kernel did not read the cached rotated keys"
 
 
 def check_argmax_rows():

@@ -24,8 +24,10 @@ CONFIGS: dict[str, dict] = {
     "ple": dict(layer_types=[SLIDING, FULL, SLIDING, FULL], hidden_size_per_layer_input=8),
     "shared_kv": dict(layer_types=[SLIDING, FULL, SLIDING, FULL, SLIDING, FULL], num_kv_shared_layers=2,
                       hidden_size_per_layer_input=8),
+    # global head_dim 64 with a quarter of it rotating: 8 rotated pairs a half, so the engine keeps their keys
+    # beside each cached value (AttentionSpec.rot_keys 16)
     "k_eq_v": dict(layer_types=[SLIDING, FULL, SLIDING, FULL], attention_k_eq_v=True, num_global_key_value_heads=1,
-                   hidden_size_per_layer_input=0),
+                   global_head_dim=64, hidden_size_per_layer_input=0),
     "softcap": dict(layer_types=[SLIDING, FULL], final_logit_softcapping=5.0, hidden_size_per_layer_input=0),
     "mixed_heads": dict(layer_types=[SLIDING, FULL, FULL, SLIDING, FULL], global_head_dim=32,
                         num_global_key_value_heads=1, attention_k_eq_v=True, num_key_value_heads=4,

@@ -100,7 +100,8 @@ class StaticBatch:
                 self.tables[g][rows:].zero_()
                 tables = self.tables[g]
             groups[g] = GroupMetadata(tables, self.slots[g])
-        meta = dataclasses.replace(meta, groups=groups)
+        # the token positions the K=V writers rotate their kept keys at: this size's padded buffer (load)
+        meta = dataclasses.replace(meta, groups=groups, positions=self.pos)
         if full:
             s = len(meta.seq_lens)
             # from the device tensors the runner made (pinned, non-blocking); a host list copied here would

@@ -34,7 +34,8 @@ def dummy_context(specs: dict, kv_caches: dict, block_size: int, num_seqs: int, 
         slots = (torch.arange(n, device=device) % tokens_per_seq) % block_size
         groups[g] = GroupMetadata(tables, slots)
     meta = AttentionMetadata(query_start_loc=[i * tokens_per_seq for i in range(num_seqs + 1)],
-                             seq_lens=[tokens_per_seq] * num_seqs, block_size=block_size, groups=groups)
+                             seq_lens=[tokens_per_seq] * num_seqs, block_size=block_size, groups=groups,
+                             positions=torch.arange(n, device=device) % tokens_per_seq)
     return ForwardContext(meta, kv_caches, specs)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from compiled_llm.ops.context import absolute_layer, current_forward_context, get_forward_context, layer_cache
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
-from compiled_llm.ops.rope import apply_rope
+from compiled_llm.ops.rope import apply_rope, rotated_block
 
 
 @dataclass
@@ -36,11 +36,22 @@ class AttentionSpec:
     k_norm_weight: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None
     rotated_pairs: int | None = None  # inv_freq's leading nonzero angles (ops/rope.py rotated_pairs); None: all
+    # K=V layers whose angles rotate only some dims (Gemma 4's global layers): each cached row holds the value
+    # and then the keys of the first rot_keys dims of each half, rotated at the token's position when written
+    # ([v | k[:rot_keys] | k[half:half + rot_keys]]), so the decode kernel reads them instead of rebuilding
+    # them for every key at every step. 0: keys rebuilt on read. Set by the runtime (runtime/kv_plan.py
+    # cached_rot_keys) before the cache is allocated; the cache tensor the ops see is the value part, a view.
+    rot_keys: int = 0
     # Sparse KV (set by the runtime on full-attention layers; ops/sparse.py, docs/sparse_kv.md).
     # StreamingLLM: sink_tokens > 0, with sliding_window = its recent window. OmniKV: "filter" | "sparse".
     sink_tokens: int = 0
     omnikv: str | None = None
     offloaded: bool = False  # OmniKV offload: this layer's cache is pinned host memory the device maps
+
+    @property
+    def cache_dim(self) -> int:
+        """Elements of one cached row of a KV head (head_dim, plus the cached rotated keys)."""
+        return self.head_dim + 2 * self.rot_keys
 
     @property
     def writes_cache(self) -> bool:
@@ -52,22 +63,61 @@ class AttentionSpec:
         return (self.sliding_window, self.sink_tokens) if self.sink_tokens else self.sliding_window
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, slots: torch.Tensor, spec: AttentionSpec):
-    """Scatter this step's keys and values into their slots (K=V layers store the value only).
+def write_kv(cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, slots: torch.Tensor, spec: AttentionSpec,
+             positions: torch.Tensor | None = None):
+    """Scatter this step's keys and values into their slots (K=V layers store the value only, and with
+    spec.rot_keys the rotated keys after it: positions, the tokens' positions, are then needed).
     Rows past len(slots) (padding) are ignored, and so are slots < 0 (padded CUDA-graph slots)."""
     n = slots.shape[0]
     v = v[:n].reshape(n, spec.num_kv_heads, spec.head_dim)
     k = None if k is None or spec.k_eq_v else k[:n].reshape(n, spec.num_kv_heads, spec.head_dim)
+    pos = positions[:n] if spec.rot_keys else None
     keep = slots >= 0
     if not bool(keep.all()):
         slots, v = slots[keep], v[keep]
         k = None if k is None else k[keep]
+        pos = None if pos is None else pos[keep]
     flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
     if spec.k_eq_v:
         flat[0].index_copy_(0, slots, v.to(cache.dtype))
+        if spec.rot_keys:
+            r, d, half = spec.rot_keys, spec.head_dim, spec.head_dim // 2
+            keys = keys_from_values(v.to(cache.dtype), pos, spec)
+            rows = cache_rows(cache, spec).view(-1, spec.num_kv_heads, spec.cache_dim)
+            rows[:, :, d:].index_copy_(0, slots, torch.cat([keys[..., :r], keys[..., half:half + r]], -1))
     else:
         flat[0].index_copy_(0, slots, k.to(cache.dtype))
         flat[1].index_copy_(0, slots, v.to(cache.dtype))
+
+
+def cache_rows(cache: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """The layer's whole cached rows, [planes, blocks, block_size, kv_heads, cache_dim]: `cache` (what the ops see)
+    is their first head_dim elements, a view, when the rows also hold rotated keys (spec.rot_keys)."""
+    if cache.shape[-1] == spec.cache_dim:
+        return cache
+    return cache.as_strided((*cache.shape[:-1], spec.cache_dim), cache.stride(), cache.storage_offset())
+
+
+def cached_rot_keys(spec: AttentionSpec) -> int:
+    """The rot_keys a layer that writes a K=V cache can keep: its rotated dims a half (ops/rope.py rotated_block)
+    when they are fewer than the half, else 0 (a fully rotated key cached would be a second plane)."""
+    if not (spec.k_eq_v and spec.writes_cache) or spec.rotated_pairs is None:
+        return 0
+    half = spec.head_dim // 2
+    rot = rotated_block(spec.rotated_pairs, half)
+    return rot if rot < half else 0
+
+
+def token_positions(meta, n: int, device) -> torch.Tensor:
+    """The step's token positions [n] (meta.positions, the runner's; else from the sequence lengths and offsets,
+    for contexts built elsewhere: tests, warm-up's dummy steps). Rows past the last sequence's tokens read 0."""
+    if meta.positions is not None and meta.positions.dim() == 1:
+        return meta.positions[:n]
+    pos = torch.zeros(n, dtype=torch.long)
+    for i, seq_len in enumerate(meta.seq_lens):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        pos[start:min(end, n)] = torch.arange(seq_len - (end - start), seq_len)[:max(0, min(end, n) - start)]
+    return pos.to(device)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec,
@@ -116,8 +166,9 @@ def gather_kv_batched(cache: torch.Tensor, block_tables: torch.Tensor, pos: torc
 
 
 def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
-    _, spec, cache, group = layer_cache(layer_idx)
-    write_kv(cache, k, v, group.slot_mapping, spec)
+    ctx, spec, cache, group = layer_cache(layer_idx)
+    pos = token_positions(ctx.attn_metadata, group.slot_mapping.shape[0], v.device) if spec.rot_keys else None
+    write_kv(cache, k, v, group.slot_mapping, spec, pos)
 
 
 BIDIR_SPANS_KEY = "bidir_spans"  # ForwardContext.extra: per sequence, [(start, end), ...] token positions

@@ -36,6 +36,9 @@ class AttentionMetadata:
     groups: dict[int | None, GroupMetadata]
     seq_lens_tensor: torch.Tensor | None = None
     query_start_loc_tensor: torch.Tensor | None = None
+    # the step's token positions on the device (the runner's; the compiler's static buffer in a CUDA graph):
+    # the K=V cache writers rotate the keys they keep at them (AttentionSpec.rot_keys)
+    positions: torch.Tensor | None = None
 
 
 @dataclass

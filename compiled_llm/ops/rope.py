@@ -27,6 +27,18 @@ def rotated_pairs(head_dim: int, rope_type: str = "default", partial_rotary_fact
     return head_dim // 2
 
 
+def rotated_block(rotated_pairs: int | None, half: int) -> int:
+    """The rotated dims of each half that a K=V layer's keys need rebuilt (or cached: AttentionSpec.rot_keys), as a
+    power of two >= 16 (a dot's minimum; the angles between rotated_pairs and it are zero, so those keys are
+    exact too), or half when that is not smaller (every dim rotates)."""
+    if rotated_pairs is None:
+        return half
+    rot = 16
+    while rot < rotated_pairs:
+        rot *= 2
+    return rot if rot < half else half
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions[:, None].float() * inv_freq.to(positions.device, torch.float)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -24,7 +24,7 @@ from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, allocate_states, copy_state_slots
 from compiled_llm.ops.upload import to_device_packed
 from compiled_llm.runtime.host_memory import MappedHost
-from compiled_llm.runtime.kv_plan import KVCachePlanner
+from compiled_llm.runtime.kv_plan import KVCachePlanner, mark_rot_keys
 from compiled_llm.runtime.memory import gib
 from compiled_llm.runtime.sampler import PendingTokens, fill_pending
 from compiled_llm.runtime.scheduler import ScheduledSeq
@@ -72,6 +72,10 @@ class ModelRunner(KVCachePlanner):
                                          config.load_format, config.seed)
         self.specs = model.attention_specs()
         self.sparse = SparseKV.build(config, self.specs, self.device)  # marks the specs; None without a method
+        rot = mark_rot_keys(self.specs)  # K=V layers whose cached rows keep their rotated keys (kv_plan.py)
+        if rot:
+            log.info("K=V layers %s keep their keys' %d rotated dims a half beside each cached value", rot,
+                     self.specs[rot[0]].rot_keys)
         if self.sparse is not None and self.sparse.offloaded:
             log.info("OmniKV offload: %s of device buffers for the sparse layers' staged picks",
                      gib(self.sparse.allocate_staging(self.dtype)))
@@ -125,15 +129,18 @@ class ModelRunner(KVCachePlanner):
     def _kv_tensors(self, num_blocks: dict[int | None, int], offload: bool = True) -> dict[int, torch.Tensor]:
         """One zeroed cache tensor per layer that writes KV, [2 or 1, blocks, block_size, kv_heads, head_dim];
         an offloaded layer's (OmniKV) in pinned host memory, seen by the device through its mapping (not for
-        the start-up's profile step: offload=False)."""
+        the start-up's profile step: offload=False). A layer whose rows also keep rotated keys (rot_keys)
+        allocates [..., cache_dim] and hands the ops its first head_dim elements, a view."""
         out = {}
         for i, s in self.specs.items():
             if s.writes_cache:
-                shape = (1 if s.k_eq_v else 2, num_blocks[s.kv_group], self.block_size, s.num_kv_heads, s.head_dim)
+                shape = (1 if s.k_eq_v else 2, num_blocks[s.kv_group], self.block_size, s.num_kv_heads, s.cache_dim)
                 if s.offloaded and offload:
                     out[i] = self.mapped_host.empty(shape, self.dtype, self.device)
                 else:
                     out[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if s.rot_keys:
+                    out[i] = out[i][..., :s.head_dim]
         return out
 
     def _state_tensors(self, num_slots: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -254,7 +261,8 @@ class ModelRunner(KVCachePlanner):
             items += [(fill_at, torch.long), (fill_from, torch.long)]
         input_ids, positions, lens_t, qsl_t, rows_t, *rest = to_device_packed(items, dev)
         metas = {g: GroupMetadata(rest[2 * i], rest[2 * i + 1]) for i, g in enumerate(groups)}
-        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas)
+        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas,
+                                 positions=positions)
         meta.seq_lens_tensor, meta.query_start_loc_tensor = lens_t, qsl_t
         fill = tuple(rest[2 * len(groups):]) if fill_at else None
         return input_ids, positions, meta, rows_t, fill

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from compiled_llm.ops.rope import rotated_block  # noqa: F401  (the decode kernel's ROT; sparse_attention imports it here)
 from compiled_llm.ops.triton._common import _dot, _reduce_angle, _tanh, dot_f32, dot_precision
 
 # Per-step integers (split counts, batch sizes, block-table width) are marked do_not_specialize so that a
@@ -161,8 +162,10 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr, PARTIAL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
-    RAW: tl.constexpr = False, F32: tl.constexpr = False,
+    RAW: tl.constexpr = False, F32: tl.constexpr = False, ROT_CACHED: tl.constexpr = False,
 ):
+    # ROT_CACHED (with PARTIAL: AttentionSpec.rot_keys): each cached row keeps, after the value's 2 HALF
+    # elements, the rotated keys of the first ROT dims of each half, [k1 | k2]: read, not rebuilt.
     # RAW (OmniKV filter layers, ops/triton/sparse_attention.py): also store every key's log2-domain score per
     # head, Raw[seq, head, pos], and the log-sum-exp (MidLse; the combine writes the total), so the tokens can
     # be ranked by their attention probability without reading the keys a second time.
@@ -202,10 +205,11 @@ def _decode_kernel(
         qr_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + r[None, :]
         q1r = tl.load(qr_ptr, mask=hmask[:, None], other=0.0)
         q2r = tl.load(qr_ptr + HALF, mask=hmask[:, None], other=0.0)
-        w1r = tl.load(KNorm + r).to(tl.float32)
-        w2r = tl.load(KNorm + HALF + r).to(tl.float32)
-        invr = tl.load(InvFreq + r).to(tl.float32)
-        cos_b, sin_b = _rope_base(invr, BLOCK_N)
+        if not ROT_CACHED:
+            w1r = tl.load(KNorm + r).to(tl.float32)
+            w2r = tl.load(KNorm + HALF + r).to(tl.float32)
+            invr = tl.load(InvFreq + r).to(tl.float32)
+            cos_b, sin_b = _rope_base(invr, BLOCK_N)
     elif K_EQ_V:
         w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
         w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
@@ -229,9 +233,13 @@ def _decode_kernel(
         v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
         if PARTIAL:
             r_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + r[None, :]
-            v1r = tl.load(V + r_off, mask=pmask[:, None], other=0.0)
-            v2r = tl.load(V + r_off + HALF, mask=pmask[:, None], other=0.0)
-            k1r, k2r = _rebuild_keys(v1r, v2r, w1r, w2r, invr, cos_b, sin_b, kstart, q1)
+            if ROT_CACHED:
+                k1r = tl.load(V + r_off + 2 * HALF, mask=pmask[:, None], other=0.0)
+                k2r = tl.load(V + r_off + 2 * HALF + ROT, mask=pmask[:, None], other=0.0)
+            else:
+                v1r = tl.load(V + r_off, mask=pmask[:, None], other=0.0)
+                v2r = tl.load(V + r_off + HALF, mask=pmask[:, None], other=0.0)
+                k1r, k2r = _rebuild_keys(v1r, v2r, w1r, w2r, invr, cos_b, sin_b, kstart, q1)
             qk = _dot(q1, tl.trans(v1), PREC, F32) + _dot(q2, tl.trans(v2), PREC, F32)
             qk += _dot(q1r, tl.trans(k1r), PREC, F32)
             qk += _dot(q2r, tl.trans(k2r), PREC, F32)
@@ -300,16 +308,6 @@ def _combine_kernel(
         tl.store(Lse + seq * stride_es + head, tl.where(empty, float("-inf"), mx + tl.log2(denom)))
 
 
-def rotated_block(rotated_pairs: int | None, half: int) -> int:
-    """The decode kernel's ROT: the rotated dims of each half as a power of two >= 16 (a dot's minimum; the
-    angles between rotated_pairs and ROT are zero, so rebuilding those keys is exact), or half when that
-    is not smaller (every key rebuilt)."""
-    if rotated_pairs is None:
-        return half
-    rot = max(16, triton.next_power_of_2(max(1, rotated_pairs)))
-    return rot if rot < half else half
-
-
 def _kv_views(cache: torch.Tensor, num_kv_heads: int, head_dim: int):
     assert cache.dim() == 5 and cache.shape[3] == num_kv_heads and cache.shape[4] == head_dim, cache.shape
     k, v = cache[0], cache[-1]
@@ -332,10 +330,11 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
                  inv_freq: torch.Tensor | None = None, num_kv_heads: int, head_dim: int,
                  max_seq_len: int | None = None, policy: AttnLaunch | None = None,
                  out: torch.Tensor | None = None, rotated_pairs: int | None = None,
-                 raw: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+                 raw: torch.Tensor | None = None, lse: torch.Tensor | None = None, rot_keys: int = 0) -> torch.Tensor:
     """One query token per sequence (at position seq_len - 1). q: [num_seqs, num_heads(*head_dim)];
     seq_lens: [num_seqs] int32 on the device. Returns [num_seqs, num_heads, head_dim]. rotated_pairs (K=V):
-    inv_freq's leading nonzero angles, the rest zero (None: all rotate). raw and lse (together; OmniKV's
+    inv_freq's leading nonzero angles, the rest zero (None: all rotate). rot_keys (K=V, AttentionSpec.rot_keys):
+    the cache is the value part of rows that keep the rotated keys after it (read instead of rebuilt). raw and lse (together; OmniKV's
     filter layers): raw [num_seqs, num_heads, >= the block-table width x page] float32 (or float16, rounded on
     the store) receives every key's
     log2-domain score at [seq, head, pos] (positions past seq_len untouched), lse [num_seqs, num_heads]
@@ -373,6 +372,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
     rw = raw if raw is not None else out
     half = head_dim // 2
     rot = rotated_block(rotated_pairs, half) if k_eq_v else half
+    if rot_keys:
+        assert k_eq_v and rot_keys == rot < half, (rot_keys, rot, half)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, knw, inv, out, mid_o, mid_lse, rw,
         q.stride(0), q.stride(1),
@@ -385,7 +386,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half,
         BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n, ROT=rot, PARTIAL=k_eq_v and rot < half,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
-        PREC=dot_precision(q.dtype), RAW=raw is not None, F32=dot_f32(q.dtype),
+        PREC=dot_precision(q.dtype), RAW=raw is not None, F32=dot_f32(q.dtype), ROT_CACHED=rot_keys > 0,
         num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:

@@ -44,7 +44,7 @@ def _layer_kwargs(spec: AttentionSpec, source: AttentionSpec) -> dict:
 
 def _layer_key(spec: AttentionSpec, source: AttentionSpec, dtype) -> tuple:
     return (dtype, spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.sliding_window is not None,
-            spec.softcap is not None, source.k_eq_v)
+            spec.softcap is not None, source.k_eq_v, source.rot_keys)
 
 
 def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
@@ -66,7 +66,7 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         if q.shape[0] > num_seqs:  # padding rows past the batch come back as zeros (no fill kernel otherwise)
             out[num_seqs:].zero_()
         paged_decode(q[:num_seqs], cache, tables, seq_lens, policy=policy, out=out[:num_seqs],
-                     rotated_pairs=source.rotated_pairs, **kw)
+                     rotated_pairs=source.rotated_pairs, rot_keys=source.rot_keys, **kw)
     else:
         MONITOR.note("paged_prefill", key)
         # the kernel writes every token's row; only the padding past them is zeroed (a zero fill of the whole
@@ -169,13 +169,16 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
 @contextlib.contextmanager
 def scratch_context(head_dim: int, dtype, device, k_eq_v: bool = False, num_heads: int = 2, num_kv_heads: int = 1,
                     window: int | None = None, softcap: float | None = None, block_size: int = 16,
-                    num_seqs: int = 2, tokens: int = 1, width: int = 2):
-    """A throwaway one-layer cache and forward context, to compile kernels that read one."""
-    spec = AttentionSpec(0, num_heads, num_kv_heads, head_dim, window, 0, 1.0, softcap, k_eq_v)
+                    num_seqs: int = 2, tokens: int = 1, width: int = 2, rot_keys: int = 0):
+    """A throwaway one-layer cache and forward context, to compile kernels that read one. rot_keys: a K=V layer
+    whose rows keep that many rotated key dims a half (AttentionSpec.rot_keys)."""
+    spec = AttentionSpec(0, num_heads, num_kv_heads, head_dim, window, 0, 1.0, softcap, k_eq_v,
+                         rotated_pairs=rot_keys or None, rot_keys=rot_keys)
     if k_eq_v:
         spec.k_norm_weight = torch.ones(head_dim, dtype=dtype, device=device)
         spec.inv_freq = torch.zeros(head_dim // 2, device=device)
-    cache = torch.zeros(1 if k_eq_v else 2, width, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1 if k_eq_v else 2, width, block_size, num_kv_heads, spec.cache_dim, dtype=dtype,
+                        device=device)[..., :head_dim]
     n = num_seqs * tokens
     group = GroupMetadata(torch.zeros(num_seqs, width, dtype=torch.int32, device=device),
                           torch.zeros(n, dtype=torch.long, device=device))
@@ -197,8 +200,9 @@ def _attention_keys(facts: dict) -> list:
 
 def _attention_compile(key, device) -> None:
     """Prefill once, and decode at every split count the policy can choose (each is its own build)."""
-    _, dtype, head_dim, group, sliding, softcap, k_eq_v = key
-    kw = dict(k_eq_v=k_eq_v, num_heads=group, window=64 if sliding else None, softcap=30.0 if softcap else None)
+    _, dtype, head_dim, group, sliding, softcap, k_eq_v, rot = key
+    kw = dict(k_eq_v=k_eq_v, num_heads=group, window=64 if sliding else None, softcap=30.0 if softcap else None,
+              rot_keys=rot)
     with scratch_context(head_dim, dtype, device, tokens=3, **kw):
         attention(torch.zeros(6, group * head_dim, dtype=dtype, device=device), 0)
     for splits in SPLITS:

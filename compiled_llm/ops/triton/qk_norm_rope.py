@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from compiled_llm.ops.attention import token_positions
 from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.triton._common import _reduce_angle
@@ -246,6 +247,13 @@ def heads_per_program(num_tokens: int) -> int:
 def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, positions: torch.Tensor,
                           inv_freq: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None, eps: float,
                           norm_v: bool, layer_idx: int) -> torch.Tensor:
+    if v is not None and layer_cache(layer_idx)[1].rot_keys:
+        # rows that keep rotated keys (AttentionSpec.rot_keys): the value and those keys go through kv_cache_write,
+        # which rotates them. (Gemma 4's graphs fuse only q here; the value's norm stays Inductor's.)
+        from compiled_llm.ops.norm import ref_rms_norm
+
+        kv_cache_write(None, (ref_rms_norm(v, None, eps) if norm_v else v).reshape(v.shape[0], -1), layer_idx)
+        return qk_norm_rope_kv_write(q, None, None, positions, inv_freq, q_weight, None, eps, False, -1)
     n, num_heads, head_dim = q.shape
     half = head_dim // 2
     q_out = torch.empty_like(q)
@@ -285,8 +293,12 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
 
 
 @triton.jit
-def _kv_write_kernel(K, V, Slots, KC, VC, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
-                     D: tl.constexpr, BLOCK: tl.constexpr, HAS_K: tl.constexpr):
+def _kv_write_kernel(K, V, Slots, KC, VC, Pos, KNorm, InvFreq, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cs, stride_ch, D: tl.constexpr, BLOCK: tl.constexpr, HAS_K: tl.constexpr,
+                     ROT: tl.constexpr = 0):
+    # ROT > 0 (K=V layers that keep rotated keys, AttentionSpec.rot_keys): after the value, the row also gets
+    # rope(v * k_norm_weight) of the first ROT dims of each half at the token's position, [k1 | k2], computed as
+    # the decode kernel rebuilt them (float32 from the stored value, rounded once)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(Slots + t)
@@ -297,10 +309,24 @@ def _kv_write_kernel(K, V, Slots, KC, VC, stride_kt, stride_kh, stride_vt, strid
         if HAS_K:
             tl.store(KC + c, tl.load(K + t * stride_kt + h * stride_kh + d, mask=dm).to(KC.dtype.element_ty), mask=dm)
         tl.store(VC + c, tl.load(V + t * stride_vt + h * stride_vh + d, mask=dm).to(VC.dtype.element_ty), mask=dm)
+        if ROT > 0:
+            r = tl.arange(0, ROT)
+            v_row = V + t * stride_vt + h * stride_vh
+            x1 = tl.load(v_row + r).to(VC.dtype.element_ty).to(tl.float32) * tl.load(KNorm + r).to(tl.float32)
+            x2 = (tl.load(v_row + D // 2 + r).to(VC.dtype.element_ty).to(tl.float32)
+                  * tl.load(KNorm + D // 2 + r).to(tl.float32))
+            p = tl.zeros([ROT], tl.float32) + tl.load(Pos + t).to(tl.float32)
+            inv = tl.load(InvFreq + r).to(tl.float32)
+            a = p * inv
+            a = _reduce_angle(a) + tl.fma(p, inv, -a)  # the product's exact residual keeps large positions exact
+            cs, sn = tl.cos(a), tl.sin(a)
+            base = slot * stride_cs + h * stride_ch + D
+            tl.store(VC + base + r, (x1 * cs - x2 * sn).to(VC.dtype.element_ty))
+            tl.store(VC + base + ROT + r, (x2 * cs + x1 * sn).to(VC.dtype.element_ty))
 
 
 def kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
-    _, spec, cache, group = layer_cache(layer_idx)
+    ctx, spec, cache, group = layer_cache(layer_idx)
     kc, vc = _planes(cache, spec)
     slots = group.slot_mapping
     n = slots.shape[0]
@@ -308,11 +334,16 @@ def kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> N
     has_k = k is not None and not spec.k_eq_v
     k = k.view(k.shape[0], spec.num_kv_heads, spec.head_dim) if has_k else v
     block = triton.next_power_of_2(spec.head_dim)
-    MONITOR.note("kv_cache_write", (v.dtype, spec.head_dim, has_k))
+    rot = spec.rot_keys
+    pos = knorm = inv = slots
+    if rot:
+        pos = token_positions(ctx.attn_metadata, n, v.device)
+        knorm, inv = spec.k_norm_weight, spec.inv_freq if spec.inv_freq.dtype == torch.float32 else spec.inv_freq.float()
+    MONITOR.note("kv_cache_write", (v.dtype, spec.head_dim, has_k, rot))
     if n:
         _kv_write_kernel[(n, spec.num_kv_heads)](
-            k, v, slots, kc, vc, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
-            D=spec.head_dim, BLOCK=block, HAS_K=has_k)
+            k, v, slots, kc, vc, pos, knorm, inv, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0),
+            kc.stride(1), D=spec.head_dim, BLOCK=block, HAS_K=has_k, ROT=rot)
 
 
 def _qk_keys(facts: dict) -> list:
@@ -377,15 +408,15 @@ register_kernel(JitKernel("qk_norm_mrope_kv_write", "qk_norm_mrope_kv_write", "t
 
 
 def _kv_keys(facts: dict) -> list:
-    return sorted({(facts["dtype"], s.head_dim, not s.k_eq_v) for s in facts.get("layers", {}).values()
+    return sorted({(facts["dtype"], s.head_dim, not s.k_eq_v, s.rot_keys) for s in facts.get("layers", {}).values()
                    if s.writes_cache}, key=repr)
 
 
 def _kv_compile(key, device) -> None:
     from compiled_llm.ops.triton.providers import scratch_context
 
-    dtype, head_dim, has_k = key
-    with scratch_context(head_dim, dtype, device, k_eq_v=not has_k):
+    dtype, head_dim, has_k, rot = key
+    with scratch_context(head_dim, dtype, device, k_eq_v=not has_k, rot_keys=rot):
         kv = torch.zeros(2, head_dim, dtype=dtype, device=device)
         kv_cache_write(kv if has_k else None, kv, 0)
 
