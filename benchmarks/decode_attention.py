@@ -106,25 +106,13 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
     ref = None
     cands = candidates(layer, seqs, args.max_len, None if args.no_sweep else args.quick)
     for name, pol, rot in cands[:4] if args.dry_run else cands:  # (dry run: the code paths, not the sweep)
-        def call(pol=pol, opts=opts, caches=caches, rot=rot):
-            for c in caches:
-                out = PA.paged_decode(q, c, tables, seq_lens, policy=pol, rotated_pairs=rot, **opts)
-            return out
-
-        try:
-            out = PA.paged_decode(q, caches[0], tables, seq_lens, policy=pol, rotated_pairs=rot, **opts)
-            if ref is None:
-                ref = out
-            diff = (out.float() - ref.float()).abs().max().item()
-            us = float("nan") if args.dry_run else graph_time_us(call, replays=args.replays, calls=1) / n
-        except Exception as e:  # a candidate that does not build is reported, not fatal
-            rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name,
-                             error=f"{type(e).__name__}: {e}"[:200]))
-            continue
-        rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name, us=us, max_diff=diff,
-                         gbps=per_layer / us / 1e3 if us == us else None, splits=pol.num_splits,
-                         warps=pol.num_warps, stages=pol.num_stages, block_n=pol.block_n,
-                         rotated_pairs=rot))
+        row, out = timed_row(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name), pol, caches, n,
+                             per_layer, ref, args,
+                             lambda c, pol=pol, rot=rot: PA.paged_decode(q, c, tables, seq_lens, policy=pol,
+                                                                         rotated_pairs=rot, **opts),
+                             rotated_pairs=rot)
+        rows.append(row)
+        ref = out if ref is None else ref
     if not layer["k_eq_v"] and not args.dry_run:
         rows += flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref, args)
     if layer["k_eq_v"] and layer.get("rotated_pairs"):
@@ -183,26 +171,30 @@ def rot_keys_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_la
             cands.append((f"rot keys cached: splits={n_} w={w} st={st} bn={bn}", p))
     rows = []
     for name, pol in cands[:3] if args.dry_run else cands:
-        def call(pol=pol):
-            for c in rcaches:
-                out = PA.paged_decode(q, c, tables, seq_lens, policy=pol, rotated_pairs=layer["rotated_pairs"],
-                                      rot_keys=rot, **opts)
-            return out
-
-        try:
-            out = PA.paged_decode(q, rcaches[0], tables, seq_lens, policy=pol, rotated_pairs=layer["rotated_pairs"],
-                                  rot_keys=rot, **opts)
-            diff = (out.float() - ref.float()).abs().max().item()
-            us = float("nan") if args.dry_run else graph_time_us(call, replays=args.replays, calls=1) / n
-        except Exception as e:  # a candidate that does not build is reported, not fatal
-            rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name,
-                             error=f"{type(e).__name__}: {e}"[:200]))
-            continue
-        rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name, us=us, max_diff=diff,
-                         gbps=per_layer * (1 + 2 * rot / layer["head_dim"]) / us / 1e3 if us == us else None,
-                         splits=pol.num_splits, warps=pol.num_warps, stages=pol.num_stages, block_n=pol.block_n,
-                         rotated_pairs=layer["rotated_pairs"], rot_keys=rot))
+        rows.append(timed_row(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name), pol, rcaches, n,
+                              per_layer * (1 + 2 * rot / layer["head_dim"]), ref, args,
+                              lambda c, pol=pol: PA.paged_decode(q, c, tables, seq_lens, policy=pol, rot_keys=rot,
+                                                                 rotated_pairs=layer["rotated_pairs"], **opts),
+                              rotated_pairs=layer["rotated_pairs"], rot_keys=rot)[0])
     return rows
+
+
+def timed_row(head: dict, pol, caches, n: int, nbytes: float, ref, args, launch, **fields) -> tuple[dict, object]:
+    """One candidate: launch(cache) over every cache in a CUDA graph, per launch; its row (or the error: a candidate
+    that does not build is reported, not fatal) and its output (None on an error), compared with ref."""
+    def call():
+        for c in caches:
+            out = launch(c)
+        return out
+
+    try:
+        out = launch(caches[0])
+        diff = 0.0 if ref is None else (out.float() - ref.float()).abs().max().item()
+        us = float("nan") if args.dry_run else graph_time_us(call, replays=args.replays, calls=1) / n
+    except Exception as e:
+        return dict(head, error=f"{type(e).__name__}: {e}"[:200]), None
+    return dict(head, us=us, max_diff=diff, gbps=nbytes / us / 1e3 if us == us else None, splits=pol.num_splits,
+                warps=pol.num_warps, stages=pol.num_stages, block_n=pol.block_n, **fields), out
 
 
 def flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref, args) -> list[dict]:
