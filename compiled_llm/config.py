@@ -55,6 +55,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_state_snapshots: int | None = None  # hybrid models: state snapshots kept for prefix hits; None: max_num_seqs
     enable_chunked_prefill: bool = True
+    # K=V layers whose rope rotates part of each half (Gemma 4's global layers) also keep those dims' rotated keys
+    # in the cache: the decode kernel reads them instead of rebuilding (H200: the layer's decode -28%), at +25% of
+    # those layers' KV (AttentionSpec.rot_keys; COMPILED_LLM_KV_ROT_KEYS=0 also turns it off)
+    kv_rotated_keys: bool = True
     load_format: str = "auto"  # auto | dummy
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # launch step N+1 before step N's tokens reach the host; None: on on
@@ -136,6 +140,9 @@ _HELP = {
                               "sampler come out of it, the KV cache gets the rest (as vLLM)",
     "num_kv_blocks": "exact number of KV-cache blocks (overrides the budget)",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes across requests",
+    "kv_rotated_keys": "K=V layers whose rope rotates only part of each head (Gemma 4's global layers) keep those "
+                       "dims' rotated keys beside each cached value: a faster decode for 25%% more of those "
+                       "layers' KV memory (--no-kv-rotated-keys: more context in the same memory)",
     "prefix_state_snapshots": "models with recurrent (linear-attention) layers: how many recurrent-state snapshots "
                               "at block boundaries the prefix cache keeps (each as large as one sequence's state, "
                               "taken from the KV-cache budget; default max-num-seqs; 0 turns prefix caching off "

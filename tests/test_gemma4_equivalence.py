@@ -136,8 +136,9 @@ def test_k_eq_v_rows_keep_rotated_keys(tiny_ckpt, hf_reference, monkeypatch):
     keys = keys_from_values(rows[slots, :, :64], torch.arange(n), spec)
     assert torch.equal(rows[slots, :, 64:80], keys[..., :16]) and torch.equal(rows[slots, :, 80:], keys[..., 32:48])
     assert generate_ids(llm, ps) == ref
-    monkeypatch.setenv(ROT_KEYS_ENV, "0")
-    off = make_llm(folder)
+    off = make_llm(folder, kv_rotated_keys=False)  # the engine option (--no-kv-rotated-keys)
     assert all(s.rot_keys == 0 for s in off.engine.executor.runner.specs.values())
     assert off.engine.executor.runner.group_block_bytes()[None] * 96 == bytes_k_eq_v * 64
     assert generate_ids(off, ps) == ref
+    monkeypatch.setenv(ROT_KEYS_ENV, "0")  # the A/B switch of the benchmarks
+    assert all(s.rot_keys == 0 for s in make_llm(folder).engine.executor.runner.specs.values())

@@ -25,18 +25,18 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 ROT_KEYS_ENV = "COMPILED_LLM_KV_ROT_KEYS"  # 0: K=V layers keep the value only (keys rebuilt on every read)
 
 
-def mark_rot_keys(specs: dict) -> list[int]:
+def mark_rot_keys(specs: dict, enabled: bool = True) -> list[int]:
     """Sets AttentionSpec.rot_keys on the K=V layers whose keys rotate in part of each half (Gemma 4's global
     layers: 64 of 256 dims), so that their cached rows also keep those dims' rotated keys: the decode kernel
     then reads 128 more elements a row (+25% of such a layer's cache) instead of rebuilding the rotation for
     every key at every step. Not for StreamingLLM or OmniKV layers (their kernels rebuild the keys, and an
-    offloaded cache is sized as the value alone). Returns the layers marked."""
-    if os.environ.get(ROT_KEYS_ENV, "1") == "0":
-        return []
+    offloaded cache is sized as the value alone). enabled: EngineConfig.kv_rotated_keys (and the environment's
+    COMPILED_LLM_KV_ROT_KEYS=0 turns it off too, for A/B runs). Returns the layers marked."""
+    enabled = enabled and os.environ.get(ROT_KEYS_ENV, "1") != "0"
     marked = []
     for i, s in specs.items():
         s.rot_keys = 0
-        if not (s.sink_tokens or s.omnikv is not None or s.offloaded):
+        if enabled and not (s.sink_tokens or s.omnikv is not None or s.offloaded):
             s.rot_keys = cached_rot_keys(s)
         if s.rot_keys:
             marked.append(i)

@@ -72,7 +72,7 @@ class ModelRunner(KVCachePlanner):
                                          config.load_format, config.seed)
         self.specs = model.attention_specs()
         self.sparse = SparseKV.build(config, self.specs, self.device)  # marks the specs; None without a method
-        rot = mark_rot_keys(self.specs)  # K=V layers whose cached rows keep their rotated keys (kv_plan.py)
+        rot = mark_rot_keys(self.specs, config.kv_rotated_keys)  # K=V rows that keep rotated keys (kv_plan.py)
         if rot:
             log.info("K=V layers %s keep their keys' %d rotated dims a half beside each cached value", rot,
                      self.specs[rot[0]].rot_keys)
