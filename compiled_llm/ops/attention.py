@@ -108,16 +108,14 @@ def cached_rot_keys(spec: AttentionSpec) -> int:
     return rot if rot < half else 0
 
 
-def token_positions(meta, n: int, device) -> torch.Tensor:
-    """The step's token positions [n] (meta.positions, the runner's; else from the sequence lengths and offsets,
-    for contexts built elsewhere: tests, warm-up's dummy steps). Rows past the last sequence's tokens read 0."""
-    if meta.positions is not None and meta.positions.dim() == 1:
-        return meta.positions[:n]
-    pos = torch.zeros(n, dtype=torch.long)
-    for i, seq_len in enumerate(meta.seq_lens):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        pos[start:min(end, n)] = torch.arange(seq_len - (end - start), seq_len)[:max(0, min(end, n) - start)]
-    return pos.to(device)
+def token_positions(meta, n: int) -> torch.Tensor:
+    """The step's first n token positions, which the writers of rows that keep rotated keys rotate them at. Every
+    builder of a step's metadata sets them (the runner, the compiler's static buffers, warm-up's and the memory
+    profile's dummy steps)."""
+    if meta.positions is None or meta.positions.dim() != 1:
+        raise ValueError("rows that keep rotated keys (AttentionSpec.rot_keys) are written at the step's token "
+                         "positions: AttentionMetadata.positions must hold them, one per token")
+    return meta.positions[:n]
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec,
@@ -167,7 +165,7 @@ def gather_kv_batched(cache: torch.Tensor, block_tables: torch.Tensor, pos: torc
 
 def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
     ctx, spec, cache, group = layer_cache(layer_idx)
-    pos = token_positions(ctx.attn_metadata, group.slot_mapping.shape[0], v.device) if spec.rot_keys else None
+    pos = token_positions(ctx.attn_metadata, group.slot_mapping.shape[0]) if spec.rot_keys else None
     write_kv(cache, k, v, group.slot_mapping, spec, pos)
 
 

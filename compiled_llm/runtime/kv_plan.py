@@ -193,11 +193,11 @@ class KVCachePlanner:
         block-table entry in block 0 (what is read there is garbage of the right shape)."""
         bs, dev = self.block_size, self.device
         width = -(-context_len // bs)
-        slots = torch.arange(context_len - new_tokens, context_len, device=dev).repeat(num_seqs) % bs
-        groups = {g: GroupMetadata(torch.zeros(num_seqs, width, dtype=torch.int32, device=dev), slots)
+        positions = torch.arange(context_len - new_tokens, context_len, device=dev).repeat(num_seqs)
+        groups = {g: GroupMetadata(torch.zeros(num_seqs, width, dtype=torch.int32, device=dev), positions % bs)
                   for g in self.kv_groups}
         meta = AttentionMetadata(query_start_loc=[i * new_tokens for i in range(num_seqs + 1)],
-                                 seq_lens=[context_len] * num_seqs, block_size=bs, groups=groups)
+                                 seq_lens=[context_len] * num_seqs, block_size=bs, groups=groups, positions=positions)
         return self._add_extras(ForwardContext(meta, kv_caches, self.specs), state_caches, num_seqs,
                                 has_state=context_len > new_tokens)
 

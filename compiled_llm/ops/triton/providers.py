@@ -183,7 +183,7 @@ def scratch_context(head_dim: int, dtype, device, k_eq_v: bool = False, num_head
     group = GroupMetadata(torch.zeros(num_seqs, width, dtype=torch.int32, device=device),
                           torch.zeros(n, dtype=torch.long, device=device))
     meta = AttentionMetadata([i * tokens for i in range(num_seqs + 1)], [tokens] * num_seqs, block_size,
-                             {spec.kv_group: group})
+                             {spec.kv_group: group}, positions=torch.arange(tokens, device=device).repeat(num_seqs))
     with set_forward_context(ForwardContext(meta, {0: cache}, {0: spec})):
         yield get_forward_context()
 

@@ -337,7 +337,7 @@ def kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> N
     rot = spec.rot_keys
     pos = knorm = inv = slots
     if rot:
-        pos = token_positions(ctx.attn_metadata, n, v.device)
+        pos = token_positions(ctx.attn_metadata, n)
         knorm, inv = spec.k_norm_weight, spec.inv_freq if spec.inv_freq.dtype == torch.float32 else spec.inv_freq.float()
     MONITOR.note("kv_cache_write", (v.dtype, spec.head_dim, has_k, rot))
     if n:
