@@ -110,7 +110,7 @@ def router_group(S, T, dev, dt, time_fn, rows, smoke):
     sweep("router", T, cands, run, check, 2.0 * T * H * E, time_fn, rows)
 
 
-def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False):
+def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False, tma_only=False):
     E, H, I, k = S["E"], S["H"], S["I"], S["k"]
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(T, H, device=dev, generator=g).to(dt)
@@ -121,7 +121,13 @@ def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False):
     p0 = M.moe_launch_policy(T, k, E, H, I)
     R = dataclasses.replace
     cands = [p0]
-    if order_only:  # the launch order alone (MoELaunch.n_fast), and larger column tiles in each order
+    if tma_only:  # MoELaunch.tma against the same tiles without it, and larger tiles that TMA may afford
+        base = R(p0, tma=True)
+        cands = [p0, R(p0, tma=not p0.tma)]
+        cands += [R(base, a_block_n=128), R(base, a_block_k=128, a_stages=3), R(base, b_block_k=128),
+                  R(base, a_stages=4), R(base, b_stages=4), R(base, a_warps=4 if base.a_warps == 8 else 8),
+                  R(base, b_warps=4 if base.b_warps == 8 else 8), R(base, block_m=128, a_warps=8, b_warps=8)]
+    elif order_only:  # the launch order alone (MoELaunch.n_fast), and larger column tiles in each order
         for fast in (p0.n_fast, not p0.n_fast):
             cands += [R(p0, n_fast=fast), R(p0, n_fast=fast, a_block_n=128), R(p0, n_fast=fast, b_block_n=256)]
     elif smoke:
@@ -225,6 +231,8 @@ def main() -> int:
     ap.add_argument("--compile-shard", default=None, help="i/n: only build every n-th candidate (parallel warm-up)")
     ap.add_argument("--moe-order", action="store_true",
                     help="MoE: only the launch order (MoELaunch.n_fast) and two larger column tiles in each order")
+    ap.add_argument("--moe-tma", action="store_true",
+                    help="MoE: the policy's tiles with and without TMA (MoELaunch.tma), and a few TMA tiles")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     global SHARD
@@ -241,7 +249,7 @@ def main() -> int:
         if "router" in groups:
             router_group(S, T, dev, dt, time_fn, rows, a.smoke)
         if "moe" in groups:
-            moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order)
+            moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order, a.moe_tma)
     if "attention" in groups and "glob" in S:
         for lens in att:
             attention_group(S, lens, dev, dt, time_fn, rows, a.smoke)

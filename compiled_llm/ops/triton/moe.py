@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compiled_llm.ops.triton._common import _dot, _gelu_tanh, dot_f32, dot_precision
 
@@ -231,6 +232,10 @@ class MoELaunch:
     # every row block again for each column block: at prefill sizes the rows (8,192 tokens x 8 picks x 2,816
     # x 2 bytes = 369 MB for Gemma 4's gate/up) are far past the L2, 11 passes of them against 1 GB of weights.
     n_fast: bool = False
+    # the weight tiles (and the down kernel's activation rows, which are contiguous per block) through Hopper's
+    # tensor-memory accelerator (host-made TMA descriptors) instead of per-thread loads; sm_90+ only (the
+    # interpreter too), and only where each column block stays inside one expert (tma_usable)
+    tma: bool = False
 
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
@@ -240,6 +245,8 @@ SELF_ROUTE_ENV = "COMPILED_LLM_MOE_SELF_ROUTE"
 SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1") != "0"
 N_FAST_ENV = "COMPILED_LLM_MOE_N_FAST"  # 0: prefill-sized batches launch row blocks first (an A/B of MoELaunch.n_fast)
 N_FAST = os.environ.get(N_FAST_ENV, "1") != "0"
+TMA_ENV = "COMPILED_LLM_MOE_TMA"  # 0: prefill-sized batches load the weight tiles without TMA (an A/B of MoELaunch.tma)
+TMA = os.environ.get(TMA_ENV, "1") != "0"
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -264,10 +271,10 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
     # Qwen3.5 549 -> 534), 256-column down tiles at 8,192 (2,362 -> 2,285 us; 1,579 -> 1,457)
     if pairs_per_expert <= 96:
-        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST)
+        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST, tma=TMA)
     if pairs_per_expert <= 256:
-        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST)
-    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, n_fast=N_FAST)
+        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=TMA)
+    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, n_fast=N_FAST, tma=TMA)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -290,8 +297,11 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU: tl.constexpr, PREC: tl.constexpr, TopkIds=None, SELF_ROUTE: tl.constexpr = False,
     K_PAD: tl.constexpr = 8, BINS: tl.constexpr = 256, N_FAST: tl.constexpr = False,
+    Wd=None, TMA: tl.constexpr = False,
 ):
     # act[row] = act_fn(x @ gate[e].T) * (x @ up[e].T) for a block of rows sorted by expert
+    # TMA: Wd describes W as [E * 2N, K] in [BLOCK_N, BLOCK_K] tiles (N a multiple of BLOCK_N: a tile never
+    # crosses from gate to up or into the next expert; K's tail reads as zeros)
     pid_m, pid_n = _block_ids(N_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if SELF_ROUTE:  # rank the picked experts; the first column block records its block for the down kernel
@@ -319,15 +329,24 @@ def _gate_up_kernel(
     u_ptr = g_ptr + N * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = kk < K - k0
-        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bmask = kmask[:, None] & cmask[None, :]
-        acc_g += tl.dot(a, tl.load(g_ptr, mask=bmask, other=0.0), input_precision=PREC)
-        acc_u += tl.dot(a, tl.load(u_ptr, mask=bmask, other=0.0), input_precision=PREC)
-        a_ptr += BLOCK_K
-        g_ptr += BLOCK_K
-        u_ptr += BLOCK_K
+    if TMA:
+        n0 = (e * 2 * N + pid_n * BLOCK_N).to(tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = kk < K - k0
+            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            acc_g += tl.dot(a, Wd.load([n0, k0]).T, input_precision=PREC)
+            acc_u += tl.dot(a, Wd.load([n0 + N, k0]).T, input_precision=PREC)
+            a_ptr += BLOCK_K
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            kmask = kk < K - k0
+            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            bmask = kmask[:, None] & cmask[None, :]
+            acc_g += tl.dot(a, tl.load(g_ptr, mask=bmask, other=0.0), input_precision=PREC)
+            acc_u += tl.dot(a, tl.load(u_ptr, mask=bmask, other=0.0), input_precision=PREC)
+            a_ptr += BLOCK_K
+            g_ptr += BLOCK_K
+            u_ptr += BLOCK_K
     if SILU:
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     else:
@@ -343,8 +362,12 @@ def _down_kernel(
     stride_an, stride_we, stride_wn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     TopkIds=None, SELF_ROUTE: tl.constexpr = False, TOP_K: tl.constexpr = 1, N_FAST: tl.constexpr = False,
+    Ad=None, Wd=None, TMA: tl.constexpr = False,
 ):
     # y[pair] = w_pair * act[row] @ down[e].T, scattered to the pair's row of [T * k, H]
+    # TMA: Ad describes act [rows, K] in [BLOCK_M, BLOCK_K] tiles (a block's rows are contiguous; its padding
+    # rows hold whatever the gate/up kernel left there, which reaches only their own output rows, never stored),
+    # Wd the weight as [E * N, K] in [BLOCK_N, BLOCK_K] tiles (N a multiple of BLOCK_N)
     pid_m, pid_n = _block_ids(N_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -370,22 +393,47 @@ def _down_kernel(
             tl.store(y_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
             return
     kk = tl.arange(0, BLOCK_K)
-    a_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + kk[None, :]
-    b_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = kk < K - k0
-        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.dot(a, b, input_precision=PREC)
-        a_ptr += BLOCK_K
-        b_ptr += BLOCK_K
+    if TMA:
+        m0 = pid_m * BLOCK_M
+        n0 = (e * N + pid_n * BLOCK_N).to(tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            acc += tl.dot(Ad.load([m0, k0]), Wd.load([n0, k0]).T, input_precision=PREC)
+    else:
+        a_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + kk[None, :]
+        b_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            kmask = kk < K - k0
+            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc += tl.dot(a, b, input_precision=PREC)
+            a_ptr += BLOCK_K
+            b_ptr += BLOCK_K
     w = tl.load(TopkWeights + pair, mask=rmask, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 ACTIVATIONS = ("gelu_tanh", "silu")
+_TMA_DEVICES: dict[torch.device, bool] = {}
+
+
+def tma_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, pol: MoELaunch) -> bool:
+    """MoELaunch.tma can run here: a device with TMA (compute capability 9.0+; the Triton interpreter emulates
+    it), whole weight tensors (their 2D views are the descriptors' tensors), and column tiles that divide the
+    expert's rows (a tile must not cross into the next expert, or from gate to up)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ok = True
+    elif x.is_cuda:
+        if x.device not in _TMA_DEVICES:
+            _TMA_DEVICES[x.device] = torch.cuda.get_device_capability(x.device)[0] >= 9
+        ok = _TMA_DEVICES[x.device]
+    else:
+        ok = False
+    inter, hidden = down_proj.shape[2], down_proj.shape[1]
+    return (ok and gate_up_proj.is_contiguous() and down_proj.is_contiguous() and inter % pol.a_block_n == 0
+            and hidden % pol.b_block_n == 0 and gate_up_proj.data_ptr() % 16 == 0 and down_proj.data_ptr() % 16 == 0
+            and inter * down_proj.element_size() % 16 == 0 and hidden * gate_up_proj.element_size() % 16 == 0)
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
@@ -457,6 +505,12 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
 
     n_fast = pol.n_fast and num_blocks < 65536  # (grid axis 1 holds at most 65,535)
+    up_tma, down_tma = {}, {}
+    if pol.tma and not route and tma_usable(x, gate_up_proj, down_proj, pol):
+        gu2, dn2 = gate_up_proj.view(-1, hidden), down_proj.view(-1, inter)
+        up_tma = dict(Wd=TensorDescriptor.from_tensor(gu2, [pol.a_block_n, pol.a_block_k]), TMA=True)
+        down_tma = dict(Ad=TensorDescriptor.from_tensor(act, [pol.block_m, pol.b_block_k]),
+                        Wd=TensorDescriptor.from_tensor(dn2, [pol.b_block_n, pol.b_block_k]), TMA=True)
 
     def grid(n_blocks: int) -> tuple[int, int]:
         return (n_blocks, num_blocks) if n_fast else (num_blocks, n_blocks)
@@ -468,7 +522,7 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
             x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
             TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k,
             SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps,
-            num_stages=pol.a_stages, N_FAST=n_fast, **route, **up_route,
+            num_stages=pol.a_stages, N_FAST=n_fast, **route, **up_route, **up_tma,
         )
 
     def down() -> torch.Tensor:
@@ -478,7 +532,7 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
             act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
             BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n, BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype),
             num_warps=pol.b_warps, num_stages=pol.b_stages, N_FAST=n_fast, **route,
-            **({"TOP_K": top_k} if route else {}),
+            **({"TOP_K": top_k} if route else {}), **down_tma,
         )
         return y
 
