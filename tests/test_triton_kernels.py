@@ -238,6 +238,22 @@ def check_rot_keys():
         ref = A.ref_attention(q, 0)
         got = triton_attention(q, 0)
         _close("rot_keys decode (cached rotated keys) vs reference (rebuilt)", got, ref)
+        # the provider tells the launch policy that the rows keep the keys, and the kept-keys kernel on the
+        # 64-key tiles the policy gives such layers at head_dim 512 (4 warps, 2 stages) is right too
+        from compiled_llm.ops.triton import paged_attention as PA
+        from compiled_llm.ops.triton import providers as P
+
+        seen = []
+
+        def wide(*args, **kw):
+            seen.append(kw.get("rot_keys"))
+            return PA.AttnLaunch(num_splits=2, block_n=64, num_warps=4, num_stages=2)
+        real, P.attention_launch_policy = P.attention_launch_policy, wide
+        try:
+            _close("rot_keys decode, 64-key tiles", triton_attention(q, 0), ref)
+        finally:
+            P.attention_launch_policy = real
+        assert seen == [True]
         rows[0][..., d:] = torch.randn(rows[0][..., d:].shape, generator=g)  # (a shift alike for every key
         spoiled = triton_attention(q, 0)  # would cancel in the softmax)
     assert (spoiled - ref).abs().max() > 1e-1, "the decode kernel did not read the cached rotated keys"
@@ -460,12 +476,12 @@ def _check_moe(T, E, H, I, k, seed, policy=None):
     _close(f"moe T={T} E={E} H={H} I={I} k={k} policy={policy}", out, ref)
 
 
-def _check_moe_skipped(T, E, H, I, k, first, seed):
+def _check_moe_skipped(T, E, H, I, k, first, seed, policy=None):
     """Expert parallel: ids are global, this rank holds experts [first, first + E); the others are skipped."""
     import torch
 
     from compiled_llm.ops.moe import ref_geglu_moe
-    from compiled_llm.ops.triton.moe import fused_geglu_moe
+    from compiled_llm.ops.triton.moe import MoELaunch, fused_geglu_moe
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
@@ -481,7 +497,9 @@ def _check_moe_skipped(T, E, H, I, k, first, seed):
                 gate, up = (gate_up[local[t, j]] @ x[t]).chunk(2)
                 ref[t] += w[t, j] * (down[local[t, j]] @ (torch.nn.functional.gelu(gate, approximate="tanh") * up))
     _close(f"moe skipped ids reference T={T}", ref_geglu_moe(x, w, local, gate_up, down), ref)
-    _close(f"moe skipped ids T={T} E={E} first={first}", fused_geglu_moe(x, gate_up, down, w, local), ref)
+    pol = MoELaunch(*policy) if policy else None
+    _close(f"moe skipped ids T={T} E={E} first={first} policy={policy}",
+           fused_geglu_moe(x, gate_up, down, w, local, policy=pol), ref)
 
 
 def check_moe_align_sorted():
@@ -548,6 +566,30 @@ def _check_moe_start(T, E, H, I, k, gemma: bool, seed: int):
         assert torch.equal(out[True], out[False]) and torch.equal(out[False], slots)
 
 
+def _check_moe_tma():
+    """MoELaunch.tma (prefill tiers): the weight tiles, and the down kernel's activation rows, through TMA
+    descriptors (the interpreter emulates them): K tails in both GEMMs, several column blocks an expert, another
+    rank's pairs; and where the tiles do not divide the expert's rows the per-thread loads run instead."""
+    import os
+    from unittest import mock
+
+    import torch
+
+    from compiled_llm.ops.triton import moe as M
+
+    T = (32, 32, 32, 4, 2, 16, 64, 4, 2, False, False, True, True)  # tma, n_fast
+    assert M.tma_usable(torch.zeros(1, 80), torch.zeros(4, 192, 80), torch.zeros(4, 80, 96), M.MoELaunch(*T))
+    _check_moe(100, 4, 80, 96, 2, 12, policy=T)  # H 80 over 32-wide K steps, I 96 over 64
+    _check_moe(70, 6, 64, 64, 3, 17, policy=(64, 32, 32, 4, 2, 32, 32, 4, 2, False, False, False, True))
+    _check_moe_skipped(60, 4, 32, 32, 3, 4, 13, policy=(16, 32, 32, 4, 2, 32, 32, 4, 2, False, False, False, True))
+    # I 48 is not a whole number of 64-wide column tiles: not usable (the loads without TMA, still right)
+    assert not M.tma_usable(torch.zeros(1, 64), torch.zeros(4, 96, 64), torch.zeros(4, 64, 48),
+                            M.moe_launch_policy(100, 2, 4, 64, 48))
+    assert M.moe_launch_policy(8192, 8, 128, 2816, 704).tma and not M.moe_launch_policy(8, 8, 128, 2816, 704).tma
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):  # a CPU tensor without the interpreter: no TMA
+        assert not M.tma_usable(torch.zeros(1, 80), torch.zeros(4, 192, 80), torch.zeros(4, 80, 96), M.MoELaunch(*T))
+
+
 def check_moe():
     from compiled_llm.ops.triton.moe import moe_launch_policy
 
@@ -569,6 +611,7 @@ def check_moe():
     _check_moe(37, 6, 96, 40, 2, 2, policy=(32, 16, 32, 4, 2, 32, 16, 4, 2, False, False, True))
     _check_moe(100, 4, 64, 48, 2, 12)  # a prefill tier (50 pairs an expert): n_fast by default
     _check_moe_skipped(60, 4, 32, 24, 3, 4, 13)  # the same with another rank's pairs (45 an expert)
+    _check_moe_tma()
     _check_moe(20, 16, 64, 32, 1, 3)
     # decode batches up to block_m tokens: the grouped kernels rank the picked experts themselves
     pol = moe_launch_policy(2, 8, 128, 2816, 704)
@@ -943,3 +986,13 @@ def test_decode_split_policy_picks_the_h200_sweeps_best(seqs, ctx, head_dim, kv_
         want = (min(splits, 32), 64, 2, 8) if seqs == 1 else (splits, 32, 2, 4)
         assert (part.num_splits, part.block_n, part.num_stages, part.num_warps) == want
         assert (pol.block_n, pol.num_stages) == (16, 3)
+        # rows that keep the rotated keys (no rebuild): 64-key tiles at 4 warps, 2 stages at every batch (session 24's
+        # sweep); COMPILED_LLM_DECODE_ROT_TILE=32 gives the rebuild's tiles back for an A/B
+        kept = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True, rotated_pairs=64,
+                                          rot_keys=True)
+        assert (kept.num_splits, kept.block_n, kept.num_stages, kept.num_warps) == (want[0], 64, 2, 4)
+        import os
+        from unittest import mock
+        with mock.patch.dict(os.environ, {PA.ROT_TILE_ENV: "32"}):
+            assert PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True,
+                                              rotated_pairs=64, rot_keys=True) == part

@@ -13,6 +13,8 @@ per output half, each computing the full scores, so that a head_dim-512 tile kee
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +53,15 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
+ROT_TILE_ENV = "COMPILED_LLM_DECODE_ROT_TILE"  # 32: kept-keys decode on the rebuild's 32-key tiles (an A/B)
+
+
 def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, num_kv_heads: int = 1,
                             sliding_window: int | None = None, k_eq_v: bool = False, prefill: bool = False,
-                            num_sms: int = 132, rotated_pairs: int | None = None) -> AttnLaunch:
+                            num_sms: int = 132, rotated_pairs: int | None = None, rot_keys: bool = False) -> AttnLaunch:
     """Tile sizes and split count. Pass a fixed max_seq_len (e.g. the block-table width x page size) to
-    keep the choice stable across CUDA-graph replays."""
+    keep the choice stable across CUDA-graph replays. rot_keys: a K=V layer whose rows keep the rotated keys
+    (AttentionSpec.rot_keys): decode reads them, no rebuild."""
     # Register/smem figures from ptxas (triton 3.8, sm_90a, bf16) are noted per choice.
     if prefill:
         # H200 sweep (benchmarks/NOTES.md, 2026-11-29): 64-row tiles halve the d=512 prefill (6.2 vs 12.1 ms
@@ -90,6 +96,13 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
     want = triton.next_power_of_2(triton.cdiv(waves * num_sms, base))
     by_len = _pow2_floor(triton.cdiv(ctx, min_keys))
     splits = max(1, min(want, by_len, 64))
+    if rot_keys and k_eq_v and head_dim >= 512 and os.environ.get(ROT_TILE_ENV, "64") != "32":
+        # the kept keys free the rebuild's registers (sm_90: 148, no spill): 64-key tiles at 4 warps, 2 stages.
+        # H200 (session 24, decode_attention.py --layers global, rot keys cached): 37.85 / 40.05 us against
+        # 41.45 / 42.98 for the 32-key tiles at 8 x 4.4K / 4 x 8.5K, 12.32 against 12.49 at 1 x 1.1K, 3% slower
+        # at 8 x 1.1K; one sequence keeps at most 32 splits
+        return AttnLaunch(num_splits=min(splits, 32) if base <= 2 else splits, block_n=64, num_warps=4,
+                          num_stages=2)
     if partial and head_dim >= 512 and base <= 2:
         # one sequence of Gemma 4's global layers (H200 sweep, session 23, decode_attention.py at 1 x 1.1K with
         # the engine's table bound): 32 splits of 64-key tiles at 8 warps, 16.64 us against 19.15 for 64 splits of

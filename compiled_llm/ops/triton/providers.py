@@ -60,7 +60,7 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         max_len = tables.shape[1] * cache.shape[2]
         policy = attention_launch_policy(num_seqs, max_len, spec.head_dim, num_kv_heads=spec.num_kv_heads,
                                          sliding_window=spec.sliding_window, k_eq_v=source.k_eq_v,
-                                         rotated_pairs=source.rotated_pairs)
+                                         rotated_pairs=source.rotated_pairs, rot_keys=bool(source.rot_keys))
         MONITOR.note("paged_decode", key + (policy.num_splits,))
         out = torch.empty(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
         if q.shape[0] > num_seqs:  # padding rows past the batch come back as zeros (no fill kernel otherwise)
