@@ -88,6 +88,8 @@ for step in $steps; do
         --output ${SPARSE_OUTPUT:-256} --max-num-batched-tokens 8192 --profile-steps ${SPARSE_PROFILE:-0} \
         ${SPARSE_SYNTH:+--synthetic-prefill} --out "$OUT"  # SPARSE_SYNTH=1: decode-only (no prefill compute)
       done ;;
+    l2_prefetch) run l2_prefetch 200 python3 benchmarks/l2_prefetch.py ${L2_ARGS:-} \
+                   --out "$OUT/l2_prefetch${L2_TAG:-}.json" ;;  # issue 14: the o weight asked of L2 during attention
     pdl_chain) run pdl_chain 200 python3 benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" ;;  # PDL + L2 prefetch A/B
     decode_attn) run decode_attn 240 python3 benchmarks/decode_attention.py ${DECODE_ATTN_ARGS:-} \
                    --out "$OUT/decode_attention.json" ;;  # decode attention policies, KV read from HBM (issue 14)
@@ -111,7 +113,7 @@ for step in $steps; do
                   --out "$OUT/moe_stream${MOE_STREAM_TAG:-}.json" ;;  # e.g. MOE_STREAM_ARGS="--qwen --parts --distinct 56 --launch b_block_k=512" MOE_STREAM_TAG=_qwen
     skinny) run skinny 300 python3 benchmarks/skinny_gemm.py ${SKINNY_ARGS:-} --out "$OUT/skinny_gemm.json" ;;  # e.g. "--models qwen --tokens 1,8 --sweep"
     big26) run big26 260 python3 scripts/gpu_smoke.py --sections big --shape ${BIG26_SHAPE:-1024x8x256} \
-             ${BIG26_PASSES:+--compile-passes $BIG26_PASSES} --out "$OUT/big26_${BIG26_SHAPE:-1024x8x256}${BIG26_PASSES:+_passes}${BIG26_TAG:-}" ;;
+             ${BIG26_PASSES:+--compile-passes $BIG26_PASSES} ${BIG26_ARGS:-} --out "$OUT/big26_${BIG26_SHAPE:-1024x8x256}${BIG26_PASSES:+_passes}${BIG26_TAG:-}" ;;
     big26_serial)  # big26 with the JIT kernels built one by one at first launch (A/B of the parallel build)
       COMPILED_LLM_KERNEL_BUILD_WORKERS=0 run big26_serial 260 python3 scripts/gpu_smoke.py --sections big \
         --shape 1024x8x256 --out "$OUT/big26_serial" ;;

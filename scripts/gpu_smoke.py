@@ -222,6 +222,9 @@ def tiny(names: list[str], deadline: float, device: str = "cuda") -> bool:
     return ok
 
 
+ABLATE = None  # --ablate: a timing-only change of the model (wrong tokens), named in the results
+
+
 def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune: str = "off", tp: int = 1,
         tp_allreduce: str = "nccl", compile_passes: str | None = None) -> bool:
     from configs import write_checkpoint_folder
@@ -231,7 +234,8 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
-              enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b, fusion_check="error",
+              enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b,
+              fusion_check="warn" if ABLATE else "error",
               compile_sizes=compile_sizes, max_autotune=max_autotune, tensor_parallel_size=tp,
               tp_allreduce=tp_allreduce, compile_passes=compile_passes,
               async_scheduling=False)  # synchronous first; async_run then flips the same engine over
@@ -253,7 +257,7 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
     tok_s = b * o / statistics.median(times)
     stats = llm.engine.get_stats()
     RESULTS["big"] = {
-        "config": config, "shape": shape, "compile_sizes": compile_sizes, "max_autotune": max_autotune, "tp": tp, "tp_allreduce": tp_allreduce,
+        "config": config, "shape": shape, "ablate": ABLATE, "compile_sizes": compile_sizes, "max_autotune": max_autotune, "tp": tp, "tp_allreduce": tp_allreduce,
         "tok_s": round(tok_s, 1), "runs_s": [round(x, 3) for x in times],
         "startup_s": round(start, 1), "compile_s": round(comp.startup_seconds, 1),
         "matches": {k: v["matches"] for k, v in s["passes"].items()}, "pieces": s["pieces"],
@@ -428,8 +432,16 @@ def main() -> int:
     ap.add_argument("--compile-passes", default=None, help="big: the fusion passes to run (default: all that apply)")
     ap.add_argument("--tp-allreduce", default="nccl", help="big, --tp 2: nccl or symm-mem")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the tiny section's logic before a GPU call")
+    ap.add_argument("--ablate", default=None, choices=["gated_mlp"],
+                    help="big, timing only (the tokens are wrong): gated_mlp makes every GatedMLP (Gemma 4's dense "
+                         "MLP, Qwen3.5's shared expert) return zeros, which bounds what any work on that branch saves")
     args = ap.parse_args()
-    global OUT
+    global OUT, ABLATE
+    if args.ablate == "gated_mlp":
+        from compiled_llm.models.layers import mlp
+
+        mlp.GatedMLP.forward = lambda self, x: x * 0.0
+        ABLATE = args.ablate
     OUT = Path(args.out) if args.out else None
     if OUT:
         OUT.mkdir(parents=True, exist_ok=True)

@@ -269,6 +269,25 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     assert all(row["max_diff_vs_cublas"] < 1e-4 for row in rows)
 
 
+def test_l2_prefetch_and_prefill_kernels_dry_runs(tmp_path):
+    """benchmarks/l2_prefetch.py's decode-layer chain and prefill_kernels.py's MoE sweep with and without TMA
+    (MoELaunch.tma) run their CPU paths under the Triton interpreter; every MoE candidate agrees with the policy's."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "l2_prefetch.py"), "--dry-run"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0 and "dry run: chain ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "prefill.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_kernels.py"), "--smoke", "--groups", "moe",
+                        "--moe-tma", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["default"] and {row["cand"]["tma"] for row in rows} == {True, False}
+    assert all(row["ok"] for row in rows), rows
+
+
 def test_state_kernels_dry_run(tmp_path):
     """benchmarks/state_kernels.py (Qwen3.5's conv and delta-rule decode tiles, the MoE top-k sum's) runs its
     whole path on the CPU under the Triton interpreter: the first row of each group is the engine's launch, and
