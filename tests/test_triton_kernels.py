@@ -586,6 +586,13 @@ def _check_moe_tma():
     assert not M.tma_usable(torch.zeros(1, 64), torch.zeros(4, 96, 64), torch.zeros(4, 64, 48),
                             M.moe_launch_policy(100, 2, 4, 64, 48))
     assert M.moe_launch_policy(8192, 8, 128, 2816, 704).tma and not M.moe_launch_policy(8, 8, 128, 2816, 704).tma
+    # 193-256 pairs an expert with TMA: 128-row blocks at 8 warps (Gemma 4 at 4K tokens, Qwen3.5 at 8K); without: 64
+    for tokens, experts in ((4096, 128), (8192, 256)):
+        pol = M.moe_launch_policy(tokens, 8, experts, 2048, 512)
+        assert (pol.block_m, pol.a_warps, pol.b_warps, pol.tma) == (128, 8, 8, True), pol
+    assert M.moe_launch_policy(2048, 8, 128, 2816, 704).block_m == 64  # 128 pairs an expert
+    with mock.patch.object(M, "TMA", False):
+        assert M.moe_launch_policy(4096, 8, 128, 2816, 704).block_m == 64
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):  # a CPU tensor without the interpreter: no TMA
         assert not M.tma_usable(torch.zeros(1, 80), torch.zeros(4, 192, 80), torch.zeros(4, 80, 96), M.MoELaunch(*T))
 
