@@ -582,6 +582,11 @@ def _check_moe_tma():
     _check_moe(100, 4, 80, 96, 2, 12, policy=T)  # H 80 over 32-wide K steps, I 96 over 64
     _check_moe(70, 6, 64, 64, 3, 17, policy=(64, 32, 32, 4, 2, 32, 32, 4, 2, False, False, False, True))
     _check_moe_skipped(60, 4, 32, 32, 3, 4, 13, policy=(16, 32, 32, 4, 2, 32, 32, 4, 2, False, False, False, True))
+    # the decode tiers through TMA too (COMPILED_LLM_MOE_TMA=all): self-routed blocks (with another rank's pairs
+    # zeroed by the spare block), and one token's unsorted pairs
+    _check_moe(7, 8, 64, 64, 3, 21, policy=(16, 32, 64, 4, 2, 32, 64, 4, 2, False, True, False, True))
+    _check_moe_skipped(6, 16, 32, 32, 2, 16, 11, policy=(16, 32, 32, 4, 2, 32, 32, 4, 2, False, True, False, True))
+    _check_moe(1, 8, 64, 64, 2, 22, policy=(16, 32, 64, 4, 2, 32, 64, 4, 2, True, False, False, True))
     # I 48 is not a whole number of 64-wide column tiles: not usable (the loads without TMA, still right)
     assert not M.tma_usable(torch.zeros(1, 64), torch.zeros(4, 96, 64), torch.zeros(4, 64, 48),
                             M.moe_launch_policy(100, 2, 4, 64, 48))

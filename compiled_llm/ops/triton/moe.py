@@ -245,8 +245,11 @@ SELF_ROUTE_ENV = "COMPILED_LLM_MOE_SELF_ROUTE"
 SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1") != "0"
 N_FAST_ENV = "COMPILED_LLM_MOE_N_FAST"  # 0: prefill-sized batches launch row blocks first (an A/B of MoELaunch.n_fast)
 N_FAST = os.environ.get(N_FAST_ENV, "1") != "0"
-TMA_ENV = "COMPILED_LLM_MOE_TMA"  # 0: prefill-sized batches load the weight tiles without TMA (an A/B of MoELaunch.tma)
+# 0: prefill-sized batches load the weight tiles without TMA (an A/B of MoELaunch.tma); all: decode-sized batches
+# through TMA too (not measured yet: an experiment for the GPU, off by default)
+TMA_ENV = "COMPILED_LLM_MOE_TMA"
 TMA = os.environ.get(TMA_ENV, "1") != "0"
+TMA_DECODE = os.environ.get(TMA_ENV, "1") == "all"
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -254,7 +257,7 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
     Prefill-sized batches are compute bound: large tiles. One token: the decode tier's tiles, unsorted (its
     alignment was a 4-5 us launch a layer of a 26B-A4B batch-1 decode step on the H200, session 12)."""
     if num_tokens == 1 and UNSORTED_ONE_TOKEN:
-        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, unsorted=True)
+        return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 4, unsorted=True, tma=TMA_DECODE)
     pairs_per_expert = num_tokens * top_k / max(1, num_experts)
     if pairs_per_expert <= 2:  # decode (T <= ~32 for E=128, k=8)
         # up to 16 tokens without an alignment launch: the gate/up kernel ranks the picked experts (E bins) and
@@ -265,9 +268,9 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
         # steps a program. H200, Qwen3.5 35B-A3B (I 512) at 56 experts (session 23, moe_stream --launch, two
         # calls): down 31.98 -> 31.07 and 31.96 -> 31.02 us; Gemma 4 (I 704) keeps 4
         return MoELaunch(16, 32, 128, 4, 4, 64, 128, 4, 2 if inter <= 512 else 4,
-                         self_routed=SELF_ROUTE and num_tokens <= 16)
+                         self_routed=SELF_ROUTE and num_tokens <= 16, tma=TMA_DECODE)
     if pairs_per_expert <= 16:
-        return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3)
+        return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3, tma=TMA_DECODE)
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
     # Qwen3.5 549 -> 534), 256-column down tiles at 8,192 (2,362 -> 2,285 us; 1,579 -> 1,457)
     if pairs_per_expert <= 96:
@@ -511,7 +514,7 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
 
     n_fast = pol.n_fast and num_blocks < 65536  # (grid axis 1 holds at most 65,535)
     up_tma, down_tma = {}, {}
-    if pol.tma and not route and tma_usable(x, gate_up_proj, down_proj, pol):
+    if pol.tma and tma_usable(x, gate_up_proj, down_proj, pol):
         gu2, dn2 = gate_up_proj.view(-1, hidden), down_proj.view(-1, inter)
         up_tma = dict(Wd=TensorDescriptor.from_tensor(gu2, [pol.a_block_n, pol.a_block_k]), TMA=True)
         down_tma = dict(Ad=TensorDescriptor.from_tensor(act, [pol.block_m, pol.b_block_k]),
