@@ -600,6 +600,24 @@ def _check_moe_tma():
         assert M.moe_launch_policy(4096, 8, 128, 2816, 704).block_m == 64
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):  # a CPU tensor without the interpreter: no TMA
         assert not M.tma_usable(torch.zeros(1, 80), torch.zeros(4, 192, 80), torch.zeros(4, 80, 96), M.MoELaunch(*T))
+        # a GPU with TMA whose experts' rows the tiles do not divide (Gemma 4 at TP 2: I = 352): a warning, once
+        import logging
+        from types import SimpleNamespace
+
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        M.log.addHandler(handler)
+        gpu = SimpleNamespace(is_cuda=True, device="cuda:7")
+        try:
+            with mock.patch.dict(M._TMA_DEVICES, {"cuda:7": True}):
+                pol = M.moe_launch_policy(8192, 8, 128, 2816, 352)
+                for _ in range(2):
+                    assert not M.tma_usable(gpu, torch.zeros(4, 704, 256), torch.zeros(4, 256, 352), pol)
+                assert M.tma_usable(gpu, torch.zeros(4, 1408, 256), torch.zeros(4, 256, 704), pol)
+        finally:
+            M.log.removeHandler(handler)
+        assert len(records) == 1 and "without TMA" in records[0].getMessage(), records
 
 
 def check_moe():
