@@ -570,7 +570,6 @@ def _check_moe_tma():
     """MoELaunch.tma (prefill tiers): the weight tiles, and the down kernel's activation rows, through TMA
     descriptors (the interpreter emulates them): K tails in both GEMMs, several column blocks an expert, another
     rank's pairs; and where the tiles do not divide the expert's rows the per-thread loads run instead."""
-    import os
     from unittest import mock
 
     import torch
@@ -598,7 +597,7 @@ def _check_moe_tma():
     assert M.moe_launch_policy(2048, 8, 128, 2816, 704).block_m == 64  # 128 pairs an expert
     with mock.patch.object(M, "TMA", False):
         assert M.moe_launch_policy(4096, 8, 128, 2816, 704).block_m == 64
-    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):  # a CPU tensor without the interpreter: no TMA
+    with mock.patch.object(M, "_INTERPRETED", False):  # a CPU tensor without the interpreter: no TMA
         assert not M.tma_usable(torch.zeros(1, 80), torch.zeros(4, 192, 80), torch.zeros(4, 80, 96), M.MoELaunch(*T))
         # a GPU with TMA whose experts' rows the tiles do not divide (Gemma 4 at TP 2: I = 352): a warning, once
         import logging

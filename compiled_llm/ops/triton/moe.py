@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from compiled_llm.ops.triton._common import _dot, _gelu_tanh, dot_f32, dot_precision
+from compiled_llm.ops.triton._common import _INTERPRETED, _dot, _gelu_tanh, dot_f32, dot_precision
 
 log = logging.getLogger("compiled_llm")
 
@@ -336,8 +336,6 @@ def _gate_up_kernel(
     cmask = cols < N
     kk = tl.arange(0, BLOCK_K)
     a_ptr = X + tok[:, None] * stride_xt + kk[None, :]
-    g_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
-    u_ptr = g_ptr + N * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if TMA:
@@ -349,6 +347,8 @@ def _gate_up_kernel(
             acc_u += tl.dot(a, Wd.load([n0 + N, k0]).T, input_precision=PREC)
             a_ptr += BLOCK_K
     else:
+        g_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+        u_ptr = g_ptr + N * stride_wn
         for k0 in range(0, K, BLOCK_K):
             kmask = kk < K - k0
             a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -434,7 +434,7 @@ def tma_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Ten
     """MoELaunch.tma can run here: a device with TMA (compute capability 9.0+; the Triton interpreter emulates
     it), whole weight tensors (their 2D views are the descriptors' tensors), and column tiles that divide the
     expert's rows (a tile must not cross into the next expert, or from gate to up)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRETED:
         ok = True
     elif x.is_cuda:
         if x.device not in _TMA_DEVICES:

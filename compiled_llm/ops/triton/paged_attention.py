@@ -14,7 +14,6 @@ per output half, each computing the full scores, so that a head_dim-512 tile kee
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 
 import torch
