@@ -179,14 +179,16 @@ def attention_case(S, layer, lens, dev, dt, seed):
     return (q, cache, bt, qsl, sl), opts, 4.0 * S["HQ"] * d * pairs
 
 
-def attention_group(S, lens, dev, dt, time_fn, rows, smoke):
+def attention_group(S, lens, dev, dt, time_fn, rows, smoke, quick=False):
     R = dataclasses.replace
     for kind in ("sliding", "glob"):
         layer = S[kind]
         args, opts, flops = attention_case(S, layer, lens, dev, dt, seed=2)
         p0 = PA.attention_launch_policy(len(lens), 0, layer["head_dim"], prefill=True)
-        cands = [p0]
-        if smoke:
+        cands = [p0, R(p0, interior=not p0.interior)]  # the interior tiles without masks, and every tile masked
+        if quick:
+            pass
+        elif smoke:
             cands += [R(p0, block_m=32, block_n=16), R(p0, num_warps=4), R(p0, split_d=True)]
         else:
             bns = (16, 32, 64) if layer["head_dim"] >= 512 else (32, 64, 128)
@@ -233,6 +235,8 @@ def main() -> int:
                     help="MoE: only the launch order (MoELaunch.n_fast) and two larger column tiles in each order")
     ap.add_argument("--moe-tma", action="store_true",
                     help="MoE: the policy's tiles with and without TMA (MoELaunch.tma), and a few TMA tiles")
+    ap.add_argument("--attn-quick", action="store_true",
+                    help="attention: the policy's launch and the same with every key tile masked (no sweep)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     global SHARD
@@ -252,7 +256,7 @@ def main() -> int:
             moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order, a.moe_tma)
     if "attention" in groups and "glob" in S:
         for lens in att:
-            attention_group(S, lens, dev, dt, time_fn, rows, a.smoke)
+            attention_group(S, lens, dev, dt, time_fn, rows, a.smoke, a.attn_quick)
     if SHARD is not None:
         return 0
     lines = summary(rows)

@@ -387,9 +387,54 @@ def _check_split_d_same(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_
     _close(name + " (split-d) vs float32 reference", outs[1], ref, rtol=5e-2, atol=5e-2)
 
 
+def _check_prefill_interior():
+    """The prefill's interior key tiles (no position masks) give bit for bit what masking every tile gives, and
+    cases with whole tiles inside the causal edge and the window do take them (the tile helper counted)."""
+    import torch
+
+    from compiled_llm.ops.triton import paged_attention as PA
+
+    PA.DENSE_K_LIMIT_BYTES = 1 << 30
+    orig, calls = PA._prefill_tile, {True: 0, False: 0}
+
+    def counting(*args):
+        calls[bool(args[16])] += 1  # MASK
+        return orig.fn(*args)
+
+    cases = [  # (seq_lens, q_lens, group, head_dim, window, k_eq_v, block_m, block_n, split_d, inloop_k)
+        ([100, 9], [90, 9], 1, 32, 50, False, 16, 16, False, False),
+        ([77, 40], [40, 40], 2, 32, None, False, 32, 16, False, False),  # causal, a cached prefix
+        ([13, 77], [13, 40], 8, 64, None, True, 32, 16, True, False),  # K=V dense keys, split output
+        ([96], [64], 4, 32, 33, True, 16, 16, False, True),  # K=V keys rebuilt in the loop, sliding
+    ]
+    PA._prefill_tile = counting
+    try:
+        for lens, q_lens, group, d, window, k_eq_v, bm, bn, split_d, inloop_k in cases:
+            PA.DENSE_K_LIMIT_BYTES = 0 if inloop_k else 1 << 30
+            q, cache, bt, extra = _attn_case(lens, q_lens, page=16, kv_heads=2, group=group, head_dim=d,
+                                             window=window, k_eq_v=k_eq_v)
+            opts = dict(scale=d ** -0.5, sliding_window=window, k_eq_v=k_eq_v, num_kv_heads=2, head_dim=d, **extra)
+            sl = torch.tensor(lens, dtype=torch.int32)
+            qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+            outs, unmasked = [], []
+            for interior in (True, False):
+                calls.update({True: 0, False: 0})
+                pol = PA.AttnLaunch(block_m=bm, block_n=bn, split_d=split_d, interior=interior)
+                outs.append(PA.paged_prefill(q, cache, bt, qsl, sl, policy=pol, **opts))
+                unmasked.append(calls[False])
+            name = f"prefill interior tiles lens={lens} q={q_lens} g={group} W={window} kv=v:{k_eq_v} split-d:{split_d}"
+            ok = torch.equal(outs[0], outs[1]) and unmasked[0] > 0 and unmasked[1] == 0
+            print(f"  {name}: equal {torch.equal(outs[0], outs[1])}, unmasked tiles {unmasked} {'ok' if ok else 'FAIL'}")
+            assert ok, name
+    finally:
+        PA._prefill_tile = orig
+        PA.DENSE_K_LIMIT_BYTES = 1 << 30
+
+
 def check_prefill():
     import torch
 
+    _check_prefill_interior()
     for case in PREFILL_CASES:
         _check_attention("prefill", **case)
     for case in SPLIT_D_CASES:

@@ -42,6 +42,9 @@ class AttnLaunch:
     # full scores (twice the QK^T work) but each keeps one [block_m, head_dim/2] accumulator, so larger tiles
     # fit. Not for K=V layers whose keys are rebuilt in the loop (that needs both halves of v): ignored there.
     split_d: bool = False
+    # prefill: the key tiles that every row of the query tile sees whole (inside the causal edge and the window,
+    # none past the last key) run without the position masks; only the edge tiles build and apply them
+    interior: bool = True
 
 
 # a d=512 prefill whose keys are rebuilt in the loop cannot split the output (the rebuild needs all of v)
@@ -52,6 +55,7 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
+PREFILL_INTERIOR_ENV = "COMPILED_LLM_PREFILL_INTERIOR"  # 0: every prefill key tile masked (an A/B)
 ROT_TILE_ENV = "COMPILED_LLM_DECODE_ROT_TILE"  # 32: kept-keys decode on the rebuild's 32-key tiles (an A/B)
 
 
@@ -67,11 +71,12 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
         # at 8192 tokens); 128x64 tiles are 15% faster than 64x32 at d=256. Session 17 (prefill_kernels.py):
         # at d=512 one program per output half with 128 x 64 tiles and one stage, 4.58 vs 6.20 ms at 8,192
         # tokens and 0.74 vs 0.91 ms at 8 x 1,024 (the only split tile that fits shared memory with 64 keys)
+        interior = os.environ.get(PREFILL_INTERIOR_ENV, "1") != "0"
         if head_dim >= 512:  # K from the dense rebuilt buffer
-            return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=1, split_d=True)
+            return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=1, split_d=True, interior=interior)
         if head_dim >= 256:
-            return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=2)
-        return AttnLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2)
+            return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=2, interior=interior)
+        return AttnLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2, interior=interior)
     # K=V with a quarter of the angles rotating (Gemma 4's global layers): keys rebuilt for those dims only
     partial = k_eq_v and rotated_block(rotated_pairs, head_dim // 2) < head_dim // 2
     if head_dim >= 512:
@@ -417,6 +422,62 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
 # prefill: variable-length chunked prefill over the paged context
 
 
+@triton.jit
+def _prefill_tile(kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
+                  MASK: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                  SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
+                  BIDIR: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr, SPLIT_D: tl.constexpr):
+    """One key tile of the prefill's online softmax: keys kstart + n. MASK: the positions past `last`, after a
+    row's own or outside its window are masked (and not loaded); without it every key of the tile is seen by
+    every row (the caller's interior tiles)."""
+    K, V, seq, kvh, d, dmask, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, vpart = kv
+    pos = kstart + n
+    if MASK:
+        pmask = pos < last
+        kvmask = pmask[:, None] & dmask[None, :]
+        page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+    else:
+        kvmask = (pos >= 0)[:, None] & dmask[None, :]  # folds to d < HALF (all true where BLOCK_D == HALF)
+        page = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    slot = pos % PAGE
+    v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+    if SPLIT_D:
+        v1 = tl.load(V + v_off + vpart, mask=kvmask, other=0.0)  # this program's half
+        v2 = v1
+    else:
+        v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
+        v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
+    if K_DENSE:
+        k_off = seq.to(tl.int64) * stride_kb + (pos * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+        k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
+        k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
+    elif K_EQ_V:
+        w1, w2, inv, cos_b, sin_b = rope
+        k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
+    else:
+        k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
+    qk = _dot(q1, tl.trans(k1), PREC, F32) + _dot(q2, tl.trans(k2), PREC, F32)
+    s = _scores(qk, scale, softcap, SOFTCAP)
+    if MASK:
+        allowed = pmask[None, :] & (pos[None, :] <= qpos[:, None])
+        if BIDIR:
+            span_lo, span_hi = span
+            in_span = (pos[None, :] >= span_lo[:, None]) & (pos[None, :] < span_hi[:, None])
+            allowed = allowed | (pmask[None, :] & in_span)
+        if SLIDING:
+            allowed = allowed & (pos[None, :] > qpos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = p.to(v1.dtype)
+    acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
+    if not SPLIT_D:
+        acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
+    return m_new, l_i, acc1, acc2
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     Q, K, V, BlockTables, SeqLens, QueryStart, KNorm, InvFreq, Out, SpanLo, SpanHi,
@@ -430,6 +491,7 @@ def _prefill_kernel(
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
     BIDIR: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr = False, SPLIT_D: tl.constexpr = False,
+    INTERIOR: tl.constexpr = False,
 ):
     # K_DENSE: keys come pre-rebuilt from a dense [num_seqs, positions, kv_heads, head_dim] buffer (K)
     # BIDIR: each new token also sees the keys of its span [SpanLo, SpanHi) (media tokens, both ways)
@@ -494,46 +556,44 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # SPLIT_D: this program's half only
-    if not SPLIT_D:
+    if SPLIT_D:
+        acc2 = tl.zeros([1, 1], tl.float32)  # unused
+        vpart = part * HALF
+    else:
         acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for kstart in range(first, last, BLOCK_N):
-        pos = kstart + n
-        pmask = pos < last
-        page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
-        slot = pos % PAGE
-        kvmask = pmask[:, None] & dmask[None, :]
-        v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
-        if SPLIT_D:
-            v1 = tl.load(V + v_off + part * HALF, mask=kvmask, other=0.0)  # this program's half
-        else:
-            v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
-            v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
-        if K_DENSE:
-            k_off = seq.to(tl.int64) * stride_kb + (pos * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
-            k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
-            k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
-        elif K_EQ_V:
-            k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
-        else:
-            k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
-        qk = _dot(q1, tl.trans(k1), PREC, F32) + _dot(q2, tl.trans(k2), PREC, F32)
-        s = _scores(qk, scale, softcap, SOFTCAP)
-        allowed = pmask[None, :] & (pos[None, :] <= qpos[:, None])
-        if BIDIR:
-            in_span = (pos[None, :] >= span_lo[:, None]) & (pos[None, :] < span_hi[:, None])
-            allowed = allowed | (pmask[None, :] & in_span)
-        if SLIDING:
-            allowed = allowed & (pos[None, :] > qpos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv = p.to(v1.dtype)
-        acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
-        if not SPLIT_D:
-            acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
-        m_i = m_new
+        vpart = 0
+    if K_EQ_V and not K_DENSE:
+        rope = (w1, w2, inv, cos_b, sin_b)
+    else:
+        rope = (0.0, 0.0, 0.0, 0.0, 0.0)  # unused
+    if BIDIR:
+        span = (span_lo, span_hi)
+    else:
+        span = (0, 0)  # unused
+    kv = (K, V, seq, kvh, d, dmask, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, vpart)
+    # INTERIOR: three runs of the same tiles: [first, a_end) and [b_end, last) masked, [a_end, b_end) without
+    # the position masks (every row sees every key there: past the window's edge for the tile's last query,
+    # at or before the first query's position, before `last`). Spans (BIDIR) widen `last`: all tiles masked.
+    a_end = first
+    b_end = first
+    if INTERIOR and not BIDIR:
+        if SLIDING:  # the window's edge: masked tiles up to the first tile every row sees whole
+            full_lo = tl.maximum(first, ctx0 + q_off + BLOCK_Q - window)
+            a_end = tl.minimum(first + tl.cdiv(full_lo - first, BLOCK_N) * BLOCK_N, last)
+            for kstart in range(first, a_end, BLOCK_N):
+                m_i, l_i, acc1, acc2 = _prefill_tile(
+                    kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
+                    True, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32, SPLIT_D)
+        full_hi = tl.minimum(ctx0 + q_off + 1, last)
+        b_end = a_end + tl.maximum(full_hi - a_end, 0) // BLOCK_N * BLOCK_N
+        for kstart in range(a_end, b_end, BLOCK_N):
+            m_i, l_i, acc1, acc2 = _prefill_tile(
+                kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
+                False, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32, SPLIT_D)
+    for kstart in range(b_end, last, BLOCK_N):
+        m_i, l_i, acc1, acc2 = _prefill_tile(
+            kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
+            True, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32, SPLIT_D)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o_ptr = Out + (q_begin + tok).to(tl.int64)[:, None] * stride_ot + (head * stride_oh)[:, None] + d[None, :]
@@ -660,6 +720,7 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         PAGE=page, BLOCK_N=block_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, K_DENSE=dense,
         BIDIR=spans is not None, PREC=dot_precision(q.dtype), F32=dot_f32(q.dtype), SPLIT_D=split_d,
+        INTERIOR=pol.interior,
         num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     return out
