@@ -659,13 +659,49 @@ def _check_moe_tma():
                 for _ in range(2):
                     assert not M.tma_usable(gpu, torch.zeros(4, 704, 256), torch.zeros(4, 256, 352), pol)
                 assert M.tma_usable(gpu, torch.zeros(4, 1408, 256), torch.zeros(4, 256, 704), pol)
+                # JIT warm-up's zero-stride stand-ins: not usable, and no warning (they are not served weights)
+                stand_ins = (torch.zeros(1, 1408, 256).expand(4, -1, -1), torch.zeros(1, 256, 704).expand(4, -1, -1))
+                assert not M.tma_usable(gpu, *stand_ins, pol)
         finally:
             M.log.removeHandler(handler)
         assert len(records) == 1 and "without TMA" in records[0].getMessage(), records
 
 
+def _check_moe_warmup_tma():
+    """JIT warm-up builds the TMA launches of the prefill tiers (on whole stand-in weights: the zero-stride ones the
+    other builds use cannot hold a descriptor), so no prompt builds a kernel while serving."""
+    from unittest import mock
+
+    import torch
+
+    from compiled_llm.ops.triton import moe as M
+    from compiled_llm.ops.triton import providers as P
+
+    hidden, experts, inter, top_k, max_tokens = 256, 4, 64, 2, 600
+    tma_tokens = {t for t in M.launch_variants(experts, top_k, hidden, inter, max_tokens)
+                  if M.moe_launch_policy(t, top_k, experts, hidden, inter).tma}
+    built, usable = set(), M.tma_usable
+
+    def spy(x, gate_up, down, pol):
+        ok = usable(x, gate_up, down, pol)
+        if ok:
+            built.add(x.shape[0])
+        return ok
+
+    for compile_fn in (P._moe_compile, P._swiglu_compile):
+        built.clear()
+        with mock.patch.object(M, "tma_usable", spy):
+            compile_fn((torch.float32, hidden, experts, inter, top_k, max_tokens), "cpu")
+        ok = len(tma_tokens) >= 2 and built == tma_tokens
+        print(f"  warm-up TMA builds ({compile_fn.__name__}): TMA classes {sorted(tma_tokens)}, built {sorted(built)} "
+              f"{'ok' if ok else 'FAIL'}")
+        assert ok
+
+
 def check_moe():
     from compiled_llm.ops.triton.moe import moe_launch_policy
+
+    _check_moe_warmup_tma()
 
     _check_moe_start(5, 8, 64, 48, 2, True, 0)
     _check_moe_start(1, 8, 64, 48, 3, True, 1)  # one token: pairs unsorted

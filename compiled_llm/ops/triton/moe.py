@@ -300,7 +300,7 @@ def _block_ids(N_FAST: tl.constexpr):
     return tl.program_id(0), tl.program_id(1)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "E"])  # E: JIT warm-up builds on fewer experts
 def _gate_up_kernel(
     X, W, SortedIds, ExpertIds, NumPadded, Act,
     num_pairs, N, K, E,
@@ -366,7 +366,7 @@ def _gate_up_kernel(
     tl.store(out_ptr, act.to(Act.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "E"])  # E: JIT warm-up builds on fewer experts
 def _down_kernel(
     Act, W, SortedIds, ExpertIds, NumPadded, TopkWeights, Y,
     num_pairs, N, K, E,
@@ -449,7 +449,8 @@ def tma_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Ten
             and hidden % pol.b_block_n == 0 and gate_up_proj.data_ptr() % 16 == 0 and down_proj.data_ptr() % 16 == 0
             and inter * down_proj.element_size() % 16 == 0 and hidden * gate_up_proj.element_size() % 16 == 0)
     key = (tuple(gate_up_proj.shape), tuple(down_proj.shape), pol.a_block_n, pol.b_block_n)
-    if not fits and x.is_cuda and key not in _TMA_WARNED:  # a GPU that has TMA, weights that do not fit it
+    # a GPU that has TMA, weights that do not fit it (zero-stride stand-ins, JIT warm-up's, are not served weights)
+    if not fits and x.is_cuda and gate_up_proj.stride(0) != 0 and key not in _TMA_WARNED:
         _TMA_WARNED.add(key)
         log.warning("grouped MoE GEMMs (experts %s / %s): the weight tiles load without TMA (non-contiguous weights, "
                     "or %d-wide gate/up and %d-wide down tiles that do not divide the expert's rows); about 10%% "

@@ -21,8 +21,8 @@ from compiled_llm.ops.context import (AttentionMetadata, ForwardContext, GroupMe
                                       set_forward_context)
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.moe_overlap import route
-from compiled_llm.ops.triton.moe import (fused_geglu_moe, fused_router_topk, fused_swiglu_moe, launch_variants,
-                                         moe_launch_policy)
+from compiled_llm.ops.triton.moe import (fused_geglu_moe, fused_moe, fused_router_topk, fused_swiglu_moe,
+                                         launch_variants, moe_align, moe_launch_policy)
 from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
 
 SPLITS = [1 << i for i in range(8)]  # decode split-K counts the launch policy can pick
@@ -229,6 +229,25 @@ def _moe_weights(experts: int, inter: int, hidden: int, dtype, device):
     return gate_up, torch.zeros(1, hidden, inter, dtype=dtype, device=device).expand(experts, -1, -1)
 
 
+def _moe_tma_builds(tokens: int, ids: torch.Tensor, weights: torch.Tensor, experts: int, inter: int, hidden: int,
+                    activation: str) -> None:
+    """The build of a batch-size class whose grouped GEMMs load their weight tiles through TMA (moe_launch_policy's
+    prefill tiers): its descriptors need whole weight tensors, which the zero-stride stand-ins are not, and
+    allocating every expert (~1.5 GB at 26B-A4B) at warm-up could take memory the KV cache was given. Those
+    builds take the expert count as a runtime argument (not specialised), so top_k experts' zero weights stand in,
+    with the picks folded onto them, the launch of the real expert count and its alignment (that build too)."""
+    top_k = ids.shape[1]
+    pol = moe_launch_policy(tokens, top_k, experts, hidden, inter)
+    if not pol.tma:
+        return
+    x = torch.zeros(tokens, hidden, dtype=weights.dtype, device=ids.device)
+    gate_up = torch.zeros(top_k, 2 * inter, hidden, dtype=x.dtype, device=x.device)
+    down = torch.zeros(top_k, hidden, inter, dtype=x.dtype, device=x.device)
+    ids = ids.remainder(top_k)
+    fused_moe(x, gate_up, down, weights, ids, activation=activation, policy=pol,
+              alignment=moe_align(ids, experts, pol.block_m))
+
+
 def _moe_compile(key, device) -> None:
     dtype, hidden, experts, inter, top_k, max_tokens = key
     gate_up, down = _moe_weights(experts, inter, hidden, dtype, device)
@@ -238,6 +257,7 @@ def _moe_compile(key, device) -> None:
                              torch.ones(hidden, dtype=dtype, device=device),
                              torch.ones(experts, dtype=dtype, device=device), top_k, 1e-6, hidden ** -0.5)
         geglu_moe(x, w, ids, gate_up, down)
+        _moe_tma_builds(tokens, ids, w, experts, inter, hidden, "gelu_tanh")
         moe_start(x, torch.zeros(experts, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device),
                   torch.ones(experts, dtype=dtype, device=device), x, gate_up, down, top_k, 1e-6, hidden ** -0.5, 0,
                   "gelu_tanh", False)  # the overlapped branch (the router kernel that aligns too)
@@ -250,6 +270,7 @@ def _swiglu_compile(key, device) -> None:
         x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
         w, ids = softmax_router_topk(x, torch.zeros(experts, hidden, dtype=dtype, device=device), top_k)
         swiglu_moe(x, w.to(dtype), ids, gate_up, down)
+        _moe_tma_builds(tokens, ids, w.to(dtype), experts, inter, hidden, "silu")
         moe_start(x, torch.zeros(experts, hidden, dtype=dtype, device=device), None, None, x, gate_up, down, top_k, 0.0,
                   1.0, 0, "silu", True)
 
