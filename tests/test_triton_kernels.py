@@ -635,11 +635,12 @@ def _check_moe_tma():
     assert not M.tma_usable(torch.zeros(1, 64), torch.zeros(4, 96, 64), torch.zeros(4, 64, 48),
                             M.moe_launch_policy(100, 2, 4, 64, 48))
     assert M.moe_launch_policy(8192, 8, 128, 2816, 704).tma and not M.moe_launch_policy(8, 8, 128, 2816, 704).tma
-    # 193-256 pairs an expert with TMA: 128-row blocks at 8 warps (Gemma 4 at 4K tokens, Qwen3.5 at 8K); without: 64
-    for tokens, experts in ((4096, 128), (8192, 256)):
+    # 97-256 pairs an expert with TMA: 128-row blocks at 8 warps (Gemma 4 at 2-4K tokens, Qwen3.5 at 4-8K); without
+    # TMA, and at 96 pairs or fewer: 64
+    for tokens, experts in ((4096, 128), (8192, 256), (2048, 128), (4096, 256)):
         pol = M.moe_launch_policy(tokens, 8, experts, 2048, 512)
         assert (pol.block_m, pol.a_warps, pol.b_warps, pol.tma) == (128, 8, 8, True), pol
-    assert M.moe_launch_policy(2048, 8, 128, 2816, 704).block_m == 64  # 128 pairs an expert
+    assert M.moe_launch_policy(1536, 8, 128, 2816, 704).block_m == 64  # 96 pairs an expert
     with mock.patch.object(M, "TMA", False):
         assert M.moe_launch_policy(4096, 8, 128, 2816, 704).block_m == 64
     with mock.patch.object(M, "_INTERPRETED", False):  # a CPU tensor without the interpreter: no TMA
@@ -680,18 +681,19 @@ def _check_moe_warmup_tma():
     hidden, experts, inter, top_k, max_tokens = 256, 4, 64, 2, 600
     tma_tokens = {t for t in M.launch_variants(experts, top_k, hidden, inter, max_tokens)
                   if M.moe_launch_policy(t, top_k, experts, hidden, inter).tma}
-    built, usable = set(), M.tma_usable
+    seen, usable = set(), M.tma_usable
 
     def spy(x, gate_up, down, pol):
         ok = usable(x, gate_up, down, pol)
         if ok:
-            built.add(x.shape[0])
+            seen.add((x.shape[0], x.dtype, gate_up.dtype, down.dtype))
         return ok
 
     for compile_fn in (P._moe_compile, P._swiglu_compile):
-        built.clear()
-        with mock.patch.object(M, "tma_usable", spy):
-            compile_fn((torch.float32, hidden, experts, inter, top_k, max_tokens), "cpu")
+        seen.clear()
+        with mock.patch.object(M, "tma_usable", spy):  # the model's dtype (the routing weights are float32)
+            compile_fn((torch.bfloat16, hidden, experts, inter, top_k, max_tokens), "cpu")
+        built = {t for t, *dtypes in seen if dtypes == [torch.bfloat16] * 3}
         ok = len(tma_tokens) >= 2 and built == tma_tokens
         print(f"  warm-up TMA builds ({compile_fn.__name__}): TMA classes {sorted(tma_tokens)}, built {sorted(built)} "
               f"{'ok' if ok else 'FAIL'}")

@@ -279,10 +279,10 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
     if pairs_per_expert <= 96:
         return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST, tma=TMA)
     if pairs_per_expert <= 256:
-        if TMA and pairs_per_expert > 192:
-            # with TMA, 128-row blocks at 8 warps (H200, session 25, prefill_kernels --moe-tma at 256 pairs an
-            # expert): Gemma 4 at 4,096 tokens 1,190 -> 1,078 us, Qwen3.5 at 8,192 1,304 -> 1,252; the tier's lower
-            # end (more padding in 128-row blocks) is not measured, so it keeps the 64-row blocks
+        if TMA:
+            # with TMA, 128-row blocks at 8 warps (H200, prefill_kernels --moe-tma): at 256 pairs an expert (session
+            # 25) Gemma 4 at 4,096 tokens 1,190 -> 1,078 us, Qwen3.5 at 8,192 1,304 -> 1,252; the tier's lower end
+            # (session 26, Gemma 4) at 2,048 tokens (128 pairs) 728 -> 716 us, at 3,072 (192) 967 -> 926
             return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=True)
         return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=TMA)
     return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, n_fast=N_FAST, tma=TMA)

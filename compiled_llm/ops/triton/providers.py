@@ -230,7 +230,7 @@ def _moe_weights(experts: int, inter: int, hidden: int, dtype, device):
 
 
 def _moe_tma_builds(tokens: int, ids: torch.Tensor, weights: torch.Tensor, experts: int, inter: int, hidden: int,
-                    activation: str) -> None:
+                    dtype: torch.dtype, activation: str) -> None:
     """The build of a batch-size class whose grouped GEMMs load their weight tiles through TMA (moe_launch_policy's
     prefill tiers): its descriptors need whole weight tensors, which the zero-stride stand-ins are not, and
     allocating every expert (~1.5 GB at 26B-A4B) at warm-up could take memory the KV cache was given. Those
@@ -240,7 +240,7 @@ def _moe_tma_builds(tokens: int, ids: torch.Tensor, weights: torch.Tensor, exper
     pol = moe_launch_policy(tokens, top_k, experts, hidden, inter)
     if not pol.tma:
         return
-    x = torch.zeros(tokens, hidden, dtype=weights.dtype, device=ids.device)
+    x = torch.zeros(tokens, hidden, dtype=dtype, device=ids.device)  # the model's dtype (weights: the router's)
     gate_up = torch.zeros(top_k, 2 * inter, hidden, dtype=x.dtype, device=x.device)
     down = torch.zeros(top_k, hidden, inter, dtype=x.dtype, device=x.device)
     ids = ids.remainder(top_k)
@@ -257,7 +257,7 @@ def _moe_compile(key, device) -> None:
                              torch.ones(hidden, dtype=dtype, device=device),
                              torch.ones(experts, dtype=dtype, device=device), top_k, 1e-6, hidden ** -0.5)
         geglu_moe(x, w, ids, gate_up, down)
-        _moe_tma_builds(tokens, ids, w, experts, inter, hidden, "gelu_tanh")
+        _moe_tma_builds(tokens, ids, w, experts, inter, hidden, dtype, "gelu_tanh")
         moe_start(x, torch.zeros(experts, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device),
                   torch.ones(experts, dtype=dtype, device=device), x, gate_up, down, top_k, 1e-6, hidden ** -0.5, 0,
                   "gelu_tanh", False)  # the overlapped branch (the router kernel that aligns too)
@@ -270,7 +270,7 @@ def _swiglu_compile(key, device) -> None:
         x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
         w, ids = softmax_router_topk(x, torch.zeros(experts, hidden, dtype=dtype, device=device), top_k)
         swiglu_moe(x, w.to(dtype), ids, gate_up, down)
-        _moe_tma_builds(tokens, ids, w.to(dtype), experts, inter, hidden, "silu")
+        _moe_tma_builds(tokens, ids, w.to(dtype), experts, inter, hidden, dtype, "silu")
         moe_start(x, torch.zeros(experts, hidden, dtype=dtype, device=device), None, None, x, gate_up, down, top_k, 0.0,
                   1.0, 0, "silu", True)
 
