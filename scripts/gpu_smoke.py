@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
+from compiled_llm.ops.jit import MONITOR  # noqa: E402
 from graph_timing import start_profiler  # noqa: E402
 
 # bfloat16 rows pass when the compiled engine's logprobs are as close to float32 eager's (teacher-forced, top-5
@@ -237,7 +238,7 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
               enable_prefix_caching=False, max_model_len=p + o + 16, max_num_seqs=b,
               fusion_check="warn" if ABLATE else "error",
               compile_sizes=compile_sizes, max_autotune=max_autotune, tensor_parallel_size=tp,
-              tp_allreduce=tp_allreduce, compile_passes=compile_passes,
+              tp_allreduce=tp_allreduce, compile_passes=compile_passes, jit_monitor="warn",
               async_scheduling=False)  # synchronous first; async_run then flips the same engine over
     start = time.perf_counter() - t
     comp = llm.engine.executor.runner.compiler  # rank 0's (the driver runs rank 0 in this process)
@@ -266,7 +267,9 @@ def big(config: str, shape: str, compile_sizes: str | None = None, max_autotune:
         "decode_timings_ms": s["decode_timings_ms"], "counters": s.get("counters"),
         "warmup_seconds": s.get("warmup_seconds"),
         "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-        "kv_blocks": stats.get("num_total_blocks"), "memory_profile": getattr(llm.engine.executor.runner, "memory_profile", None)}
+        "kv_blocks": stats.get("num_total_blocks"), "memory_profile": getattr(llm.engine.executor.runner, "memory_profile", None),
+        # kernels compiled after warm-up, in the timed runs (a prompt size whose build warm-up missed)
+        "late_jit_compiles": list(MONITOR.late)}
     RESULTS["big"]["profile"] = profile(llm, prompts, o)
     print(f"big {config} {shape}: {tok_s:.1f} tok/s (runs {RESULTS['big']['runs_s']}), start-up {start:.1f}s "
           f"(compile {comp.startup_seconds:.1f}s), peak {RESULTS['big']['peak_memory_GiB']} GiB", flush=True)

@@ -698,6 +698,21 @@ def _check_moe_warmup_tma():
         print(f"  warm-up TMA builds ({compile_fn.__name__}): TMA classes {sorted(tma_tokens)}, built {sorted(built)} "
               f"{'ok' if ok else 'FAIL'}")
         assert ok
+    # a TMA build that fails at warm-up is a warning naming the class; the rest of warm-up goes on
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    P.log.addHandler(handler)
+    try:
+        with mock.patch.object(P, "fused_moe", side_effect=RuntimeError("out of resource: shared memory")):
+            P._moe_tma_builds(100, torch.zeros(100, top_k, dtype=torch.long), torch.ones(100, top_k), experts, inter,
+                              hidden, torch.bfloat16, "silu")
+    finally:
+        P.log.removeHandler(handler)
+    msgs = [r.getMessage() for r in records]
+    assert len(msgs) == 1 and "100 tokens did not build" in msgs[0] and "shared memory" in msgs[0], msgs
 
 
 def check_moe():

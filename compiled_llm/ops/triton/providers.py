@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 
 import torch
@@ -24,6 +25,8 @@ from compiled_llm.ops.moe_overlap import route
 from compiled_llm.ops.triton.moe import (fused_geglu_moe, fused_moe, fused_router_topk, fused_swiglu_moe,
                                          launch_variants, moe_align, moe_launch_policy)
 from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
+
+log = logging.getLogger(__name__)
 
 SPLITS = [1 << i for i in range(8)]  # decode split-K counts the launch policy can pick
 
@@ -244,8 +247,12 @@ def _moe_tma_builds(tokens: int, ids: torch.Tensor, weights: torch.Tensor, exper
     gate_up = torch.zeros(top_k, 2 * inter, hidden, dtype=x.dtype, device=x.device)
     down = torch.zeros(top_k, hidden, inter, dtype=x.dtype, device=x.device)
     ids = ids.remainder(top_k)
-    fused_moe(x, gate_up, down, weights, ids, activation=activation, policy=pol,
-              alignment=moe_align(ids, experts, pol.block_m))
+    try:
+        fused_moe(x, gate_up, down, weights, ids, activation=activation, policy=pol,
+                  alignment=moe_align(ids, experts, pol.block_m))
+    except Exception as e:  # (a warm-up-only build: the engine still starts, as before this build was here)
+        log.warning("JIT warm-up: the grouped MoE GEMMs' TMA launch for %d tokens did not build (%s: %s); it builds "
+                    "at the first prefill of that size instead", tokens, type(e).__name__, str(e)[:200])
 
 
 def _moe_compile(key, device) -> None:
