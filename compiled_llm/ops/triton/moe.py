@@ -249,7 +249,8 @@ SELF_ROUTE = os.environ.get(SELF_ROUTE_ENV, "1") != "0"
 N_FAST_ENV = "COMPILED_LLM_MOE_N_FAST"  # 0: prefill-sized batches launch row blocks first (an A/B of MoELaunch.n_fast)
 N_FAST = os.environ.get(N_FAST_ENV, "1") != "0"
 # 0: prefill-sized batches load the weight tiles without TMA (an A/B of MoELaunch.tma); all: decode-sized batches
-# through TMA too (not measured yet: an experiment for the GPU, off by default)
+# through TMA too (H200, session 26: no faster; Qwen3.5 1024x8x256 1,117.1 -> 1,109.7 tok/s, Gemma 4 8192x4x512
+# 626.9 -> 626.7: off by default)
 TMA_ENV = "COMPILED_LLM_MOE_TMA"
 TMA = os.environ.get(TMA_ENV, "1") != "0"
 TMA_DECODE = os.environ.get(TMA_ENV, "1") == "all"
