@@ -186,11 +186,9 @@ def attention_group(S, lens, dev, dt, time_fn, rows, smoke, quick=False):
         args, opts, flops = attention_case(S, layer, lens, dev, dt, seed=2)
         p0 = PA.attention_launch_policy(len(lens), 0, layer["head_dim"], prefill=True)
         cands = [p0, R(p0, interior=not p0.interior)]  # the interior tiles without masks, and every tile masked
-        if quick:
-            pass
-        elif smoke:
+        if smoke and not quick:
             cands += [R(p0, block_m=32, block_n=16), R(p0, num_warps=4), R(p0, split_d=True)]
-        else:
+        elif not quick:
             bns = (16, 32, 64) if layer["head_dim"] >= 512 else (32, 64, 128)
             for bm, bn, nw, ns in itertools.product((64, 128), bns, (4, 8), (2, 3)):
                 cands.append(PA.AttnLaunch(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns))

@@ -396,9 +396,10 @@ def _check_prefill_interior():
 
     PA.DENSE_K_LIMIT_BYTES = 1 << 30
     orig, calls = PA._prefill_tile, {True: 0, False: 0}
+    mask_arg = orig.arg_names.index("MASK")
 
     def counting(*args):
-        calls[bool(args[16])] += 1  # MASK
+        calls[bool(args[mask_arg])] += 1
         return orig.fn(*args)
 
     cases = [  # (seq_lens, q_lens, group, head_dim, window, k_eq_v, block_m, block_n, split_d, inloop_k)
