@@ -34,6 +34,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-context", type=int, default=1024, help="prompt length for the decode measurement")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--cudagraph-batch-sizes", default=None, help="the engine's buckets (token counts captured as "
+                    "CUDA graphs); e.g. '1,1024,8192' gives those prompt lengths piecewise graphs")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the result JSON here")
@@ -49,7 +51,8 @@ def main(argv=None) -> dict:
     longest = max(lengths + [args.decode_context + args.decode_tokens + 1])
     llm = LLM(folder, device=args.device, dtype=args.dtype, load_format=args.load_format, skip_tokenizer_init=True,
               enable_prefix_caching=False, max_model_len=longest + 16, max_num_seqs=1,
-              max_num_batched_tokens=max(lengths + [args.decode_context]), enforce_eager=args.enforce_eager)
+              max_num_batched_tokens=max(lengths + [args.decode_context]), enforce_eager=args.enforce_eager,
+              cudagraph_batch_sizes=args.cudagraph_batch_sizes)
     vocab = llm.engine.executor.runner.model_config.vocab_size
 
     def run(prompt: list[int], n: int):

@@ -58,6 +58,9 @@ def main() -> int:
         if T * k >= 1024:  # the two alignments (moe_align picks by ALIGN_SORT_MIN_PAIRS)
             row["align_program_us"] = graph_time_us(lambda: new.moe_align_program(ids, E, bm))
             row["align_sorted_us"] = graph_time_us(lambda: new.moe_align_sorted(ids, E, bm))
+            par, srt = new.moe_align_parallel(ids, E, bm), new.moe_align_sorted(ids, E, bm)
+            row["align_parallel_us"] = graph_time_us(lambda: new.moe_align_parallel(ids, E, bm))
+            row["align_parallel_equal"] = all(torch.equal(x, y) for x, y in zip(par, srt))
         row["moe_us"] = graph_time_us(lambda: new.fused_geglu_moe(x, gate_up, down, w, ids))
         distinct = int(torch.unique(ids).numel())
         row["experts_read"] = distinct

@@ -58,8 +58,8 @@ for step in $steps; do
              --peer-warmup 1 --peer-runs 2 --out "$OUT" ;;
     moe_unsorted) run moe_unsorted 150 python3 benchmarks/moe_kernels.py --tokens 1,2,8 --unsorted \
                     --out "$OUT/moe_unsorted.json" ;;  # one token's pairs unsorted (no alignment launch) vs aligned
-    moe_align) run moe_align 100 python3 benchmarks/moe_kernels.py --tokens 128,512,1024,2048,8192 \
-                 --out "$OUT/moe_align.json" ;;  # the one-program alignment against the sort-based one (prefill sizes)
+    moe_align) run moe_align${MOE_ALIGN_TAG:-} 100 python3 benchmarks/moe_kernels.py --tokens ${MOE_ALIGN_TOKENS:-128,512,1024,2048,8192} \
+                 ${MOE_ALIGN_ARGS:-} --out "$OUT/moe_align${MOE_ALIGN_TAG:-}.json" ;;  # the one-program, sort-based and parallel alignments (prefill sizes); Qwen3.5: MOE_ALIGN_ARGS="--experts 256 --hidden 2048 --inter 512"
     prefill_kernels)  # issue 14: router / MoE / attention tiles at prefill sizes (and decode's MoE), PREFILL_ARGS
       # e.g. "--qwen --groups router,moe"; the candidates' kernels are built by 12 processes first (Triton's cache)
       tag=${PREFILL_TAG:-gemma}; b0=$(date +%s)

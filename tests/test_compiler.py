@@ -173,6 +173,30 @@ def test_by_default_buckets_pad_onto_the_dynamic_compile(tiny_ckpt):
         LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="2,4", compile_sizes="3", **kw)
 
 
+def test_buckets_above_max_num_seqs_are_prefill_graphs(tiny_ckpt, monkeypatch):
+    """A bucket larger than max_num_seqs can only take a prompt (a piecewise CUDA graph on the GPU, which
+    saves a long prompt the Python of every piece's launches): warm-up runs it as one sequence of that many
+    tokens, with no whole-graph decode, so nothing compiles later (jit_monitor='error'); a 17- and a 30-token
+    prompt then run padded in the 32-token bucket and a 40-token one dynamically; tokens equal eager's."""
+    from compiled_llm.compiler.model import CompiledModel
+
+    folder, _ = tiny_ckpt("dense")
+    kw = dict(block_size=4, max_model_len=128, num_kv_blocks=96, dtype="float32", max_num_seqs=2)
+    llm = LLM(str(folder), enforce_eager=False, cudagraph_batch_sizes="1,2,32", jit_monitor="error", **kw)
+    items = list(llm.engine.executor.runner.compiler.warmup_seconds)
+    assert "prefill size 32" in items and "batch size 32" not in items and "batch size 2" in items
+    used = []
+    forward = CompiledModel._forward
+    monkeypatch.setattr(CompiledModel, "_forward", lambda self, ids, pos, size, *a: (
+        used.append((ids.shape[0], size)), forward(self, ids, pos, size, *a))[1])
+    ps = prompts(llm.engine.executor.runner.model_config.vocab_size, (17, 30, 40))
+    eager = LLM(str(folder), enforce_eager=True, **kw)
+    got = [llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids for p in ps]
+    want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    assert got == want
+    assert (32, 32) in used and (40, None) in used and (1, 1) in used
+
+
 def test_look_alike_pieces_compile_once_and_keep_their_own_layers(tiny_ckpt):
     """The pieces between dense's 4 attention ops: [embed, layer 0], three alike [end of layer i, start of
     layer i + 1] and [end of layer 3, norm]. Our ops' layer indices are relative to a piece's first layer, so

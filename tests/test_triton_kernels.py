@@ -549,9 +549,12 @@ def _check_moe_skipped(T, E, H, I, k, first, seed, policy=None):
 
 
 def check_moe_align_sorted():
-    """The sort-based alignment (large prefills) against the one-program kernel: the same blocks, experts
-    and length, also with another rank's ids, and as moe_align's choice past its threshold."""
+    """The sort-based and the parallel alignments (large prefills) against the one-program kernel: the same
+    blocks, experts and length, also with another rank's ids; the parallel one as moe_align's choice past its
+    threshold."""
     import torch
+
+    from unittest import mock
 
     from compiled_llm.ops.triton import moe
 
@@ -563,9 +566,22 @@ def check_moe_align_sorted():
         assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]), "the same blocks and length"
         for blk in range(int(a[2]) // bm):  # the same pairs in each block (their order inside may differ)
             assert sorted(a[0][blk * bm:(blk + 1) * bm].tolist()) == sorted(b[0][blk * bm:(blk + 1) * bm].tolist())
-    big = torch.randint(0, 16, (moe.ALIGN_SORT_MIN_PAIRS // 4, 4), generator=g)
-    _check_moe_align(big, 16, 16)  # through moe_align's switch
-    assert torch.equal(moe.moe_align(big, 16, 16)[0], moe.moe_align_sorted(big, 16, 16)[0])
+    # the parallel alignment (chunks of pairs): the sort's exact output (pairs ascending within a segment), with
+    # one chunk, several, a last partial one, another rank's ids, and Qwen3.5's 256 experts (512 bins); small
+    # chunks but one case (the interpreter sorts ~500 keys a second)
+    for n_tok, E, k, bm, lo, hi, chunk in ((7, 8, 2, 16, 0, 8, 1024), (150, 16, 4, 16, -3, 16, 64),
+                                           (40, 256, 8, 64, 0, 256, 64), (100, 128, 8, 128, 0, 130, 128)):
+        ids = torch.randint(lo, hi, (n_tok, k), generator=g)
+        a = moe.moe_align_parallel(ids, E, bm, chunk)
+        _check_moe_align(ids, E, bm, lambda *_: a)
+        assert all(torch.equal(x, y) for x, y in zip(a, moe.moe_align_sorted(ids, E, bm))), \
+            f"parallel == sorted at {n_tok}x{k}, E={E}"
+    with mock.patch.object(moe, "moe_align_parallel", wraps=moe.moe_align_parallel) as par:
+        par.side_effect = lambda ids, E, bm: moe.moe_align_sorted(ids, E, bm)  # (the same output, quicker here)
+        big = torch.randint(0, 16, (moe.ALIGN_PARALLEL_MIN_PAIRS // 4, 4), generator=g)
+        moe.moe_align(big, 16, 16)  # through moe_align's switch
+        moe.moe_align(big[:-1], 16, 16)
+    assert par.call_count == 1
 
 
 def _check_moe_start(T, E, H, I, k, gemma: bool, seed: int):

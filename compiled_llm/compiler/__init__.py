@@ -217,7 +217,7 @@ class ModelCompiler:
         with session:  # the compile cache's session ends here: installed if built, dropped on an error
             warm_up(self.compiled, self.specs, kv_caches, block_size, self.config.max_num_batched_tokens, self.facts,
                     self.device, self.config.jit_monitor, progress, context_factory, self.warmup_seconds,
-                    self.stage_inputs)
+                    self.stage_inputs, self.config.max_num_seqs)
         self.verify()
         self.startup_seconds = self.begin_seconds + time.perf_counter() - t0  # (the profile step between: not)
         if self.cache is not None and self.cache.status == "hit":

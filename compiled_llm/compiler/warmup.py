@@ -107,11 +107,12 @@ def precompile_kernels(facts: dict, device, workers: int | None = None) -> int:
 @torch.inference_mode()
 def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: int, facts: dict, device,
             mode: str = "off", progress: bool = True, context_factory=None, timings: dict | None = None,
-            stage_inputs=None) -> float:
+            stage_inputs=None, max_num_seqs: int | None = None) -> float:
     """model: a CompiledModel. context_factory(num_seqs, tokens_per_seq) -> ForwardContext, for models
     whose ops need more than the KV cache (recurrent state); default: dummy_context. Returns seconds; each
     item's seconds go into `timings` (name -> seconds) when given. stage_inputs(num_tokens): a later pipeline
-    stage's dummy inputs from the previous stage."""
+    stage's dummy inputs from the previous stage. A bucket above max_num_seqs can only be a prefill (or a
+    chunked-prefill step): it warms up as one sequence of that many tokens, with no whole-graph decode."""
     device = torch.device(device)
     make = context_factory or (lambda s, t: dummy_context(specs, kv_caches, block_size, s, t, device))
 
@@ -131,6 +132,9 @@ def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: in
     if model.bucket_for(1) is None:  # no static bucket takes a lone decode token: its guard needs a compile
         items.append(("compile (1-token decode)", lambda: forward(1, 1)))
     for size in sizes:
+        if max_num_seqs is not None and size > max_num_seqs:
+            items.append((f"prefill size {size}", lambda s=size: forward(1, s)))
+            continue
         items.append((f"batch size {size}", lambda s=size: forward(s, 1)))
         if model.full_graph_ok:
             items.append((f"whole-graph decode {size}", lambda s=size: decode_graph(s)))

@@ -121,28 +121,42 @@ def _zero_skipped_pairs(TopkIds, Y, T, E, stride_yt, cols, cmask, TOP_K: tl.cons
         tl.store(z_ptr, tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty), mask=skip[:, None] & cmask[None, :])
 
 
-# from here (2,560 tokens at top-8) the pairs are sorted by torch's parallel sort. H200, 26B-A4B (session 12):
-# the one program took 12.8 / 35 / 66 / 120 / 451 us at 128 / 512 / 1K / 2K / 8K tokens, the sort 88-146 us
-# (a dozen launches, more for the sort itself): the two cross near 2.4K tokens
-ALIGN_SORT_MIN_PAIRS = 20480
+# Which alignment a pair count takes. H200, 26B-A4B (session 12): the one program took 12.8 / 35 / 66 / 120 /
+# 451 us at 128 / 512 / 1K / 2K / 8K tokens (top-8), torch's sort 88-146 us (a dozen launches); session 27's
+# TTFT profile: the one program 55 us a layer at 1K tokens, 104 at 2K. From ALIGN_PARALLEL_MIN_PAIRS pairs the
+# three-launch parallel alignment takes them; COMPILED_LLM_MOE_ALIGN=program|parallel|sorted forces one, =legacy
+# gives back session 26's choice (A/B).
+ALIGN_PARALLEL_MIN_PAIRS = 2048
+ALIGN_SORT_MIN_PAIRS = 20480  # the fused decode router aligns in its own program below this (and one token block)
+ALIGN_ENV = "COMPILED_LLM_MOE_ALIGN"
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort (token, slot) pairs by expert and pad each expert's segment to a multiple of block_m. Pairs whose
     expert lies outside [0, num_experts) (another rank's, under expert parallelism) go to a last segment
     whose blocks have expert -1: the kernels write zeros for them. Decode and small prefills: one kernel launch
-    (a decode step's MoE layer used to spend a dozen small torch kernels here); from ALIGN_SORT_MIN_PAIRS pairs
-    on, torch's device sort (`moe_align_sorted`), since one program walking 65K pairs took 0.45-0.48 ms a layer of
-    an 8K-token prefill on the H200 (session 12), 8% of its time to first token; the sort took 0.15 ms.
+    (a decode step's MoE layer used to spend a dozen small torch kernels here); from ALIGN_PARALLEL_MIN_PAIRS
+    pairs on, three launches parallel over the pairs (`moe_align_parallel`): one program walking 65K pairs took
+    0.45-0.48 ms a layer of an 8K-token prefill on the H200 (session 12), torch's sort 0.10-0.15 ms.
 
     Returns (sorted_ids [P] int32: flat pair index t * k + j, padding rows hold T * k; within an expert's
              segment the pairs' order is unspecified;
              expert_ids [P / block_m] int32: expert of each block, -1 for skipped pairs and past the end;
              num_padded [1] int32: the used length). P = moe_max_padded(T * k, E + 1, block_m) is known on the host.
     """
-    if topk_ids.numel() >= ALIGN_SORT_MIN_PAIRS:
+    kind = os.environ.get(ALIGN_ENV) or align_kind(topk_ids.numel())
+    if kind == "legacy":  # session 26's choice: the one program, torch's sort from ALIGN_SORT_MIN_PAIRS pairs
+        kind = "sorted" if topk_ids.numel() >= ALIGN_SORT_MIN_PAIRS else "program"
+    if kind == "sorted":
         return moe_align_sorted(topk_ids, num_experts, block_m)
+    if kind == "parallel":
+        return moe_align_parallel(topk_ids, num_experts, block_m)
     return moe_align_program(topk_ids, num_experts, block_m)
+
+
+def align_kind(num_pairs: int) -> str:
+    """moe_align's choice for a pair count (a key of the warm-up's launch variants): program or parallel."""
+    return "parallel" if num_pairs >= ALIGN_PARALLEL_MIN_PAIRS else "program"
 
 
 def moe_align_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -167,6 +181,99 @@ def moe_align_sorted(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     owner = torch.searchsorted(ends, starts, right=True)  # the bucket whose segment holds each block
     expert_ids = torch.where(owner < num_experts, owner, -1).to(torch.int32)
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _chunk_buckets(Ids, g, n, E, CHUNK: tl.constexpr):
+    # the buckets of chunk g's pairs: the expert, E for another rank's, E + 1 past the last pair (no pair's)
+    i = g * CHUNK + tl.arange(0, CHUNK)
+    m = i < n
+    e = tl.load(Ids + i, mask=m, other=0)
+    e = tl.where((e >= 0) & (e < E), e, E)
+    return tl.where(m, e, E + 1).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["n", "size"])
+def _align_count_kernel(Ids, Counts, SortedIds, n, E, size, fill,
+                        BINS: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    # Parallel alignment, 1 of 3 (moe_align_parallel): program g counts its CHUNK pairs' buckets into row g of
+    # Counts [G, BINS] (masked lanes into bin E + 1, which no pair uses) and fills its share of SortedIds
+    # with the padding value n.
+    g = tl.program_id(0)
+    e = _chunk_buckets(Ids, g, n, E, CHUNK)
+    tl.store(Counts + g * BINS + tl.arange(0, BINS), tl.histogram(e, BINS))
+    f = tl.arange(0, FILL)
+    for j0 in range(g * fill, tl.minimum(g * fill + fill, size), FILL):
+        tl.store(SortedIds + j0 + f, tl.full([FILL], 0, tl.int32) + n, mask=j0 + f < tl.minimum(g * fill + fill, size))
+
+
+@triton.jit(do_not_specialize=["G", "size"])
+def _align_scan_kernel(Counts, Base, ExpertIds, NumPadded, G, E, size,
+                       BLOCK_M: tl.constexpr, BINS: tl.constexpr, GT: tl.constexpr, CB: tl.constexpr):
+    # 2 of 3, one program: the buckets' padded segments (as _align_body), and for each (program g, bucket b)
+    # Base[g, b] = where g's first pair of bucket b goes minus how many of g's pairs sort before bucket b
+    # (g's pairs sorted by bucket then take rows Base[g, b] + their rank in that sorted chunk). The programs'
+    # rows are read GT at a time, so no build depends on the pair count.
+    r = tl.arange(0, GT)
+    bins = tl.arange(0, BINS)
+    total = tl.zeros([BINS], tl.int32)
+    for g0 in range(0, G, GT):
+        ok = (g0 + r[:, None] < G) & (bins[None, :] <= E)
+        total += tl.sum(tl.load(Counts + (g0 + r[:, None]) * BINS + bins[None, :], mask=ok, other=0), 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    carry = ends - padded  # where the next program's first pair of each bucket goes
+    for g0 in range(0, G, GT):
+        ok = (g0 + r[:, None] < G) & (bins[None, :] <= E)
+        counts = tl.load(Counts + (g0 + r[:, None]) * BINS + bins[None, :], mask=ok, other=0)
+        before_g = carry[None, :] + tl.cumsum(counts, 0) - counts  # the earlier programs' pairs of the bucket
+        before_b = tl.cumsum(counts, 1) - counts  # the program's own pairs of earlier buckets
+        tl.store(Base + (g0 + r[:, None]) * BINS + bins[None, :], before_g - before_b, mask=ok)
+        carry += tl.sum(counts, 0)
+    tl.store(NumPadded + bins - (BINS - 1), ends, mask=bins == BINS - 1)  # the total
+    cb = tl.arange(0, CB)
+    for b0 in range(0, size // BLOCK_M, CB):
+        start = (b0 + cb) * BLOCK_M
+        eid = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
+        tl.store(ExpertIds + b0 + cb, tl.where(eid < E, eid, -1), mask=b0 + cb < size // BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _align_scatter_kernel(Ids, Base, SortedIds, n, E, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    # 3 of 3: program g sorts its pairs by (bucket, index) and writes each to Base[g, bucket] + its rank
+    g = tl.program_id(0)
+    c = tl.arange(0, CHUNK)
+    key = tl.sort(_chunk_buckets(Ids, g, n, E, CHUNK) * CHUNK + c)
+    b = key // CHUNK
+    slot = tl.load(Base + g * BINS + b, mask=b <= E, other=0) + c
+    tl.store(SortedIds + slot, g * CHUNK + key % CHUNK, mask=b <= E)
+
+
+ALIGN_PARALLEL_CHUNK = 1024  # pairs a program of the parallel alignment takes
+
+
+def moe_align_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = ALIGN_PARALLEL_CHUNK):
+    """moe_align in three launches, each but the middle one parallel over chunks of the pairs (count, then one
+    program for the segments and each chunk's offsets, then each chunk sorts its pairs and writes them): no
+    atomics, so within an expert's segment the pairs are in ascending order, as moe_align_sorted's. chunk: a
+    power of two (the interpreter's tests take small ones: its sort of 1,024 keys takes seconds)."""
+    flat = topk_ids.reshape(-1)
+    n, dev = flat.numel(), flat.device
+    grid = triton.cdiv(n, chunk)
+    size = moe_max_padded(n, num_experts + 1, block_m)
+    bins = triton.next_power_of_2(num_experts + 2)
+    counts = torch.empty(grid, bins, dtype=torch.int32, device=dev)
+    base = torch.empty(grid, bins, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    fill = triton.cdiv(size, grid)
+    _align_count_kernel[(grid,)](flat, counts, sorted_ids, n, num_experts, size, fill, BINS=bins, CHUNK=chunk,
+                                 FILL=1024, num_warps=4)
+    _align_scan_kernel[(1,)](counts, base, expert_ids, num_padded, grid, num_experts, size, BLOCK_M=block_m,
+                             BINS=bins, GT=8, CB=max(16, min(64, 8192 // bins)), num_warps=8)
+    _align_scatter_kernel[(grid,)](flat, base, sorted_ids, n, num_experts, BINS=bins, CHUNK=chunk, num_warps=4)
+    return sorted_ids, expert_ids, num_padded
 
 
 def _align_buffers(n: int, num_experts: int, block_m: int, device):
@@ -970,7 +1077,7 @@ def launch_variants(num_experts: int, top_k: int, hidden: int, inter: int, max_t
     seen, out = set(), []
     for tokens in range(1, max(1, max_tokens) + 1):
         key = (router_launch(tokens, hidden, num_experts, norm=norm).build_key(),
-               moe_launch_policy(tokens, top_k, num_experts, hidden, inter))
+               moe_launch_policy(tokens, top_k, num_experts, hidden, inter), align_kind(tokens * top_k))
         if key not in seen:
             seen.add(key)
             out.append(tokens)

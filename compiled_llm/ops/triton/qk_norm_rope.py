@@ -275,7 +275,7 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
     vv = v if has_v else q
     inv = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     block = triton.next_power_of_2(half)
-    MONITOR.note("qk_norm_rope_kv_write", (q.dtype, head_dim, has_k, has_v, norm_v))
+    MONITOR.note("qk_norm_rope_kv_write", (q.dtype, head_dim, has_k, has_v, norm_v, num_heads))
     if n:
         heads = num_heads + kv_heads
         args = (q, kk, vv, positions, inv, q_weight, k_weight if k_weight is not None else q_weight, slots, q_out,
@@ -350,16 +350,16 @@ def _qk_keys(facts: dict) -> list:
     dtype = facts["dtype"]
     layers = facts.get("layers", {})
     keys = set()
-    for spec in layers.values():
+    for spec in layers.values():  # (the query head count is a constexpr of both kernels)
         if spec.writes_cache:
-            keys.add((dtype, spec.head_dim, not spec.k_eq_v, True, True))
+            keys.add((dtype, spec.head_dim, not spec.k_eq_v, True, True, spec.num_heads))
         else:
-            keys.add((dtype, spec.head_dim, False, False, False))
+            keys.add((dtype, spec.head_dim, False, False, False, spec.num_heads))
     return sorted(keys, key=repr)
 
 
 def _qk_compile(key, device) -> None:
-    dtype, head_dim, has_k, has_v, norm_v = key
+    dtype, head_dim, has_k, has_v, norm_v, num_heads = key
     if has_v:  # the KV path reads a forward context: launch on a throwaway one-layer cache
         from compiled_llm.ops.triton.providers import scratch_context
 
@@ -370,11 +370,11 @@ def _qk_compile(key, device) -> None:
 
 
 def _qk_launch(key, device, layer):
-    dtype, head_dim, has_k, has_v, norm_v = key
+    dtype, head_dim, has_k, has_v, norm_v, num_heads = key
     inv = torch.zeros(head_dim // 2, dtype=torch.float32, device=device)
     w = torch.ones(head_dim, dtype=dtype, device=device)
     for n in (2, PREFILL_HEADS_MIN_TOKENS):  # the decode kernel, and prefill's kernel of several heads
-        q = torch.zeros(n, 2, head_dim, dtype=dtype, device=device)
+        q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
         kv = torch.zeros(n, 1, head_dim, dtype=dtype, device=device)
         pos = torch.zeros(n, dtype=torch.long, device=device)
         qk_norm_rope_kv_write(q, kv if has_k else None, kv if has_v else None, pos, inv, w, w, 1e-6, norm_v,
