@@ -59,7 +59,7 @@ def run_ours(folder: str, shapes, args) -> tuple[dict, LLM]:
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
               enable_expert_parallel=args.enable_expert_parallel, async_scheduling=args.async_scheduling,
               max_autotune=args.max_autotune, tp_allreduce=args.tp_allreduce, op_providers=args.op_providers,
-              compile_cache=args.compile_cache)
+              compile_cache=args.compile_cache, cudagraph_batch_sizes=args.cudagraph_batch_sizes)
     if llm.engine.executor.runner is not None and llm.engine.executor.runner.compiler is not None:
         c = llm.engine.executor.runner.compiler
         print(f"ours: compiled in {c.startup_seconds:.1f}s, compile cache {c.cache.status if c.cache else 'none'}, "
@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: the engine's (on for CUDA, one process or TP)")
     ap.add_argument("--op-providers", default=None, help="e.g. allreduce_rms_norm=reference (A/B of a fused op)")
     ap.add_argument("--max-autotune", default="off", choices=["off", "static", "all"])
+    ap.add_argument("--cudagraph-batch-sizes", default=None, help="the engine's CUDA-graph sizes (default: its own)")
     ap.add_argument("--compile-cache", default=None, help="a compile-cache folder (built if missing; issue 15: "
                     "the fast start's throughput against a start without one)")
     ap.add_argument("--warmup", type=int, default=3)

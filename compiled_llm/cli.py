@@ -66,8 +66,8 @@ def _audit(config, target: str, tokens: int | None) -> int:
     hf = read_hf_config(Path(config.resolved_model()))
     device = torch.device("cuda" if target in ("auto", "cuda") else target)  # the GPU's graph by default
     dtype = resolve_dtype(config.dtype, resolve_model_class(hf).config_from_hf(hf).torch_dtype)
-    sizes = parse_sizes(config.cudagraph_batch_sizes, device, config.max_num_seqs)
     tokens = tokens or default_batched_tokens(device.type)  # the target's default when not given
+    sizes = parse_sizes(config.cudagraph_batch_sizes, device, config.max_num_seqs, tokens)
     report = audit(hf, device=device, dtype=dtype, tokens=tokens, batch_sizes=sizes,
                    passes=parse_passes(config.compile_passes), block_size=config.block_size)
     print(report.text())

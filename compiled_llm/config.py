@@ -67,7 +67,8 @@ class EngineConfig:
     # compiler (docs/compiler.md); ignored with enforce_eager
     compile_cache: str | None = None  # folder of precompiled artefacts (python -m compiled_llm compile-cache)
     jit_monitor: str = "off"  # off | warn | error: what a JIT compile after start-up warm-up does
-    cudagraph_batch_sizes: str | None = None  # "1,2,4,8"; None: powers of two up to max_num_seqs on CUDA, none on CPU
+    cudagraph_batch_sizes: str | None = None  # "1,2,4,8"; None: powers of two up to max_num_seqs on CUDA and
+    # prompt sizes 256 / 512 / 1024 (compiler PREFILL_CUDA_SIZES, within the token budget), none on CPU
     compile_sizes: str | None = None  # buckets with their own static compile; None or "none": none (every bucket
     # replays the dynamic compile: on the H200 cold start 99 -> 59 s, warm 23.5 -> 18.6 s, decode no slower);
     # "all": every bucket; "1,8": those
@@ -158,7 +159,8 @@ _HELP = {
                      "cache is rebuilt there, with a warning",
     "jit_monitor": "off, warn or error: what a JIT compile after start-up warm-up does (error: raise)",
     "cudagraph_batch_sizes": "comma-separated token counts compiled statically and captured as CUDA Graphs "
-                             "(default: powers of two up to max-num-seqs on CUDA, none on CPU; 'none' for none)",
+                             "(default on CUDA: powers of two up to max-num-seqs, then 256, 512 and 1024 for "
+                             "prompts, within max-num-batched-tokens; none on CPU; 'none' for none)",
     "max_autotune": "matmuls of the compiled pieces timed on this device (Inductor's Triton GEMM templates "
                     "against cuBLAS) and the fastest kept: off, static (the static batch sizes: decode) or all "
                     "(the dynamic compile too); slower start-up, kept in the compile cache",

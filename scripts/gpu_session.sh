@@ -50,7 +50,8 @@ for step in $steps; do
     throughput) run throughput 420 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
                   --shapes 1024x8x256,4096x8x512,8192x4x512 --out "$OUT" ;;
     throughput_quick) run throughput_quick 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
-                        --shapes 1024x8x256,4096x8x512,8192x4x512 --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
+                        --shapes 1024x8x256,4096x8x512,8192x4x512 --async-scheduling --warmup 1 --runs 2 ${TPUT_ARGS:-} \
+                        --out "$OUT" ;;  # e.g. TPUT_ARGS="--cudagraph-batch-sizes 1,2,4,8" (no prompt graphs)
     latency) run latency 240 python3 benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 1024,8192 \
                --out "$OUT/latency.json" --profile-dir "$OUT/latency_profile" ${LATENCY_ARGS:-} ;;
     peers) run peers 540 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x8x256 \

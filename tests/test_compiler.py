@@ -324,3 +324,18 @@ def test_cpu_engine_counts_norm_fusions_and_leaves_them_to_inductor(compiled, mo
     assert not calls["qk_norm_rope_kv_write"] and not calls["fused_add_rms_norm"]
     assert matches(llm) == EXPECTED["moe"]
     assert llm.engine.executor.runner.compiler.compiled.pass_manager.inductor_config()["emulate_precision_casts"]
+
+
+def test_default_cuda_sizes_add_prompt_graphs_within_the_token_budget():
+    """On CUDA the default buckets are the decode batches (powers of two up to max_num_seqs) and the prompt
+    sizes above them (PREFILL_CUDA_SIZES) that fit one step's token budget; the CPU has none; a list given
+    is taken as it is."""
+    from compiled_llm.compiler import parse_sizes
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert parse_sizes(None, cuda, 8, 8192) == [1, 2, 4, 8, 256, 512, 1024]
+    assert parse_sizes(None, cuda, 256, 8192) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert parse_sizes(None, cuda, 8, 600) == [1, 2, 4, 8, 256, 512]
+    assert parse_sizes(None, cuda, 8) == [1, 2, 4, 8]
+    assert parse_sizes(None, cpu, 8, 8192) == []
+    assert parse_sizes("1,8", cuda, 8, 8192) == [1, 8] and parse_sizes("none", cuda, 8, 8192) == []

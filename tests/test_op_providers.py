@@ -363,12 +363,16 @@ def test_fused_allreduce_norm_variant_comes_from_the_environment(monkeypatch):
 
 
 def test_qk_norm_rope_warm_up_builds_the_launches_a_forward_makes(monkeypatch):
-    """The JIT warm-up's QK-norm + RoPE builds take the layer's query head count, a constexpr of both kernels:
-    with a stand-in of two heads, 26B-A4B's first prompt of 256 tokens or more built the prefill kernel of
-    several heads a program after warm-up (the GPU's JIT monitor, session 27). Kernel launches are recorded,
-    not run: the warm-up's specialisations (constexprs, warps) must hold every one a forward launches."""
+    """JIT warm-up's QK-norm + RoPE builds, in warm-up's order: its forward passes of a few tokens launch the
+    one-head-a-program kernel first, then each registry key not yet seen is compiled. Every launch a forward
+    then makes (a decode batch, a 300-token prefill: the kernel of 8 heads a program) must be one warm-up made,
+    constexprs and warps alike. On the H200 (session 27) the prefill kernel was built at the first long prompt
+    twice over: its stand-in query had 2 heads (the head count is a constexpr), and then the registry's key
+    did not tell the two kernels apart, so the warm-up forward's launch marked it built. Launches are
+    recorded here, not run."""
     from compiled_llm.ops.attention import AttentionSpec
     from compiled_llm.ops.context import set_forward_context
+    from compiled_llm.ops.jit import JitMonitor
     from compiled_llm.ops.triton import qk_norm_rope as QK
 
     seen = {"warm-up": set(), "forward": set()}
@@ -383,22 +387,29 @@ def test_qk_norm_rope_warm_up_builds_the_launches_a_forward_makes(monkeypatch):
 
     for name in ("_qk_norm_rope_kernel", "_qk_norm_rope_heads_kernel"):
         monkeypatch.setattr(QK, name, Recorder(name))
+    monitor = JitMonitor()
+    monkeypatch.setattr(QK, "MONITOR", monitor)
     specs = {0: AttentionSpec(0, 16, 8, 16, None, 0), 1: AttentionSpec(1, 16, 8, 16, None, 0),  # 1 reads 0's cache
              2: AttentionSpec(2, 16, 2, 32, None, 2, k_eq_v=True)}
-    keys = QK._qk_keys({"dtype": torch.float32, "layers": specs})
-    assert {k[-1] for k in keys} == {16}
-    for key in keys:
-        QK._qk_compile(key, torch.device("cpu"))
-    phase[0] = "forward"
     ctx = _context(specs, num_blocks=200, seqs=((300, 300),))
-    inv16, inv32 = torch.ones(8), torch.ones(16)
-    with set_forward_context(ctx):
-        for n in (3, 300):  # a decode-sized batch and a prefill (8 heads a program)
-            pos = torch.arange(n)
+
+    def forward(n):
+        pos = torch.arange(n)
+        with set_forward_context(ctx):
             for layer, (d, kv, k_eq_v) in {0: (16, 8, False), 1: (16, 0, False), 2: (32, 2, True)}.items():
-                inv, w = (inv16, torch.ones(16)) if d == 16 else (inv32, torch.ones(32))
-                q = torch.zeros(n, 16, d)
+                w = torch.ones(d)
                 v = torch.zeros(n, kv, d) if kv else None
-                k = v if kv and not k_eq_v else None
-                QK.qk_norm_rope_kv_write(q, k, v, pos, inv, w, w, 1e-6, v is not None, layer)
-    assert seen["forward"] and seen["forward"] <= seen["warm-up"], seen["forward"] - seen["warm-up"]
+                QK.qk_norm_rope_kv_write(torch.zeros(n, 16, d), v if kv and not k_eq_v else None, v, pos,
+                                         torch.ones(d // 2), w, w, 1e-6, v is not None, layer)
+
+    forward(3)  # warm-up's forward passes (a few tokens)
+    keys = QK._qk_keys({"dtype": torch.float32, "layers": specs})
+    assert {k[5] for k in keys} == {16}
+    for key in keys:  # then the registry, as compiler/warmup.py: the keys no launch has noted yet
+        if ("qk_norm_rope_kv_write", key) not in monitor.seen:
+            QK._qk_compile(key, torch.device("cpu"))
+    phase[0] = "forward"
+    forward(3)
+    forward(300)
+    assert any(name == "_qk_norm_rope_heads_kernel" for name, _ in seen["forward"])
+    assert seen["forward"] <= seen["warm-up"], seen["forward"] - seen["warm-up"]

@@ -393,6 +393,18 @@ def test_image_prompt_matches_transformers(qwen_ckpt):
 
 # ---- compiled path -----------------------------------------------------------------------------
 
+def test_compiled_prompt_bucket_carries_state(qwen_ckpt, hf_ref):
+    """A bucket above max_num_seqs is a prompt's (a prefill CUDA graph on the GPU): 16-token prefill chunks run
+    padded in it, the recurrent-state ops eager between its pieces on the real rows; tokens equal
+    transformers'."""
+    folder, _ = qwen_ckpt("dense")
+    ps, ref = hf_ref("dense")
+    llm = make_llm(folder, enforce_eager=False, max_num_seqs=2, max_num_batched_tokens=16,
+                   cudagraph_batch_sizes="1,2,16", jit_monitor="error")
+    assert "prefill size 16" in llm.engine.executor.runner.compiler.warmup_seconds
+    assert generate_ids(llm, ps) == ref
+
+
 @pytest.mark.parametrize("name", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_compiled_greedy_matches_transformers(qwen_ckpt, hf_ref, name):
     """The compiler splits the graph at the recurrent-state ops as at attention: compiled pieces between

@@ -275,7 +275,9 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
     vv = v if has_v else q
     inv = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     block = triton.next_power_of_2(half)
-    MONITOR.note("qk_norm_rope_kv_write", (q.dtype, head_dim, has_k, has_v, norm_v, num_heads))
+    hpp = heads_per_program(n)
+    # (each kernel its own key: a warm-up forward of a few tokens notes the one-head kernel's only)
+    MONITOR.note("qk_norm_rope_kv_write", (q.dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp))
     if n:
         heads = num_heads + kv_heads
         args = (q, kk, vv, positions, inv, q_weight, k_weight if k_weight is not None else q_weight, slots, q_out,
@@ -283,7 +285,6 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
         strides = (q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
                    q_out.stride(0), q_out.stride(1), s_cs, s_ch)
         flags = dict(H=num_heads, HALF=half, BLOCK=block, HAS_K=has_k, HAS_V=has_v, NORM_V=norm_v)
-        hpp = heads_per_program(n)
         if hpp == 1:
             _qk_norm_rope_kernel[(n, heads)](*args, *strides, **flags, num_warps=1 if block <= 128 else 4)
         else:
@@ -351,15 +352,16 @@ def _qk_keys(facts: dict) -> list:
     layers = facts.get("layers", {})
     keys = set()
     for spec in layers.values():  # (the query head count is a constexpr of both kernels)
-        if spec.writes_cache:
-            keys.add((dtype, spec.head_dim, not spec.k_eq_v, True, True, spec.num_heads))
-        else:
-            keys.add((dtype, spec.head_dim, False, False, False, spec.num_heads))
+        for hpp in (heads_per_program(1), heads_per_program(PREFILL_HEADS_MIN_TOKENS)):  # decode's, prefill's
+            if spec.writes_cache:
+                keys.add((dtype, spec.head_dim, not spec.k_eq_v, True, True, spec.num_heads, hpp))
+            else:
+                keys.add((dtype, spec.head_dim, False, False, False, spec.num_heads, hpp))
     return sorted(keys, key=repr)
 
 
 def _qk_compile(key, device) -> None:
-    dtype, head_dim, has_k, has_v, norm_v, num_heads = key
+    dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp = key
     if has_v:  # the KV path reads a forward context: launch on a throwaway one-layer cache
         from compiled_llm.ops.triton.providers import scratch_context
 
@@ -370,15 +372,16 @@ def _qk_compile(key, device) -> None:
 
 
 def _qk_launch(key, device, layer):
-    dtype, head_dim, has_k, has_v, norm_v, num_heads = key
+    dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp = key
     inv = torch.zeros(head_dim // 2, dtype=torch.float32, device=device)
     w = torch.ones(head_dim, dtype=dtype, device=device)
-    for n in (2, PREFILL_HEADS_MIN_TOKENS):  # the decode kernel, and prefill's kernel of several heads
-        q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
-        kv = torch.zeros(n, 1, head_dim, dtype=dtype, device=device)
-        pos = torch.zeros(n, dtype=torch.long, device=device)
-        qk_norm_rope_kv_write(q, kv if has_k else None, kv if has_v else None, pos, inv, w, w, 1e-6, norm_v,
-                              layer if layer is not None else -1)
+    n = 2 if hpp == 1 else PREFILL_HEADS_MIN_TOKENS  # the decode kernel, or prefill's kernel of several heads
+    assert heads_per_program(n) == hpp
+    q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(n, 1, head_dim, dtype=dtype, device=device)
+    pos = torch.zeros(n, dtype=torch.long, device=device)
+    qk_norm_rope_kv_write(q, kv if has_k else None, kv if has_v else None, pos, inv, w, w, 1e-6, norm_v,
+                          layer if layer is not None else -1)
 
 
 register_kernel(JitKernel("qk_norm_rope_kv_write", "qk_norm_rope_kv_write", "triton", _qk_keys, _qk_compile))
