@@ -256,3 +256,29 @@ def test_gpu_plan_reserves_the_omnikv_decode_workspace(tiny_ckpt, monkeypatch):
         r.plan_blocks(64)
         assert r.memory_profile["decode_workspace_bytes"] == ws
         assert r.memory_profile["kv_cache_bytes"] == int(total * 0.9) - (in_use + max(peak, ws) + GPU_MARGIN_BYTES)
+
+
+def test_gpu_plan_reserves_the_prompt_graphs_pool(gemma_runner, monkeypatch):
+    """CUDA-graph sizes above max_num_seqs (prompts) keep one forward's activations at the largest in the
+    graph pool: the plan takes the activation peak scaled to that size's tokens off the KV cache (the decode
+    sizes' few tokens stay in the margin), and records it."""
+    from types import SimpleNamespace
+
+    from compiled_llm.runtime.memory import prompt_graph_bytes
+
+    assert prompt_graph_bytes(240, [1, 2, 4], 4, 24) == 0  # decode sizes only
+    assert prompt_graph_bytes(240, [1, 2, 4, 8, 16], 4, 24) == 160
+    assert prompt_graph_bytes(240, [1, 64], 4, 24) == 240  # never more than a full step's peak
+    r = gemma_runner  # max_num_seqs 4, max_num_batched_tokens 24
+    peak = 96 * 2**20
+    measured = {"total_bytes": 1000 * 2**20 + GPU_MARGIN_BYTES, "in_use_bytes": 300 * 2**20,
+                "weights_bytes": 200 * 2**20, "activation_peak_bytes": peak}
+    budgets = {}
+    for sizes in ([1, 2, 4], [1, 2, 4, 16]):
+        _as_gpu(monkeypatch, r, measured)
+        monkeypatch.setattr(r, "compiler", SimpleNamespace(compiled=SimpleNamespace(
+            sizes=sizes, state=SimpleNamespace(cudagraphs=True))))
+        r.plan_blocks(64)
+        budgets[len(sizes)] = r.memory_profile["kv_cache_bytes"]
+        assert r.memory_profile["prompt_graph_bytes"] == (peak * 16 // 24 if 16 in sizes else 0)
+    assert budgets[3] - budgets[4] == peak * 16 // 24

@@ -15,7 +15,8 @@ from compiled_llm.ops.attention import cached_rot_keys
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
 from compiled_llm.runtime.block_manager import BlockManager
 from compiled_llm.runtime.block_pool import group_sinks, group_window
-from compiled_llm.runtime.memory import GPU_MARGIN_BYTES, gib, kv_cache_budget, one_sequence_bytes, sequence_blocks
+from compiled_llm.runtime.memory import (GPU_MARGIN_BYTES, gib, kv_cache_budget, one_sequence_bytes, prompt_graph_bytes,
+                                         sequence_blocks)
 
 log = logging.getLogger("compiled_llm")
 
@@ -131,9 +132,14 @@ class KVCachePlanner:
         # what a decode step needs beyond the profiled prefill step: OmniKV's filter-layer scores (runtime/sparse_kv.py)
         m["decode_workspace_bytes"] = (self.sparse.decode_workspace_bytes(self.config.max_num_seqs, max_model_len)
                                        if self.sparse is not None else 0)
+        compiled = getattr(self.compiler, "compiled", None)
+        sizes = compiled.sizes if compiled is not None and compiled.state.cudagraphs else []
+        m["prompt_graph_bytes"] = prompt_graph_bytes(m["activation_peak_bytes"], sizes, self.config.max_num_seqs,
+                                                     self.config.max_num_batched_tokens)
         need = one_sequence_bytes(block_bytes, max_model_len, self.block_size) + self.state_bytes()
         budget = kv_cache_budget(m["total_bytes"], self.config.gpu_memory_utilization, m["in_use_bytes"],
-                                 max(m["activation_peak_bytes"], m["decode_workspace_bytes"]), need, max_model_len)
+                                 max(m["activation_peak_bytes"], m["decode_workspace_bytes"]) + m["prompt_graph_bytes"],
+                                 need, max_model_len)
         self.memory_profile = dict(m, margin_bytes=GPU_MARGIN_BYTES, kv_cache_bytes=budget)
         return budget
 
@@ -207,10 +213,11 @@ class KVCachePlanner:
         m["kv_blocks"] = dict(counts)
         blocks = {("full" if g is None else f"window {g}"): n for g, n in counts.items()}
         log.info("GPU memory: %g x %s total; in use after loading %s (weights %s), activation peak %s of a "
-                 "%d-token step, decode workspace %s, margin %s; KV cache %s: blocks per group %s",
+                 "%d-token step, decode workspace %s, prompt graphs %s, margin %s; KV cache %s: blocks per group %s",
                  self.config.gpu_memory_utilization, gib(m["total_bytes"]), gib(m["in_use_bytes"]),
                  gib(m["weights_bytes"]), gib(m["activation_peak_bytes"]), self.config.max_num_batched_tokens,
-                 gib(m.get("decode_workspace_bytes", 0)), gib(m["margin_bytes"]), gib(m["kv_cache_bytes"]), blocks)
+                 gib(m.get("decode_workspace_bytes", 0)), gib(m.get("prompt_graph_bytes", 0)), gib(m["margin_bytes"]),
+                 gib(m["kv_cache_bytes"]), blocks)
 
     def state_bytes(self) -> int:
         """Bytes of all recurrent-state slots, prefix snapshots included (taken from the KV budget)."""
