@@ -38,6 +38,17 @@ def moe_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
+def _block_experts(ExpertIds, ends, E, size, BLOCK_M: tl.constexpr, CB: tl.constexpr):
+    # each block's expert: how many buckets' padded segments end at or before its first row (ends: the
+    # buckets' cumulative padded ends); -1 for the other ranks' bucket E and past the end
+    cb = tl.arange(0, CB)
+    for b0 in range(0, size // BLOCK_M, CB):
+        start = (b0 + cb) * BLOCK_M
+        eid = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
+        tl.store(ExpertIds + b0 + cb, tl.where(eid < E, eid, -1), mask=b0 + cb < size // BLOCK_M)
+
+
+@triton.jit
 def _align_body(Ids, Cursor, SortedIds, ExpertIds, NumPadded, n, E, size,
                 BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
     # One program: bucket counts, padded segment ends (cumsum), then each pair's slot by an atomic cursor per
@@ -60,11 +71,7 @@ def _align_body(Ids, Cursor, SortedIds, ExpertIds, NumPadded, n, E, size,
     # padding rows hold n; blocks past the end and the other ranks' blocks have expert -1
     for j0 in range(0, size, CHUNK):
         tl.store(SortedIds + j0 + c, tl.full([CHUNK], 0, tl.int32) + n, mask=c < size - j0)
-    cb = tl.arange(0, CB)
-    for b0 in range(0, size // BLOCK_M, CB):
-        start = (b0 + cb) * BLOCK_M
-        eid = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
-        tl.store(ExpertIds + b0 + cb, tl.where(eid < E, eid, -1), mask=b0 + cb < size // BLOCK_M)
+    _block_experts(ExpertIds, ends, E, size, BLOCK_M, CB)
     tl.debug_barrier()
     for i0 in range(0, n, CHUNK):
         m = c < n - i0
@@ -231,11 +238,7 @@ def _align_scan_kernel(Counts, Base, ExpertIds, NumPadded, G, E, size,
         tl.store(Base + (g0 + r[:, None]) * BINS + bins[None, :], before_g - before_b, mask=ok)
         carry += tl.sum(counts, 0)
     tl.store(NumPadded + bins - (BINS - 1), ends, mask=bins == BINS - 1)  # the total
-    cb = tl.arange(0, CB)
-    for b0 in range(0, size // BLOCK_M, CB):
-        start = (b0 + cb) * BLOCK_M
-        eid = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), 1)
-        tl.store(ExpertIds + b0 + cb, tl.where(eid < E, eid, -1), mask=b0 + cb < size // BLOCK_M)
+    _block_experts(ExpertIds, ends, E, size, BLOCK_M, CB)
 
 
 @triton.jit(do_not_specialize=["n"])
