@@ -179,14 +179,54 @@ def attention_case(S, layer, lens, dev, dt, seed):
     return (q, cache, bt, qsl, sl), opts, 4.0 * S["HQ"] * d * pairs
 
 
-def attention_group(S, lens, dev, dt, time_fn, rows, smoke, quick=False):
+def flashinfer_prefill(S, layer, args, opts, backend):
+    """FlashInfer's paged prefill (issue 14 item 3) on the same cache and block tables: planned once here (the
+    engine would plan once a step for all layers of a kind), returns the call to time. K and V are the cache's
+    two [blocks, page, kv_heads, head_dim] halves (NHD); the window as window_left = W - 1 (a query at p sees
+    p - W < j <= p). Built on first use by FlashInfer's JIT (nvcc)."""
+    import flashinfer
+
+    q, cache, bt, qsl, sl = args
+    page = S["page"]
+    nblk = (sl + page - 1) // page
+    indptr = torch.zeros(len(sl) + 1, dtype=torch.int32, device=q.device)
+    indptr[1:] = torch.cumsum(nblk, 0)
+    indices = torch.cat([bt[i, :int(n)] for i, n in enumerate(nblk.tolist())]).contiguous()
+    last = ((sl - 1) % page + 1).int()
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=q.device),
+                                                      "NHD", backend=backend)
+    window = opts["sliding_window"]
+    w.plan(qsl, indptr, indices, last, q.shape[1], layer["kv_heads"], layer["head_dim"], page, causal=True,
+           window_left=-1 if window is None else window - 1, q_data_type=q.dtype, kv_data_type=q.dtype,
+           sm_scale=opts["scale"])
+    k, v = cache[0], cache[1]
+    return lambda: w.run(q, (k, v))
+
+
+def attention_group(S, lens, dev, dt, time_fn, rows, smoke, quick=False, extra=False):
     R = dataclasses.replace
     for kind in ("sliding", "glob"):
         layer = S[kind]
         args, opts, flops = attention_case(S, layer, lens, dev, dt, seed=2)
         p0 = PA.attention_launch_policy(len(lens), 0, layer["head_dim"], prefill=True)
         cands = [p0, R(p0, interior=not p0.interior)]  # the interior tiles without masks, and every tile masked
-        if smoke and not quick:
+        calls = {}
+        if extra:  # one stage for the unsplit d512 tiles (never swept: two stages do not fit), and FlashInfer
+            cands = [p0]
+            if layer["head_dim"] >= 512:
+                cands += [PA.AttnLaunch(block_m=64, block_n=bn, num_warps=8, num_stages=1) for bn in (32, 64)]
+                cands += [R(p0, block_n=32, num_stages=3)]
+            elif not smoke and (SHARD is None or SHARD[0] == 0):  # one builder process: FlashInfer's JIT
+                for backend in ("fa2", "fa3"):
+                    try:
+                        calls[f"flashinfer {backend}"] = flashinfer_prefill(S, layer, args, opts, backend)
+                    except Exception as exc:  # not installed, or no build for this shape: reported
+                        rows.append(dict(group=f"attention {kind}", tokens=f"{len(lens)}x{lens[0]}",
+                                         cand=f"flashinfer {backend}", default=False, ok=False,
+                                         error=f"{type(exc).__name__}: {exc}"[:300]))
+                        print(json.dumps(rows[-1]), flush=True)
+                cands += list(calls)
+        elif smoke and not quick:
             cands += [R(p0, block_m=32, block_n=16), R(p0, num_warps=4), R(p0, split_d=True)]
         elif not quick:
             bns = (16, 32, 64) if layer["head_dim"] >= 512 else (32, 64, 128)
@@ -198,7 +238,7 @@ def attention_group(S, lens, dev, dt, time_fn, rows, smoke, quick=False):
         cands = list(dict.fromkeys(cands))
 
         def run(c):
-            return PA.paged_prefill(*args, policy=c, **opts)
+            return calls[c]() if isinstance(c, str) else PA.paged_prefill(*args, policy=c, **opts)
 
         def check(out, ref):
             d = rel_diff(out, ref)
@@ -235,6 +275,8 @@ def main() -> int:
                     help="MoE: the policy's tiles with and without TMA (MoELaunch.tma), and a few TMA tiles")
     ap.add_argument("--attn-quick", action="store_true",
                     help="attention: the policy's launch and the same with every key tile masked (no sweep)")
+    ap.add_argument("--attn-extra", action="store_true",
+                    help="attention: the policy, one-stage unsplit d512 tiles, and FlashInfer's paged prefill (sliding)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     global SHARD
@@ -254,7 +296,7 @@ def main() -> int:
             moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order, a.moe_tma)
     if "attention" in groups and "glob" in S:
         for lens in att:
-            attention_group(S, lens, dev, dt, time_fn, rows, a.smoke, a.attn_quick)
+            attention_group(S, lens, dev, dt, time_fn, rows, a.smoke, a.attn_quick, a.attn_extra)
     if SHARD is not None:
         return 0
     lines = summary(rows)

@@ -128,10 +128,11 @@ def sweep_launches(M: int, K: int, full: bool) -> list[S.SkinnyLaunch]:
             continue  # K too short for this many slices (the smaller split is in the grid already)
         if bn * bk * 2 * ns > 200 * 1024:
             continue  # the weight tiles alone exceed shared memory
-        lp = S.SkinnyLaunch(bn, bk, split, nw, ns, dot)
-        if lp not in seen:
-            seen.add(lp)
-            out.append(lp)
+        for merge in ((False, True) if split > 1 else (False,)):  # the partials summed in the kernel, too
+            lp = S.SkinnyLaunch(bn, bk, split, nw, ns, dot, merge)
+            if lp not in seen:
+                seen.add(lp)
+                out.append(lp)
     return out
 
 

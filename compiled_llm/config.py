@@ -172,7 +172,8 @@ _HELP = {
                          "attention kernels allow it (auto: only where measured faster than piecewise graphs)",
     "compile_passes": "comma-separated fusion passes to run (add_rms_norm, qk_norm_rope_kv_write, "
                       "allreduce_rms_norm, router_topk, geglu_moe, swiglu_moe, moe_overlap (CUDA: the routed experts on "
-                      "a side stream); default: all that apply; 'none': no fusion)",
+                      "a side stream), skinny_mm (CUDA: decode's narrow projections in one launch); default: all "
+                      "that apply; 'none': no fusion)",
     "fusion_check": "warn or error: what a compiled layer that missed a fusion its model declares does (a MoE "
                     "layer that would run every expert on every token is always an error)",
     "op_providers": "override the op provider resolver, e.g. 'attention=reference,rms_norm=triton'",

@@ -91,6 +91,19 @@ def test_a_missing_moe_fusion_shows_as_the_dense_expert_sum():
     assert big.shape == (128, 8192, 2816) and big.bytes == 128 * 8192 * 2816 * 2
 
 
+def test_decode_projections_take_the_skinny_kernel_on_the_gpu_graph():
+    """26B-A4B's shapes, two layers, on the GPU's graph: each layer's o_proj (2,816 x 4,096: N < K) becomes
+    skinny_mm in the dynamic-token compile and in the 8-row one, and nothing else does (the q/k/v, MLP and LM-head
+    products stay torch's); a kernel choice, so the fusion check does not judge it."""
+    cfg = config_dict("gemma-4-26b-a4b")
+    cfg.update(num_hidden_layers=2, layer_types=cfg["layer_types"][:2])
+    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[8])
+    assert r.mismatches == [] and "skinny_mm" not in r.enabled
+    for shape in ("dynamic", "8"):
+        got = r.layer_matches(shape)
+        assert {i: got.get(i, {}).get("skinny_mm", 0) for i in (0, 1)} == {0: 1, 1: 1}, shape
+
+
 @pytest.mark.parametrize("rows, persistent", [(None, True), ("0", False)])
 def test_the_gpu_code_generation_runs_on_the_cpu(monkeypatch, rows, persistent):
     """codegen=True: 26B-A4B's shapes (two layers; the dynamic compile and batch 8) go on through Inductor's CUDA

@@ -1026,12 +1026,74 @@ def check_skinny_gemm():
     a = _check_skinny(8, 75, 200, torch.bfloat16, launches[2], seed=7)
     b = _check_skinny(8, 75, 200, torch.bfloat16, launches[2], seed=7)
     assert torch.equal(a, b)
+    # merge: each tile's last program sums the slices in slice order, bitwise the reduce kernel's result, and
+    # leaves its counter at zero for the next launch (two M blocks, N and K multiples of no block)
+    from compiled_llm.ops.triton import skinny_gemm as SG
+
+    for M, split in ((8, 3), (19, 2)):
+        base = SkinnyLaunch(block_n=16, block_k=32, split_k=split, num_stages=2)
+        merged = SkinnyLaunch(block_n=16, block_k=32, split_k=split, num_stages=2, merge=True)
+        for seed in (8, 9):  # twice: the second launch finds the counters reset
+            a = _check_skinny(M, 75, 200, torch.bfloat16, base, seed=seed)
+            b = _check_skinny(M, 75, 200, torch.bfloat16, merged, seed=seed)
+            assert torch.equal(a, b), (M, split)
+        tickets = [t for k, t in SG._TICKETS.items() if k[1:] == (75, 200)]
+        assert tickets and all(int(t.abs().sum()) == 0 for t in tickets)
+    _check_skinny_mm_pass()
     # the default rule at decode shapes on 132 SMs
     assert skinny_launch(8, 262144, 2816) == SkinnyLaunch(64, 256, 1)  # LM head: plenty of N blocks
     lp = skinny_launch(8, 2816, 4096)  # o_proj: narrow N, long K: 16-row blocks and K split
     assert lp.block_n == 16 and lp.split_k > 1, lp
     assert skinny_launch(1, 32, 2048).split_k >= 2 and skinny_launch(4, 100, 100).split_k == 1
     assert skinny_launch(8, 1024, 2048, itemsize=4).block_k == 128
+
+
+def _check_skinny_mm_pass():
+    """passes/skinny_mm.py in a compiled graph: with the op's Triton provider, a decode batch's narrow projection
+    (N < K, M <= 16) becomes skinny_mm (the merged split-K launch) and equals the float32 product within one bf16
+    place; a wide one (N > K) and a static 32-row batch keep torch's mm. With a dynamic row count the op is put in
+    and chooses per call (4 rows: the kernel; 32: torch's mm; both equal the product). Counted in Inductor's
+    counters."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from compiled_llm.ops import OPS
+    from compiled_llm.ops.registry import Capabilities, preserved_choices
+    from compiled_llm.passes.manager import PassManager
+    COUNTER = "compiled_llm.skinny_mm"  # the pass's total (passes/base.py count_matches)
+
+    g = torch.Generator().manual_seed(11)
+    narrow = (torch.randn(1024, 2048, generator=g) * 2048 ** -0.5).bfloat16()  # N < K, 2M elements
+    wide = (torch.randn(2048, 1024, generator=g) * 1024 ** -0.5).bfloat16()
+
+    def f(x, x2, w_narrow, w_wide):
+        return x @ w_narrow.t(), x2 @ w_wide.t()
+
+    with preserved_choices():
+        spec = OPS["skinny_mm"]
+        spec.select(Capabilities.detect("cpu"), {}, force="triton")
+        kernel, launches = spec.chosen[None][1], []
+        spec.chosen[None] = ("triton", lambda x, w: launches.append(x.shape[0]) or kernel(x, w))
+        pm = PassManager(enabled=("skinny_mm",), dtype=torch.bfloat16, device="cpu")
+        assert not pm.count_only() and pm.config[0] == ("skinny_mm",)
+        for rows, dynamic, want in ((4, False, 1), (32, False, 0), (4, True, 1), (32, True, 1)):
+            torch._dynamo.reset()
+            before = counters["inductor"][COUNTER]
+            launches.clear()
+            compiled = torch.compile(f, options=pm.inductor_config(), dynamic=None if dynamic else False)
+            x = torch.randn(rows, 2048, generator=g).bfloat16()
+            x2 = torch.randn(rows, 1024, generator=g).bfloat16()
+            if dynamic:  # the row count symbolic, the weights' shapes static (as in the engine's dynamic compile)
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(x2, 0)
+            a, b = compiled(x, x2, narrow, wide)
+            assert counters["inductor"][COUNTER] - before == want, (rows, dynamic)
+            assert launches == ([rows] if rows <= 16 else []), (rows, dynamic, launches)  # the kernel ran, or mm
+            ref = x.float() @ narrow.float().t()
+            _close(f"skinny_mm pass rows={rows} dynamic={dynamic}", a, ref, rtol=2.0 ** -7 * 1.01, atol=1e-4)
+            _close(f"  the wide product (torch's mm) rows={rows}", b, x2.float() @ wide.float().t(),
+                   rtol=2.0 ** -7 * 1.01, atol=1e-4)
+    torch._dynamo.reset()
 
 
 def _check_allreduce_norm(world, rows, hidden, dtype, double, per_program=1, seed=0):

@@ -64,9 +64,14 @@ def compare(expected: dict[int, dict[str, int]], matches: dict[str, Counter], en
 
 
 def judged(enabled: set[str], num_experts: int) -> set[str]:
-    """The passes whose counts are checked: the enabled ones, and the MoE passes for models with many experts
-    even when they were switched off (their dense fallback must not run)."""
-    return enabled | (set(MOE_PASSES) if num_experts > DENSE_MOE_MAX_EXPERTS else set())
+    """The passes whose counts are checked: the enabled fusions (not the kernel choices, `fusion_check = False`:
+    skinny_mm), and the MoE passes for models with many experts even when they were switched off (their dense
+    fallback must not run)."""
+    from compiled_llm.passes.manager import all_passes
+
+    passes = all_passes()
+    fusions = {n for n in enabled if getattr(passes.get(n), "fusion_check", True)}
+    return fusions | (set(MOE_PASSES) if num_experts > DENSE_MOE_MAX_EXPERTS else set())
 
 
 def verify(expected: dict[int, dict[str, int]], matches: dict[str, Counter], enabled: set[str], mode: str,

@@ -19,6 +19,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from compiled_llm.ops import OPS
 from compiled_llm.ops.registry import INDUCTOR
 from compiled_llm.passes.base import INDUCTOR_SETTINGS, FusionPass
+from compiled_llm.passes import skinny_mm
 from compiled_llm.passes.moe_overlap import enabled_by_default
 
 log = logging.getLogger("compiled_llm")
@@ -43,10 +44,11 @@ def all_passes() -> dict[str, type[FusionPass]]:
     from compiled_llm.passes.moe_overlap import MoEOverlapPass
     from compiled_llm.passes.qk_norm_rope import QKNormRopeKVWritePass
     from compiled_llm.passes.router_topk import RouterTopKPass
+    from compiled_llm.passes.skinny_mm import SkinnyMMPass
     from compiled_llm.passes.swiglu_moe import SwigluMoEPass
 
     return {p.name: p for p in (AddRMSNormPass, QKNormRopeKVWritePass, AllReduceRMSNormPass, RouterTopKPass,
-                                GegluMoEPass, SwigluMoEPass, MoEOverlapPass)}
+                                GegluMoEPass, SwigluMoEPass, MoEOverlapPass, SkinnyMMPass)}
 
 
 _BUILT: dict[tuple, FusionPass] = {}
@@ -93,6 +95,8 @@ class PassManager(CustomGraphPass):
             names.remove("allreduce_rms_norm")  # only under tensor parallelism
         if enabled is None and not enabled_by_default(torch.device(device).type):
             names.remove("moe_overlap")  # streams: CUDA only (a CPU compile may still name it)
+        if enabled is None and not skinny_mm.enabled_by_default(torch.device(device).type):
+            names.remove("skinny_mm")  # a CUDA kernel choice (a CPU compile may still name it)
         dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
         device = torch.device(device).type
         self.reference_only = reference_only

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.triton._common import _dot, dot_f32, dot_precision
 
 
@@ -41,6 +42,7 @@ def _skinny_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr = 0,
+    Tickets=None, SPLIT: tl.constexpr = 1, MERGE: tl.constexpr = False,
 ):
     # PDL (programmatic dependent launch, launched with launch_pdl; GPU only, an experiment:
     # benchmarks/pdl_chain.py): 1 waits for the previous kernel before reading anything and lets the next
@@ -86,8 +88,23 @@ def _skinny_kernel(
     out_mask = nmask[:, None] & mmask[None, :]
     if not PARTIAL:  # one K slice: the result itself
         tl.store(Y + m.to(tl.int64)[None, :] * stride_ym + n[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
-    else:  # slice s's float32 partial, summed by _split_reduce_kernel
-        tl.store(Part + (s * M + m.to(tl.int64))[None, :] * N + n[:, None], acc, mask=out_mask)
+    else:  # slice s's float32 partial, summed by _split_reduce_kernel (or, MERGE, by the tile's last program)
+        part_off = m.to(tl.int64)[None, :] * N + n[:, None]
+        tl.store(Part + s * M * N + part_off, acc, mask=out_mask)
+        if MERGE:
+            # the tile's slices take tickets from its counter; the last one sums every slice's partial in slice
+            # order (the same order whichever program is last: deterministic) and resets the counter, which is
+            # then zero for the next launch (capturable: no memset)
+            tile = pid_m * tl.num_programs(0) + pid_n
+            tl.debug_barrier()  # every thread's stores precede the (one-thread) release below
+            ticket = tl.atomic_add(Tickets + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                tl.atomic_xchg(Tickets + tile, 0, sem="relaxed", scope="gpu")
+                tot = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for i in tl.static_range(SPLIT):
+                    tot += tl.load(Part + i * M * N + part_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(Y + m.to(tl.int64)[None, :] * stride_ym + n[:, None], tot.to(Y.dtype.element_ty),
+                         mask=out_mask)
 
 
 @triton.jit
@@ -120,13 +137,15 @@ def _split_reduce_kernel(Part, Y, M, N, split, stride_ym, BLOCK: tl.constexpr):
 class SkinnyLaunch:
     """block_n weight rows per program, block_k columns per step, split_k K slices (a float32 workspace and a
     reduce kernel past 1), warps and pipeline stages; dot: tensor-core product with M padded to 16, else a
-    multiply-and-sum per x row (tiny M)."""
+    multiply-and-sum per x row (tiny M); merge: the slices' partials summed by each tile's last program (a
+    ticket counter per tile) instead of a second launch."""
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = True
+    merge: bool = False  # split_k > 1: the last program of each tile sums the partials (no reduce kernel)
 
 
 _SMS: dict[int, int] = {}
@@ -175,6 +194,19 @@ def _effective_split(K: int, block_k: int, split_k: int) -> int:
 
 
 _WORKSPACE_BLOCK = 1024
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, N: int, K: int, tiles: int) -> torch.Tensor:
+    """The merge's per-tile counters, zero between launches (each tile's last program resets its own). One
+    buffer per (device, weight shape): launches of one shape follow each other (the engine runs one forward at
+    a time per device, and no two projections of one shape run on two streams at once). Made on the first call
+    (eager: JIT warm-up, or the warm-up forward before any CUDA-graph capture)."""
+    key = (device, N, K)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = _TICKETS[key] = torch.zeros(max(64, tiles), dtype=torch.int32, device=device)
+    return buf
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = None, pdl: int = 0) -> torch.Tensor:
@@ -200,13 +232,43 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = No
     split = triton.cdiv(K, kps)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(N, lp.block_n), triton.cdiv(M, block_m), split)
+    merge = lp.merge and split > 1
+    extra = dict(Tickets=_tickets(x.device, N, K, grid[0] * grid[1]), SPLIT=split, MERGE=True) if merge else {}
     _skinny_kernel[grid](
         x, w, y, part, M, N, K, kps, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, PARTIAL=split > 1, EVEN_K=K % lp.block_k == 0,
         DOT=lp.dot, PREC=dot_precision(x.dtype), F32=dot_f32(x.dtype),
         num_warps=lp.num_warps, num_stages=lp.num_stages, **({"PDL": pdl, "launch_pdl": True} if pdl else {}),
+        **extra,
     )
-    if split > 1:
+    if split > 1 and not merge:
         _split_reduce_kernel[(triton.cdiv(M * N, _WORKSPACE_BLOCK),)](
             part, y, M, N, split, y.stride(0), BLOCK=_WORKSPACE_BLOCK, num_warps=4)
     return y
+
+
+# The decode projections' launch (ops/linear.py skinny_mm: N < K): 32-row tiles of 256 columns, K in four slices
+# merged by each tile's last program. H200 (benchmarks/skinny_gemm.py, session 28, M = 8, us): the best of the
+# merged launches at Gemma 4's o_proj (9.66; cuBLAS 10.61) and global o_proj (15.03; 16.26), within 0.25 us of
+# the best at Qwen3.5's out_proj / o_proj (7.65 / 7.63 against 7.40 / 7.44 with 64 rows; cuBLAS 8.99 / 8.98)
+DECODE_LAUNCH = SkinnyLaunch(block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=3, dot=True, merge=True)
+
+
+def decode_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The skinny_mm op's Triton provider: x [M, K] @ w [N, K]^T with DECODE_LAUNCH."""
+    MONITOR.note("skinny_mm", (x.dtype, x.shape[1] % DECODE_LAUNCH.block_k == 0))
+    return skinny_mm(x, w, DECODE_LAUNCH)
+
+
+def _decode_keys(facts: dict) -> list:
+    # one build serves every weight whose K is a multiple of the 256-column step (all the released configs')
+    return [(facts["dtype"], True)] if "dtype" in facts and "hidden_size" in facts else []
+
+
+def _decode_compile(key, device) -> None:
+    dtype, even = key
+    k = 4 * DECODE_LAUNCH.block_k if even else 4 * DECODE_LAUNCH.block_k + 16
+    decode_mm(torch.zeros(2, k, dtype=dtype, device=device), torch.zeros(64, k, dtype=dtype, device=device))
+
+
+register_kernel(JitKernel("skinny_mm", "skinny_mm", "triton", _decode_keys, _decode_compile))

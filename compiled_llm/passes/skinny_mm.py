@@ -1,0 +1,80 @@
+"""Decode projections: `mm(x, W^T)` with a decode batch's rows and a narrow output (N < K) -> skinny_mm
+(ops/linear.py), which adds its K slices inside one launch where cuBLAS takes a split-K kernel and a reduce.
+
+Not a fusion: a kernel choice for one matmul, made from the weight's shape. A static compile of more than 16 rows
+keeps torch's mm; in the dynamic-token compile (which every decode size replays by default) the op chooses per call
+by the row count (ops/linear.py). The matches are counted under `compiled_llm_kernel.skinny_mm` (in total, not per layer: no model declares it, so the
+fusion check does not judge it). On CUDA by default (`COMPILED_LLM_SKINNY_MM=0`: off, an A/B); elsewhere the op has
+its reference only and the pass, when named, counts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from compiled_llm.ops.linear import takes
+from compiled_llm.passes.base import count_matches, first_layer, node_layers
+from compiled_llm.passes.moe_overlap import _with_val
+
+ENV = "COMPILED_LLM_SKINNY_MM"
+
+
+def enabled_by_default(device: str) -> bool:
+    return device == "cuda" and os.environ.get(ENV, "1") != "0"
+
+
+def _weight_of(node) -> torch.fx.Node | None:
+    """W where node is W^T (a permute of a 2-D weight's two dims, or aten.t), else None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.target is torch.ops.aten.t.default:
+        return node.args[0]
+    if node.target is torch.ops.aten.permute.default and list(node.args[1]) == [1, 0]:
+        return node.args[0]
+    return None
+
+
+class SkinnyMMPass:
+    name = "skinny_mm"
+    fusion = "a decode batch's narrow projections (N < K) in one split-K launch"
+    op = "skinny_mm"
+    count_only_on_reference = True
+    count_only_while_reference = True
+    fusion_check = False  # a kernel choice: models declare no count for it
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...] = (), device: str = "cpu"):
+        self.count_only = False  # set per graph by the pass manager
+
+    @staticmethod
+    def _match(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+        if node.target is not torch.ops.aten.mm.default:
+            return None
+        x, wt = node.args
+        w = _weight_of(wt)
+        xv, wv = (getattr(a, "meta", {}).get("val") for a in (x, w))
+        if xv is None or wv is None or wv.dim() != 2 or xv.dim() != 2 or xv.dtype != wv.dtype:
+            return None
+        m, (n, k) = xv.shape[0], wv.shape
+        if not isinstance(n, int) or not isinstance(k, int):
+            return None
+        if not takes(n, k, m if isinstance(m, int) else None):
+            return None  # a shape cuBLAS serves as well, or a static row count past a decode batch's
+        if wv.stride() != (k, 1) or xv.stride(-1) != 1:
+            return None
+        return x, w
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        found = [(n, hit) for n in graph.nodes if (hit := self._match(n)) is not None]
+        if not found:
+            return 0
+        count_matches(self.name, len(found), [min(node_layers(n), default=None) for n, _ in found], first_layer(graph))
+        if self.count_only:
+            return len(found)
+        for node, (x, w) in found:
+            with graph.inserting_before(node):
+                new = _with_val(graph.call_function(torch.ops.compiled_llm.skinny_mm.default, (x, w)), [node])
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        graph.eliminate_dead_code()
+        return len(found)
