@@ -922,18 +922,19 @@ def _check_router_paths():
 
     from compiled_llm.ops.moe import ref_softmax_router_topk
     from compiled_llm.ops.triton import moe as M
+    from compiled_llm.ops.triton._common import TICKETS
 
     x, w, scale, pes = _router_case(19, 40, 200, 7, torch.float32)
     fused = M.router_launch(19, 200, 40, fused=True)
     assert fused.fused and fused.splits > 1 and 19 > fused.block_t  # several token blocks and slices
     a = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=fused)
-    assert int(M._TICKETS[x.device].abs().sum()) == 0
+    assert int(TICKETS[("router", x.device)].abs().sum()) == 0
     b = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=fused)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     c = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=M.router_launch(19, 200, 40, fused=False))
     assert torch.equal(a[1], c[1])
     eight = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=M.router_launch(19, 200, 40, fused=True, block_t=8))
-    assert torch.equal(a[1], eight[1]) and int(M._TICKETS[x.device].abs().sum()) == 0  # 8-row blocks: three
+    assert torch.equal(a[1], eight[1]) and int(TICKETS[("router", x.device)].abs().sum()) == 0  # 8-row blocks: three
     _close("router fused vs two kernels", a[0], c[0], rtol=1e-5, atol=1e-7)
     # prefill sizes of a normed router: one program a 64-row block for all experts (the row read once for the
     # norm, once for the dot), here with two row blocks, a ragged last one and fewer experts than the tile
@@ -1028,7 +1029,7 @@ def check_skinny_gemm():
     assert torch.equal(a, b)
     # merge: each tile's last program sums the slices in slice order, bitwise the reduce kernel's result, and
     # leaves its counter at zero for the next launch (two M blocks, N and K multiples of no block)
-    from compiled_llm.ops.triton import skinny_gemm as SG
+    from compiled_llm.ops.triton._common import TICKETS
 
     for M, split in ((8, 3), (19, 2)):
         base = SkinnyLaunch(block_n=16, block_k=32, split_k=split, num_stages=2)
@@ -1037,7 +1038,7 @@ def check_skinny_gemm():
             a = _check_skinny(M, 75, 200, torch.bfloat16, base, seed=seed)
             b = _check_skinny(M, 75, 200, torch.bfloat16, merged, seed=seed)
             assert torch.equal(a, b), (M, split)
-        tickets = [t for k, t in SG._TICKETS.items() if k[1:] == (75, 200)]
+        tickets = [t for k, t in TICKETS.items() if k[0] == "skinny" and k[2:] == (75, 200)]
         assert tickets and all(int(t.abs().sum()) == 0 for t in tickets)
     _check_skinny_mm_pass()
     # the default rule at decode shapes on 132 SMs

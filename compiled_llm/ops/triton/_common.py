@@ -26,6 +26,22 @@ def dot_f32(dtype: torch.dtype) -> bool:
     return _INTERPRETED and dtype != torch.float32
 
 
+# Self-resetting ticket counters of the kernels whose last program of a group (found by an atomic ticket) does the
+# group's final work and resets the group's counter to zero: the router's token blocks, the skinny GEMM's output
+# tiles. Zero between launches, so a CUDA graph replays them with no memset.
+TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def ticket_counters(key: tuple, count: int, device: torch.device) -> torch.Tensor:
+    """At least `count` int32 counters for `key`, made on first use (eager: JIT warm-up or the run before a
+    capture). Launches that share a key must not run at the same time on two streams: the engine runs one
+    forward at a time per device, and the callers key by what they launch (the router, a weight shape)."""
+    buf = TICKETS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = TICKETS[key] = torch.zeros(max(64, count), dtype=torch.int32, device=device)
+    return buf
+
+
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
     # F32 (see dot_f32): float32 copies give what the GPU's half-precision dot gives (exact products, float32

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from compiled_llm.ops.triton._common import _INTERPRETED, _dot, _gelu_tanh, dot_f32, dot_precision
+from compiled_llm.ops.triton._common import _INTERPRETED, _dot, _gelu_tanh, dot_f32, dot_precision, ticket_counters
 
 log = logging.getLogger("compiled_llm")
 
@@ -997,18 +997,6 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, blocks: int) -> torch.Tensor:
-    """The fused router's per-token-block counters: zero between launches (the last program of a block resets
-    its counter), allocated once per device. Launches that could run at the same time on two streams of one
-    device would share them: the engine runs one forward at a time per device."""
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < blocks:
-        buf = torch.zeros(max(64, blocks), dtype=torch.int32, device=device)
-        _TICKETS[device] = buf
-    return buf
 
 
 def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: torch.Tensor,
@@ -1047,7 +1035,7 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
                          ALIGN=True, A_BLOCK_M=meta["BLOCK_M"], BINS=meta["BINS"], CHUNK=meta["CHUNK"], CB=meta["CB"])
         _router_fused_kernel[grid](
             x, scale.contiguous() if norm else x, proj_weight, per_expert_scale.contiguous() if has_scale else x,
-            partial, sumsq, _tickets(x.device, grid[0]), weights, ids,
+            partial, sumsq, ticket_counters(("router", x.device), grid[0], x.device), weights, ids,
             num_tokens, hidden, num_experts, float(eps), float(hidden ** -0.5),
             x.stride(0), proj_weight.stride(0),
             SLICE_H=lp.slice_h, SPLITS=lp.splits, BLOCK_T=lp.block_t, BLOCK_H=lp.block_h, BLOCK_E=lp.block_e,

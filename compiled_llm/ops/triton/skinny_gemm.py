@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
-from compiled_llm.ops.triton._common import _dot, dot_f32, dot_precision
+from compiled_llm.ops.triton._common import _dot, dot_f32, dot_precision, ticket_counters
 
 
 # M, N and y's row stride are not specialised (N = 1 would be a build of its own): one build per tile shape,
@@ -194,19 +194,6 @@ def _effective_split(K: int, block_k: int, split_k: int) -> int:
 
 
 _WORKSPACE_BLOCK = 1024
-_TICKETS: dict[tuple, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, N: int, K: int, tiles: int) -> torch.Tensor:
-    """The merge's per-tile counters, zero between launches (each tile's last program resets its own). One
-    buffer per (device, weight shape): launches of one shape follow each other (the engine runs one forward at
-    a time per device, and no two projections of one shape run on two streams at once). Made on the first call
-    (eager: JIT warm-up, or the warm-up forward before any CUDA-graph capture)."""
-    key = (device, N, K)
-    buf = _TICKETS.get(key)
-    if buf is None or buf.numel() < tiles:
-        buf = _TICKETS[key] = torch.zeros(max(64, tiles), dtype=torch.int32, device=device)
-    return buf
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = None, pdl: int = 0) -> torch.Tensor:
@@ -233,7 +220,10 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = No
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(N, lp.block_n), triton.cdiv(M, block_m), split)
     merge = lp.merge and split > 1
-    extra = dict(Tickets=_tickets(x.device, N, K, grid[0] * grid[1]), SPLIT=split, MERGE=True) if merge else {}
+    extra = {}
+    if merge:  # one counter buffer per weight shape: launches of one shape follow each other on one stream
+        extra = dict(Tickets=ticket_counters(("skinny", x.device, N, K), grid[0] * grid[1], x.device), SPLIT=split,
+                     MERGE=True)
     _skinny_kernel[grid](
         x, w, y, part, M, N, K, kps, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, PARTIAL=split > 1, EVEN_K=K % lp.block_k == 0,
