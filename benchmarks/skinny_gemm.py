@@ -6,8 +6,8 @@ weight (>= 120 MB, twice the L2) so each reads HBM; session 9's run reused one a
 
 Shapes come from the model configs (benchmarks/configs.py through the models' config classes): Gemma's merged
 [q; k; v] for sliding and global (K=V) layers, o_proj of each, the dense MLP's merged gate_up and down, the LM head
-(tied embedding); Qwen's linear-attention in_proj_qkv / z / b / a as the model runs them (four GEMMs) and as one
-merged [qkv; z; b; a], out_proj, the full-attention [q (+gate); k; v] and o_proj, the shared expert's gate_up,
+(tied embedding); Qwen's linear-attention input projection as one merged [qkv; z; b; a] (as the model runs it) and
+as four GEMMs, out_proj, the full-attention [q (+gate); k; v] and o_proj, the shared expert's gate_up,
 down and sigmoid gate, the LM head. The routers are left out (fused Triton kernels already). Each row reports the
 weight's size, cuBLAS us and GB/s (weight bytes / time), the default Triton launch, the best Triton launch of the
 sweep, and the speed-up of the best over cuBLAS. Per-step totals weigh each shape by how many times a decode step
@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from benchmarks.configs import config_dict  # noqa: E402
+from compiled_llm.ops.linear import WIDE_MEASURED  # noqa: E402
 from compiled_llm.ops.triton import skinny_gemm as S  # noqa: E402
 
 
@@ -88,11 +89,12 @@ def qwen_shapes(preset: str = "qwen3.5-35b-a3b") -> list[Shape]:
     qkv = 2 * key_dim + value_dim
     se = cfg.shared_expert_intermediate_size
     return [
-        Shape(preset, "linear in_proj_qkv", qkv, h, n_lin),
-        Shape(preset, "linear in_proj_z", value_dim, h, n_lin),
-        Shape(preset, "linear in_proj_b", v_heads, h, n_lin),
-        Shape(preset, "linear in_proj_a", v_heads, h, n_lin),
-        Shape(preset, "linear in_proj [qkv;z;b;a] merged", qkv + value_dim + 2 * v_heads, h, 0),
+        # the model runs the merged projection (one GEMM a layer); the four separate ones are the alternative
+        Shape(preset, "linear in_proj_qkv", qkv, h, 0),
+        Shape(preset, "linear in_proj_z", value_dim, h, 0),
+        Shape(preset, "linear in_proj_b", v_heads, h, 0),
+        Shape(preset, "linear in_proj_a", v_heads, h, 0),
+        Shape(preset, "linear in_proj [qkv;z;b;a] merged", qkv + value_dim + 2 * v_heads, h, n_lin),
         Shape(preset, "linear out_proj", h, value_dim, n_lin),
         Shape(preset, "full qkv (q+gate)", cfg.num_attention_heads * 2 * d + 2 * cfg.num_key_value_heads * d, h,
               n_full),
@@ -241,6 +243,22 @@ def step_totals(rows: list[dict]) -> list[dict]:
     return out
 
 
+WIDE_MARGIN = 0.03  # a wide shape enters ops/linear.py's table when WIDE_LAUNCH beats cuBLAS by this at every M
+
+
+def wide_table(rows: list[dict], margin: float = WIDE_MARGIN) -> list[tuple[int, int]]:
+    """The wide weights (N >= K) whose products ran at least `margin` faster with skinny_gemm.WIDE_LAUNCH than with
+    cuBLAS at every row count measured: the entry for this GPU in ops/linear.py WIDE_MEASURED."""
+    wide = dataclasses.asdict(S.WIDE_LAUNCH)
+    by_shape: dict[tuple[int, int], list[bool]] = {}
+    for r in rows:
+        if r["N"] < r["K"]:
+            continue
+        us = next((lr.get("us") for lr in r["launches"] if lr["launch"] == wide), None)
+        by_shape.setdefault((r["N"], r["K"]), []).append(us is not None and us * (1 + margin) <= r["cublas_us"])
+    return sorted(shape for shape, wins in by_shape.items() if all(wins))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gemma,qwen")
@@ -290,11 +308,15 @@ def main() -> int:
     for t in totals:
         print(f"  {t['model']:16} M={t['M']:>2} {'with' if t['lm_head'] else 'w/o '} lm_head: cuBLAS {t['cublas_us']:8.1f}  Triton default {t['default_us']:8.1f}  "
               f"best {t['best_us']:8.1f}  weights at 4.2 TB/s {t['at_bandwidth_us']:8.1f}")
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    wide = wide_table(rows)
+    print(f"\nwide shapes (N >= K; WIDE_LAUNCH {WIDE_MARGIN:.0%} faster than cuBLAS at every M) on {name}: {wide}"
+          f"\n  (ops/linear.py WIDE_MEASURED has {sorted(WIDE_MEASURED.get(name, ()))})")
     print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s")
     if a.out:
-        info = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
-                    sms=S.num_sms(dev), sweep=a.sweep, dry_run=a.dry_run)
-        Path(a.out).write_text(json.dumps(dict(info, rows=rows, step_totals=totals), indent=1, default=str))
+        info = dict(device=name, torch=torch.__version__, sms=S.num_sms(dev), sweep=a.sweep, dry_run=a.dry_run)
+        Path(a.out).write_text(json.dumps(dict(info, rows=rows, step_totals=totals, wide_shapes=wide), indent=1,
+                                          default=str))
     print("FAILED: the default launch failed a check" if failed else "all default-launch checks passed")
     return 1 if failed else 0
 

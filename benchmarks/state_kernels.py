@@ -1,12 +1,12 @@
 """Decode-step sweep of Qwen3.5's recurrent-state kernels at 35B-A3B's shapes: the causal conv (window of
 K - 1 inputs per channel) and the gated delta rule's recurrent kernel in the op's form (gating and output norm; a 128 x 128 float32 state per value
-head), each over its tiles, at several decode batch sizes; also the MoE's top-k sum (group topk_sum, at
+head), each over its tiles, at several decode batch sizes; the two in one launch against two (conv_gdr); also the MoE's top-k sum (group topk_sum, at
 Qwen3.5's hidden size 2,048 and Gemma 4 26B-A4B's 2,816: a latency-bound launch of both models' decode steps). Each candidate is checked against the policy's
 output and new state (bitwise for the conv; within float32 rounding for the delta rule, whose reduction
 order depends on the tile), then timed with CUDA-graph replays that cycle through several states (more bytes
 than the L2 holds), with the bytes each call moves and the bandwidth that makes.
 
-    python3 benchmarks/state_kernels.py [--batches 1,8,32] [--groups conv,gdr,topk_sum] [--out F.json]
+    python3 benchmarks/state_kernels.py [--batches 1,8,32] [--groups conv,gdr,conv_gdr,topk_sum] [--out F.json]
     TRITON_INTERPRET=1 python3 benchmarks/state_kernels.py --smoke   # a CPU dry run at toy shapes
 """
 
@@ -105,6 +105,42 @@ def gdr_group(S, B, dev, dt, time_fn, rows, smoke):
     sweep("gdr_recurrent", B, cands, run, nbytes, time_fn, rows, exact=False)
 
 
+def conv_gdr_group(S, B, dev, dt, time_fn, rows, smoke):
+    """A decode step's whole Gated DeltaNet op: the conv launch then the recurrent launch ("split", the op before
+    session 29 and under COMPILED_LLM_GDR_CONV=0) against the conv inside the recurrent launch ("fused"), on
+    in_proj's strided output; the outputs, the windows and the states must be bitwise equal."""
+    from compiled_llm.ops.delta_rule import split_qkv
+
+    hk, hv, dk, dv, K = S["hk"], S["hv"], S["dk"], S["dv"], S["K"]
+    dim = 2 * hk * dk + hv * dv
+    g = torch.Generator(device=dev).manual_seed(0)
+    _, _, _, z, ba = D.model_views(B, hk, hv, dk, dv, dt, dev)
+    y = ba.as_strided((B, ba.stride(0)), (ba.stride(0), 1), 0)  # in_proj's output [q; k; v; z; b; a]
+    y.copy_(torch.randn(y.shape, device=dev, generator=g))
+    qkv = y[:, :dim]
+    w = (torch.randn(dim, K, device=dev, generator=g) * 0.5).to(dt)
+    a_log, dt_bias = (torch.rand(hv, device=dev, generator=g) - 0.5).to(dt), torch.randn(hv, device=dev).to(dt)
+    norm_w = torch.ones(dv, device=dev, dtype=dt)
+    states = [torch.randn(B, hv, dk, dv, device=dev, generator=g) * 0.1 for _ in range(COPIES)]
+    windows = [torch.randn(B, dim, K - 1, device=dev, generator=g).to(dt) for _ in range(COPIES)]
+    first = (states[0].clone(), windows[0].clone())
+    layout = StateLayout.build(list(range(B)), [True] * B, list(range(B + 1)), dev)
+    gating, out_norm = (ba, a_log, dt_bias), (z, norm_w, 1e-6)
+
+    def run(c, copy):
+        state, window = (first[0].clone(), first[1].clone()) if copy is None else (states[copy], windows[copy])
+        if c == "fused":
+            out = D.gated_delta_rule_varlen(None, None, None, None, None, state, layout, gating=gating,
+                                            out_norm=out_norm, conv=(qkv, w, window, hk))
+        else:
+            q, k, v = split_qkv(C.causal_conv1d_varlen(qkv, w, window, layout), hk, hv, dv)
+            out = D.gated_delta_rule_varlen(q, k, v, None, None, state, layout, gating=gating, out_norm=out_norm)
+        return out, state, window
+
+    nbytes = B * hv * dk * dv * 4 * 2 + B * dim * (1 + 2 * (K - 1)) * dt.itemsize + B * 2 * hv * dv * dt.itemsize
+    sweep("conv_gdr", B, ["split", "fused"], run, nbytes, time_fn, rows, exact=True)
+
+
 def topk_sum_group(B, dev, dt, time_fn, rows, smoke):
     for hidden in ((2048, 2816) if not smoke else (96,)):
         g = torch.Generator(device=dev).manual_seed(hidden)
@@ -122,7 +158,7 @@ def topk_sum_group(B, dev, dt, time_fn, rows, smoke):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--groups", default="conv,gdr,topk_sum")
+    ap.add_argument("--groups", default="conv,gdr,conv_gdr,topk_sum")
     ap.add_argument("--smoke", action="store_true", help="toy shapes (for TRITON_INTERPRET=1 on the CPU)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -132,11 +168,13 @@ def main() -> int:
     batches = [2] if a.smoke else [int(b) for b in a.batches.split(",")]
     time_fn, rows = kernel_timer(a.smoke, calls=COPIES), []
     for B in batches:
-        if "conv" in a.groups:
+        if "conv" in a.groups.split(","):
             conv_group(S, B, dev, dt, time_fn, rows, a.smoke)
-        if "gdr" in a.groups:
+        if "gdr" in a.groups.split(","):
             gdr_group(S, B, dev, dt, time_fn, rows, a.smoke)
-        if "topk_sum" in a.groups:
+        if "conv_gdr" in a.groups.split(","):
+            conv_gdr_group(S, B, dev, dt, time_fn, rows, a.smoke)
+        if "topk_sum" in a.groups.split(","):
             topk_sum_group(B, dev, dt, time_fn, rows, a.smoke)
     lines = []
     for key in dict.fromkeys((r["group"], r["batch"]) for r in rows):

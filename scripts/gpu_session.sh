@@ -99,7 +99,7 @@ for step in $steps; do
     qwen_big) run qwen_big 330 python3 benchmarks/throughput.py --config qwen3.5-35b-a3b --shapes 1024x8x256 \
                 --async-scheduling --warmup 1 --runs 3 ${QWEN_PEERS:---peer transformers} --peer-warmup ${QWEN_PEER_WARMUP:-1} \
                 --peer-runs 1 --out "$OUT" ;;  # QWEN_PEERS="--peer transformers --peer transformers-static"
-    state_kernels) run state_kernels 150 python3 benchmarks/state_kernels.py --batches ${STATE_BATCHES:-1,8,32} \
+    state_kernels) run state_kernels 150 python3 benchmarks/state_kernels.py --batches ${STATE_BATCHES:-1,8,32} ${STATE_ARGS:-} \
                      --out "$OUT/state_kernels.json" ;;  # issue 18: Qwen3.5's conv and delta-rule decode tiles
     qwen_bisect) run qwen_bisect 300 python3 scripts/qwen_bf16_bisect.py --names ${BISECT_NAMES:-qwen_dense} \
                    --variants ${BISECT_VARIANTS:-compiled,passes_none,norm_triton,qk_ref,gdr_ref,conv_ref,no_graphs} \

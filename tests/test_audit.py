@@ -104,6 +104,30 @@ def test_decode_projections_take_the_skinny_kernel_on_the_gpu_graph():
         assert {i: got.get(i, {}).get("skinny_mm", 0) for i in (0, 1)} == {0: 1, 1: 1}, shape
 
 
+def test_the_measured_wide_projections_take_the_skinny_kernel_on_an_h200_graph(monkeypatch):
+    """The same on a sliding and a global layer compiled for a GPU named "NVIDIA H200": the global layer's [q; k]
+    (9,216 x 2,816, N > K) is in ops/linear.py's table of shapes measured faster there, so it becomes skinny_mm
+    too; the sliding qkv (8,192 x 2,816) is not, and stays torch's. The GPU's name decides: without one (no GPU
+    here) only the o_projs are rewritten."""
+    from compiled_llm.compiler.inspect import H200
+
+    cfg = config_dict("gemma-4-26b-a4b")
+    cfg.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[8])
+    assert r.mismatches == []
+    assert {i: r.layer_matches("dynamic").get(i, {}).get("skinny_mm", 0) for i in (0, 1)} == {0: 1, 1: 1}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: H200)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[8])
+    assert r.mismatches == []
+    for shape in ("dynamic", "8"):
+        got = r.layer_matches(shape)
+        assert {i: got.get(i, {}).get("skinny_mm", 0) for i in (0, 1)} == {0: 1, 1: 2}, shape
+    monkeypatch.setenv("COMPILED_LLM_SKINNY_WIDE", "0")  # the A/B switch: the table off
+    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[8])
+    assert {i: r.layer_matches("dynamic").get(i, {}).get("skinny_mm", 0) for i in (0, 1)} == {0: 1, 1: 1}
+
+
 @pytest.mark.parametrize("rows, persistent", [(None, True), ("0", False)])
 def test_the_gpu_code_generation_runs_on_the_cpu(monkeypatch, rows, persistent):
     """codegen=True: 26B-A4B's shapes (two layers; the dynamic compile and batch 8) go on through Inductor's CUDA

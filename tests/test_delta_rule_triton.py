@@ -23,7 +23,7 @@ def group_results(request):
     return run_groups(request, __file__, "test_delta_rule_kernels")
 
 
-@pytest.mark.parametrize("group", ["recurrent", "chunk", "conv1d", "engine", "jit_keys"])
+@pytest.mark.parametrize("group", ["recurrent", "chunk", "conv1d", "conv_fused", "engine", "jit_keys"])
 def test_delta_rule_kernels(group_results, group):
     check(group_results, group)
 
@@ -50,13 +50,18 @@ def test_recurrent_launch_keys_are_warmed(monkeypatch):
     def recorder(name, kernel):
         params = list(inspect.signature(kernel.fn).parameters)
         fixed = {p.name for p in kernel.params if p.do_not_specialize}
+        const = {p.name for p in kernel.params if p.is_constexpr}
 
         class Launch:
             def __getitem__(self, grid):
                 def launch(*args, **kw):
+                    # runtime arguments by their specialisation (the fused decode passes some by keyword),
+                    # compile-time constants and launch options by value
+                    runtime = list(zip(params, args)) + [(p, a) for p, a in sorted(kw.items()) if p not in const]
                     spec = tuple((p, jit.native_specialize_impl(BaseBackend, a, False, p not in fixed, True))
-                                 for p, a in zip(params, args) if isinstance(a, (torch.Tensor, int)))
-                    keys.setdefault(phase[0], set()).add((name, spec, tuple(sorted(kw.items()))))
+                                 for p, a in runtime if isinstance(a, (torch.Tensor, int)))
+                    keys.setdefault(phase[0], set()).add((name, spec, tuple((p, a) for p, a in sorted(kw.items())
+                                                                            if p in const or p not in params)))
                 return launch
         return Launch()
 
@@ -65,10 +70,12 @@ def test_recurrent_launch_keys_are_warmed(monkeypatch):
             monkeypatch.setattr(mod, name, recorder(name, getattr(mod, name)))
     dim, k, hk, hv, dk, dv = 96, 4, 2, 4, 16, 16
     conv1d._compile((torch.float32, dim, k), torch.device("cpu"))
-    delta_rule._compile((torch.float32, hk, hv, dk, dv), torch.device("cpu"))
+    delta_rule._compile((torch.float32, hk, hv, dk, dv, k), torch.device("cpu"))
     phase[0] = "step"
     weight, conv_cache = torch.zeros(dim, k), torch.zeros(12, dim, k - 1)
     ssm_cache = torch.zeros(12, hv, dk, dv)
+    qkv_dim = 2 * hk * dk + hv * dv  # the layer's conv channels (the fused decode's)
+    qkv_weight, qkv_windows = torch.zeros(qkv_dim, k), torch.zeros(12, qkv_dim, k - 1)
     a_log, dt_bias, norm_w = torch.zeros(hv), torch.zeros(hv), torch.ones(dv)
     batches = [[1] * n for n in range(1, 10)] + [[5, 17, 30], [80], [3, 1, 1], [40, 60], [7, 1, 2, 19, 64, 3]]
     for lens in batches:
@@ -78,9 +85,14 @@ def test_recurrent_launch_keys_are_warmed(monkeypatch):
         layout = StateLayout.build(list(range(len(lens))), [i % 2 == 0 for i in range(len(lens))], qsl, "cpu")
         n = qsl[-1]
         conv1d.causal_conv1d_varlen(torch.zeros(n, dim), weight, conv_cache, layout)
-        q, k, v, z, ba = delta_rule.model_views(n, hk, hv, dk, dv, torch.float32, "cpu")  # the model's layout
-        delta_rule.gated_delta_rule_varlen(q, k, v, None, None, ssm_cache, layout, gating=(ba, a_log, dt_bias),
+        q, k_, v, z, ba = delta_rule.model_views(n, hk, hv, dk, dv, torch.float32, "cpu")  # the model's layout
+        delta_rule.gated_delta_rule_varlen(q, k_, v, None, None, ssm_cache, layout, gating=(ba, a_log, dt_bias),
                                            out_norm=(z, norm_w, 1e-6))
+        if layout.decode and delta_rule.conv_in_recurrence(len(lens), dv):  # the conv in the recurrent launch
+            qkv = ba.as_strided((n, qkv_dim), (ba.stride(0), 1), 0)
+            delta_rule.gated_delta_rule_varlen(None, None, None, None, None, ssm_cache, layout,
+                                               gating=(ba, a_log, dt_bias), out_norm=(z, norm_w, 1e-6),
+                                               conv=(qkv, qkv_weight, qkv_windows, hk))
     missing = keys["step"] - keys["warm"]
     assert not missing, sorted(missing, key=repr)[:2]
 
@@ -272,6 +284,77 @@ def group_conv1d():
     _check_conv([5, 1, 2, 19], 300, 4, [False, True, True, False], tiles=(16, 256, 4))  # conv tile > window's
 
 
+def _check_conv_fused(lens, hk, hv, dk, dv, kw, init, dtype="float32", seed=0, tiles=None, pad_to=None):
+    """A decode step with the conv inside the recurrent launch (gated_delta_rule_varlen conv=...) against the
+    conv launch followed by the recurrent launch, on the model's layout (in_proj's [q; k; v] columns read in
+    place): the same outputs and the same conv windows and delta-rule states, bitwise (the same sums in the same
+    order). Twice in a row: the second step reads the first's windows, and finds the key heads' ticket counters
+    back at zero. pad_to: whole-graph decode padding (sequences without tokens on slot 0, rows past the real
+    ones): those rows come out zero and slot 0 is left alone."""
+    import torch
+
+    from compiled_llm.ops.delta_rule import split_qkv
+    from compiled_llm.ops.state import StateLayout, StateMetadata
+    from compiled_llm.ops.triton import delta_rule
+    from compiled_llm.ops.triton._common import TICKETS
+    from compiled_llm.ops.triton.conv1d import causal_conv1d_varlen
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    n_real = sum(lens)
+    n = pad_to or n_real
+    conv_dim = 2 * hk * dk + hv * dv
+    a_log = (torch.rand(hv, generator=g) - 0.5).to(dt)
+    dt_bias = torch.randn(hv, generator=g).to(dt)
+    norm_w = (torch.rand(dv, generator=g) + 0.5).to(dt)
+    conv_w = (torch.randn(conv_dim, kw, generator=g) * 0.5).to(dt)
+    conv = torch.randn(len(lens) + 2, conv_dim, kw - 1, generator=g).to(dt)
+    ssm = torch.randn(len(lens) + 2, hv, dk, dv, generator=g) * 0.5
+    slots, qsl = _slots_and_offsets(ssm, lens, init)
+    conv[[i + 1 for i, keep in enumerate(init) if not keep]] = float("nan")  # never read without initial state
+    layout = StateLayout.build(slots, init, qsl, "cpu")
+    if pad_to:
+        layout = StateMetadata({}, layout).staged(pad_to, {}).layout
+    want_conv, want_ssm = conv.clone(), ssm.clone()
+    for step in range(2):
+        _, _, _, z, ba = delta_rule.model_views(n, hk, hv, dk, dv, dt, "cpu")
+        y = ba.as_strided((n, ba.stride(0)), (ba.stride(0), 1), 0)  # in_proj's whole output [q; k; v; z; b; a]
+        y.copy_(torch.randn(y.shape, generator=g))
+        ba.mul_(3)
+        qkv = y[:, :conv_dim]
+        mixed = causal_conv1d_varlen(qkv, conv_w, want_conv, layout, tiles=tiles and tiles[0])
+        q, k, v = split_qkv(mixed, hk, hv, dv)
+        want = delta_rule.gated_delta_rule_varlen(q, k, v, None, None, want_ssm, layout, tiles and tiles[1],
+                                                  gating=(ba, a_log, dt_bias), out_norm=(z, norm_w, 1e-6))
+        got = delta_rule.gated_delta_rule_varlen(None, None, None, None, None, ssm, layout, tiles and tiles[1],
+                                                 gating=(ba, a_log, dt_bias), out_norm=(z, norm_w, 1e-6),
+                                                 conv=(qkv, conv_w, conv, hk))
+        live = [i + 1 for i in range(len(lens))]
+        assert torch.equal(got, want), (step, (got.float() - want.float()).abs().max())
+        assert torch.equal(ssm[live], want_ssm[live]) and torch.equal(conv[live], want_conv[live]), step
+        for other in (0, len(lens) + 1):  # the padding's slot and an unused one: untouched (NaN-safe compare)
+            assert torch.equal(conv[other].nan_to_num(7.0), want_conv[other].nan_to_num(7.0)), other
+            assert torch.equal(ssm[other].nan_to_num(7.0), want_ssm[other].nan_to_num(7.0)), other
+        if pad_to:
+            assert torch.equal(got[n_real:], torch.zeros_like(got[n_real:]))
+        counters = [t for key, t in TICKETS.items() if key[0] == "gdr_conv"]
+        assert counters and all(int(t.abs().sum()) == 0 for t in counters)
+        init = [True] * len(init)
+        layout = StateLayout.build(slots, init, qsl, "cpu")
+        if pad_to:
+            layout = StateMetadata({}, layout).staged(pad_to, {}).layout
+    print(f"  conv fused lens={lens} heads={hk}/{hv} dims={dk}/{dv} K={kw} {dtype} tiles={tiles} pad={pad_to}: "
+          f"bitwise the two launches'", flush=True)
+
+
+def group_conv_fused():
+    _check_conv_fused([1, 1, 1], 2, 4, 16, 16, 4, [True, False, True])  # the whole head a program (norm inside)
+    _check_conv_fused([1], 2, 4, 16, 16, 4, [True])  # one sequence: 16-channel value blocks (norm after)
+    _check_conv_fused([1, 1], 1, 2, 8, 24, 3, [False, True], dtype="bfloat16")  # dims not powers of two
+    _check_conv_fused([1, 1, 1], 2, 4, 16, 32, 4, [True, True, False], tiles=((8, 32, 2), (16, 4)))  # 2 blocks
+    _check_conv_fused([1, 1, 1], 2, 4, 16, 16, 4, [True, False, True], pad_to=5)  # whole-graph padding
+
+
 def group_engine():
     """The tiny Qwen3.5 MoE model end to end with the Triton state ops and the SwiGLU MoE kernel selected
     (the interpreter makes them eligible on the CPU) gives the reference providers' greedy tokens."""
@@ -327,7 +410,7 @@ def group_jit_keys():
                 if kernel.name in ("gated_delta_rule", "causal_conv1d")}
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        assert keys["gated_delta_rule"][1] == (torch.float32, hk, hv, dk, dv), keys
+        assert keys["gated_delta_rule"][1] == (torch.float32, hk, hv, dk, dv, cfg.linear_conv_kernel_dim), keys
         assert keys["causal_conv1d"][1] == (torch.float32, 2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim), keys
         for kernel, key in keys.values():
             kernel.compile(key, torch.device("cpu"))

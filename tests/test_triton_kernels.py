@@ -1053,47 +1053,77 @@ def _check_skinny_mm_pass():
     """passes/skinny_mm.py in a compiled graph: with the op's Triton provider, a decode batch's narrow projection
     (N < K, M <= 16) becomes skinny_mm (the merged split-K launch) and equals the float32 product within one bf16
     place; a wide one (N > K) and a static 32-row batch keep torch's mm. With a dynamic row count the op is put in
-    and chooses per call (4 rows: the kernel; 32: torch's mm; both equal the product). Counted in Inductor's
-    counters."""
+    and chooses per call (4 rows: the kernel; 32: torch's mm; both equal the product). On a GPU model whose
+    measured table (ops/linear.py WIDE_MEASURED) lists the wide weight's shape, that product is rewritten too and
+    runs the unsplit launch; the LM head's eager product (linear_rows) takes the kernel the same way. Counted in
+    Inductor's counters."""
+    from unittest import mock
+
     import torch
     from torch._dynamo.utils import counters
 
-    from compiled_llm.ops import OPS
+    from compiled_llm.models.parallel_layers import ParallelLMHead
+    from compiled_llm.ops import OPS, linear
     from compiled_llm.ops.registry import Capabilities, preserved_choices
+    from compiled_llm.ops.triton import skinny_gemm
     from compiled_llm.passes.manager import PassManager
     COUNTER = "compiled_llm.skinny_mm"  # the pass's total (passes/base.py count_matches)
 
     g = torch.Generator().manual_seed(11)
     narrow = (torch.randn(1024, 2048, generator=g) * 2048 ** -0.5).bfloat16()  # N < K, 2M elements
     wide = (torch.randn(2048, 1024, generator=g) * 1024 ** -0.5).bfloat16()
+    assert skinny_gemm.decode_launch(1024, 2048).merge and skinny_gemm.decode_launch(2048, 1024).split_k == 1
 
     def f(x, x2, w_narrow, w_wide):
         return x @ w_narrow.t(), x2 @ w_wide.t()
 
+    measured = dict(linear.WIDE_MEASURED, **{"Test GPU": frozenset({(2048, 1024)})})
     with preserved_choices():
         spec = OPS["skinny_mm"]
         spec.select(Capabilities.detect("cpu"), {}, force="triton")
         kernel, launches = spec.chosen[None][1], []
-        spec.chosen[None] = ("triton", lambda x, w: launches.append(x.shape[0]) or kernel(x, w))
-        pm = PassManager(enabled=("skinny_mm",), dtype=torch.bfloat16, device="cpu")
-        assert not pm.count_only() and pm.config[0] == ("skinny_mm",)
-        for rows, dynamic, want in ((4, False, 1), (32, False, 0), (4, True, 1), (32, True, 1)):
-            torch._dynamo.reset()
-            before = counters["inductor"][COUNTER]
-            launches.clear()
-            compiled = torch.compile(f, options=pm.inductor_config(), dynamic=None if dynamic else False)
-            x = torch.randn(rows, 2048, generator=g).bfloat16()
-            x2 = torch.randn(rows, 1024, generator=g).bfloat16()
-            if dynamic:  # the row count symbolic, the weights' shapes static (as in the engine's dynamic compile)
-                torch._dynamo.mark_dynamic(x, 0)
-                torch._dynamo.mark_dynamic(x2, 0)
-            a, b = compiled(x, x2, narrow, wide)
-            assert counters["inductor"][COUNTER] - before == want, (rows, dynamic)
-            assert launches == ([rows] if rows <= 16 else []), (rows, dynamic, launches)  # the kernel ran, or mm
-            ref = x.float() @ narrow.float().t()
-            _close(f"skinny_mm pass rows={rows} dynamic={dynamic}", a, ref, rtol=2.0 ** -7 * 1.01, atol=1e-4)
-            _close(f"  the wide product (torch's mm) rows={rows}", b, x2.float() @ wide.float().t(),
-                   rtol=2.0 ** -7 * 1.01, atol=1e-4)
+        spec.chosen[None] = ("triton", lambda x, w: launches.append((x.shape[0], w.shape[0])) or kernel(x, w))
+        for gpu in (None, "Test GPU"):
+            with mock.patch.object(linear, "WIDE_MEASURED", measured), \
+                    mock.patch.object(linear, "device_name", lambda device=None: gpu), \
+                    mock.patch("compiled_llm.passes.skinny_mm.device_name", lambda device=None: gpu):
+                pm = PassManager(enabled=("skinny_mm",), dtype=torch.bfloat16, device="cpu")
+                assert not pm.count_only() and pm.config[0] == ("skinny_mm",)
+                assert pm.config[-1] == (((2048, 1024),) if gpu else ())  # the table is part of the cache key
+                for rows, dynamic in ((4, False), (32, False), (4, True), (32, True)):
+                    want = (rows <= 16 or dynamic) * (2 if gpu else 1)
+                    torch._dynamo.reset()
+                    before = counters["inductor"][COUNTER]
+                    launches.clear()
+                    compiled = torch.compile(f, options=pm.inductor_config(), dynamic=None if dynamic else False)
+                    x = torch.randn(rows, 2048, generator=g).bfloat16()
+                    x2 = torch.randn(rows, 1024, generator=g).bfloat16()
+                    if dynamic:  # the row count symbolic, the weights' shapes static (as in the engine's dynamic compile)
+                        torch._dynamo.mark_dynamic(x, 0)
+                        torch._dynamo.mark_dynamic(x2, 0)
+                    a, b = compiled(x, x2, narrow, wide)
+                    assert counters["inductor"][COUNTER] - before == want, (gpu, rows, dynamic)
+                    ran = [(rows, 1024)] + ([(rows, 2048)] if gpu else [])
+                    assert sorted(launches) == (ran if rows <= 16 else []), (gpu, rows, dynamic, launches)
+                    ref = x.float() @ narrow.float().t()
+                    _close(f"skinny_mm pass gpu={gpu} rows={rows} dynamic={dynamic}", a, ref, rtol=2.0 ** -7 * 1.01,
+                           atol=1e-4)
+                    _close("  the wide product", b, x2.float() @ wide.float().t(), rtol=2.0 ** -7 * 1.01, atol=1e-4)
+                # the LM head (eager): the kernel at a decode batch's rows where the table lists its shape
+                head = ParallelLMHead(2048, 1024).bfloat16()
+                with torch.no_grad():
+                    head.weight.copy_(wide)
+                for rows in (3, 17):
+                    launches.clear()
+                    x = torch.randn(rows, 1024, generator=g).bfloat16()
+                    got = head.logits(x)
+                    assert launches == ([(rows, 2048)] if gpu and rows <= 16 else []), (gpu, rows, launches)
+                    _close(f"  LM head gpu={gpu} rows={rows}", got, x.float() @ wide.float().t(),
+                           rtol=2.0 ** -7 * 1.01, atol=1e-4)
+                with mock.patch.dict("os.environ", {linear.ENV: "0"}):  # the A/B switch: F.linear
+                    launches.clear()
+                    head.logits(torch.randn(3, 1024, generator=g).bfloat16())
+                    assert launches == []
     torch._dynamo.reset()
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from compiled_llm.distributed.communication import tp_all_gather, tp_all_reduce, tp_all_to_all
 from compiled_llm.distributed.parallel_state import get_parallel_state
+from compiled_llm.ops.linear import linear_rows
 
 
 def divide(n: int, parts: int, what: str) -> int:
@@ -258,8 +259,9 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, dim] -> [n, num_embeddings], complete on every rank of the group."""
-        out = F.linear(hidden, self.weight)
+        """hidden [n, dim] -> [n, num_embeddings], complete on every rank of the group. A decode batch's rows go
+        through skinny_mm where that op takes the shape on this GPU (ops/linear.py: the LM heads on an H200)."""
+        out = linear_rows(hidden, self.weight)
         if self.tp_size == 1:
             return out
         return tp_all_gather(out, -1)[:, :self.num_embeddings]

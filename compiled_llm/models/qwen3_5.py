@@ -32,7 +32,6 @@ from compiled_llm.models.parallel_layers import (MergedColumnParallelLinear, Par
                                                  segment_parameter)
 from compiled_llm.models.qwen3_5_config import FULL, LINEAR, Qwen3_5TextConfig
 from compiled_llm.ops.attention import AttentionSpec, attention
-from compiled_llm.ops.conv1d import causal_conv1d
 from compiled_llm.ops.delta_rule import gated_delta_rule, gated_rms_norm
 from compiled_llm.ops.moe import ref_softmax_router_topk
 from compiled_llm.ops.mrope import apply_mrope, mrope_cos_sin, mrope_owner, rotary_inv_freq
@@ -139,7 +138,8 @@ def split_heads(y: torch.Tensor, start: int, width: int, heads: int) -> torch.Te
 class DepthwiseConvWeight(nn.Module):
     """The depthwise causal conv's weight [channels, 1, kernel] under the checkpoint's name (conv1d.weight),
     holding this rank's channels: its slices of the [q; k; v] segments, in in_proj_qkv's output order. The
-    conv itself is the causal_conv1d op, which keeps the per-sequence window in the recurrent state."""
+    conv itself runs in the gated_delta_rule op (through the causal_conv1d op, which keeps the per-sequence
+    window in the recurrent state; at decode on the GPU inside the recurrence's launch)."""
 
     def __init__(self, sizes: list[int], kernel: int):
         super().__init__()
@@ -152,8 +152,8 @@ class GatedDeltaNet(nn.Module):
 
     The checkpoint's four projections of the input (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) are the
     segments of one merged projection, `in_proj` ([q; k; v; z; b; a], loaded by `hf_to_ours`): one GEMM a
-    layer instead of four small ones, each of which costs a launch at decode. The conv reads the [q; k; v]
-    columns of its output in place (a row-strided view: both conv providers take a row stride).
+    layer instead of four small ones, each of which costs a launch at decode. The delta-rule op's conv reads the
+    [q; k; v] columns of its output in place (a row-strided view: every conv provider takes a row stride).
 
     Key head j serves the value heads [j * V/K, (j + 1) * V/K) (the delta rule repeats each k head over
     consecutive v heads), so an even split of both head counts gives every rank whole groups: K/tp key
@@ -193,13 +193,11 @@ class GatedDeltaNet(nn.Module):
         n = x.shape[0]
         y = self.in_proj(x)
         qkv, _, ba = y.split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
-        mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.idx)  # [q; k; v]: a fresh tensor
-        kd, hk, hv = self.key_dim, self.num_k_heads, self.num_v_heads
-        z = split_heads(y, self.conv_dim, self.value_dim, hv)
-        # the op computes the decay and beta from [b; a] and applies the gated output norm (ops/delta_rule.py)
-        out = gated_delta_rule(split_heads(mixed, 0, kd, hk), split_heads(mixed, kd, kd, hk),
-                               split_heads(mixed, 2 * kd, self.value_dim, hv), ba, self.A_log, self.dt_bias, z,
-                               self.norm.weight, self.norm.eps, self.idx)
+        z = split_heads(y, self.conv_dim, self.value_dim, self.num_v_heads)
+        # the op runs the causal conv over [q; k; v] (its window in the layer's state), computes the decay and beta
+        # from [b; a] and applies the gated output norm (ops/delta_rule.py)
+        out = gated_delta_rule(qkv, self.conv1d.weight.squeeze(1), ba, self.A_log, self.dt_bias, z, self.norm.weight,
+                               self.norm.eps, self.num_k_heads, self.idx)
         return self.out_proj(out.reshape(n, -1))
 
 

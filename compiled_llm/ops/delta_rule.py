@@ -8,11 +8,13 @@ q and k are L2-normalised and q scaled by Dk^-0.5 first; the state is kept in fl
 Prefill uses the chunked form (a unit-lower-triangular solve per chunk, then one state update per chunk);
 decode steps the recurrence once for all single-token sequences of a batch.
 
-The op takes the layer's gating inputs and output norm with it (Qwen3.5's Gated DeltaNet): the log decay
-g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) from the [b; a] columns of in_proj, and the
-output's gated RMSNorm weight * o / rms(o) * silu(z) per value head. Inside the op the GPU kernels compute
-them in the recurrence's own launch (two small launches a layer fewer at decode, and one graph piece fewer:
-the op splits the graph, so neither expression could join a neighbouring Inductor kernel).
+The op takes the layer's short conv, gating inputs and output norm with it (Qwen3.5's Gated DeltaNet): q, k
+and v are silu(causal conv) of in_proj's [q; k; v] columns (the causal_conv1d op, ops/conv1d.py, with its
+per-sequence window), the log decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) come from the
+[b; a] columns of in_proj, and the output gets the gated RMSNorm weight * o / rms(o) * silu(z) per value head.
+Inside the op the GPU kernels compute the gating and the norm in the recurrence's own launch, and at decode the
+conv too (three small launches a layer fewer at decode, and two graph pieces fewer: the ops split the graph, so
+no such expression could join a neighbouring Inductor kernel).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from compiled_llm.ops.conv1d import CAUSAL_CONV1D
 from compiled_llm.ops.registry import OpSpec, Provider, register
 from compiled_llm.ops.state import StateLayout, get_state_metadata
 
@@ -139,16 +142,33 @@ def gated_delta_rule_with_state(q, k, v, g, beta, cache: torch.Tensor, layout: S
     return out.to(v.dtype)
 
 
-def ref_gated_delta_rule(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps: float, layer_idx: int) -> torch.Tensor:
+def split_qkv(mixed: torch.Tensor, num_k_heads: int, num_v_heads: int,
+              v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The [q; k; v] columns of mixed [tokens, channels] (any row stride) as head views q, k [tokens, Hk, Dk] and
+    v [tokens, Hv, Dv] (Dk from the channel count: 2 Hk Dk + Hv Dv)."""
+    n, channels = mixed.shape
+    dk = (channels - num_v_heads * v_dim) // (2 * num_k_heads)
+    kd, off, row = num_k_heads * dk, mixed.storage_offset(), mixed.stride(0)
+    assert mixed.stride(1) == 1 and 2 * kd + num_v_heads * v_dim == channels, (mixed.shape, mixed.stride())
+    q = mixed.as_strided((n, num_k_heads, dk), (row, dk, 1), off)
+    k = mixed.as_strided((n, num_k_heads, dk), (row, dk, 1), off + kd)
+    v = mixed.as_strided((n, num_v_heads, v_dim), (row, v_dim, 1), off + 2 * kd)
+    return q, k, v
+
+
+def ref_gated_delta_rule(qkv, conv_weight, ba, a_log, dt_bias, z, norm_weight, eps: float, num_k_heads: int,
+                         layer_idx: int) -> torch.Tensor:
+    """The reference recurrence, after the conv op's chosen provider (its reference on the CPU)."""
     meta = get_state_metadata()
+    q, k, v = split_qkv(CAUSAL_CONV1D.impl()(qkv, conv_weight, layer_idx), num_k_heads, z.shape[1], z.shape[2])
     g, beta = decay_and_beta(ba, a_log, dt_bias)
     o = gated_delta_rule_with_state(q, k, v, g, beta, meta.caches[layer_idx]["ssm"], meta.layout)
     return gated_rms_norm(o, z, norm_weight, eps)
 
 
 GATED_DELTA_RULE = register(OpSpec(
-    "gated_delta_rule", "Gated DeltaNet linear attention with per-sequence state (gating and gated output norm "
-    "inside): chunked prefill, recurrent decode", [
+    "gated_delta_rule", "Gated DeltaNet linear attention with per-sequence state (short conv, gating and gated "
+    "output norm inside): chunked prefill, recurrent decode", [
         Provider("triton", "compiled_llm.ops.triton.delta_rule:gated_delta_rule", lambda caps, shape: caps.triton_ok(),
                  capturable=True),
         Provider("reference", "compiled_llm.ops.delta_rule:ref_gated_delta_rule"),
@@ -156,20 +176,24 @@ GATED_DELTA_RULE = register(OpSpec(
 
 
 @torch.library.custom_op("compiled_llm::gated_delta_rule", mutates_args=())
-def gated_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
+def gated_delta_rule_op(qkv: torch.Tensor, conv_weight: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
                         dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        layer_idx: int) -> torch.Tensor:
-    return GATED_DELTA_RULE.impl()(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps, layer_idx)
+                        num_k_heads: int, layer_idx: int) -> torch.Tensor:
+    return GATED_DELTA_RULE.impl()(qkv, conv_weight, ba, a_log, dt_bias, z, norm_weight, eps, num_k_heads, layer_idx)
 
 
 @gated_delta_rule_op.register_fake
-def _(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps, layer_idx):
-    return torch.empty_like(v)
+def _(qkv, conv_weight, ba, a_log, dt_bias, z, norm_weight, eps, num_k_heads, layer_idx):
+    return torch.empty_like(z)
 
 
-def gated_delta_rule(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps: float, layer_idx: int) -> torch.Tensor:
-    """One Gated DeltaNet layer's recurrence, from its gating inputs to its normed output.
-    q, k: [tokens, Hk, Dk]; v, z: [tokens, Hv, Dv]; ba: [tokens, 2 Hv] ([b; a] columns); a_log, dt_bias: [Hv];
-    norm_weight: [Dv]. Returns gated_rms_norm(o, z) of the delta rule's output o, in v's dtype.
-    Uses and updates the layer's "ssm" state in the forward context."""
-    return torch.ops.compiled_llm.gated_delta_rule(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps, layer_idx)
+def gated_delta_rule(qkv, conv_weight, ba, a_log, dt_bias, z, norm_weight, eps: float, num_k_heads: int,
+                     layer_idx: int) -> torch.Tensor:
+    """One Gated DeltaNet layer from in_proj's columns to its normed output: q, k, v = silu(causal conv(qkv))
+    split into heads, the delta rule with its gating, the gated output norm.
+    qkv: [tokens, 2 Hk Dk + Hv Dv] (any row stride: a view of in_proj's output); conv_weight: [channels, K];
+    z: [tokens, Hv, Dv]; ba: [tokens, 2 Hv] ([b; a] columns); a_log, dt_bias: [Hv]; norm_weight: [Dv].
+    Returns gated_rms_norm(o, z) of the delta rule's output o, [tokens, Hv, Dv] in z's dtype.
+    Uses and updates the layer's "conv" and "ssm" states in the forward context."""
+    return torch.ops.compiled_llm.gated_delta_rule(qkv, conv_weight, ba, a_log, dt_bias, z, norm_weight, eps,
+                                                   num_k_heads, layer_idx)

@@ -1,15 +1,19 @@
-"""skinny_mm: a decode step's narrow projections, x [M <= 16, K] @ W [N, K]^T with N < K (Gemma 4's o_proj,
-Qwen3.5's out_proj and o_proj, its shared expert's gate_up).
+"""skinny_mm: a decode step's weight-streaming projections, x [M <= 16, K] @ W [N, K]^T, where our skinny GEMM beats
+cuBLAS: every narrow product (N < K: Gemma 4's o_proj, Qwen3.5's out_proj and o_proj, its shared expert's gate_up),
+and the wide ones (N >= K) measured faster on this GPU (WIDE_MEASURED: Gemma 4's global-layer qkv, Qwen3.5's merged
+in_proj, both LM heads on an H200).
 
-At a decode batch these products stream their weight, and for N < K cuBLAS picks a split-K kernel plus a second
-launch that adds the slices (`splitKreduce_kernel`, ~1.8 us and a launch gap on the H200). The Triton provider
+At a decode batch these products stream their weight. For N < K cuBLAS picks a split-K kernel plus a second launch
+that adds the slices (`splitKreduce_kernel`, ~1.8 us and a launch gap on the H200). The Triton provider
 (ops/triton/skinny_gemm.py) splits K four ways too, but the last program of each output tile adds the slices
 (`merge`): one launch. H200, CUDA-graph replays, weights from HBM (benchmarks/skinny_gemm.py, session 28), us at
 M = 8: Gemma 4 o_proj 10.61 -> 9.66 (sliding) and 16.26 -> 15.03 (global), Qwen3.5 out_proj 8.99 -> 7.65, its
-full-attention o_proj 8.98 -> 7.63, its shared expert's gate_up 5.57 -> 4.25. Where N >= K cuBLAS takes no
-split and our kernel is not faster at every such shape (sliding qkv 13.61 against 13.72), so passes/skinny_mm.py
-rewrites only the N < K products. Every decode batch size replays the dynamic-token compile by default, so the
-op decides by the call's row count: up to 16 rows the provider, past them torch's mm (cuBLAS).
+full-attention o_proj 8.98 -> 7.63, its shared expert's gate_up 5.57 -> 4.25. Where N >= K cuBLAS takes no split,
+and our unsplit 32-row tile wins at some shapes only (global qkv 18.60 -> 16.27, but sliding qkv 13.61 against
+14.08): those go by the measured table, per GPU model. passes/skinny_mm.py rewrites the products this op takes in
+the compiled graph; the LM head, computed outside it, calls `linear_rows`. Every decode batch size replays the
+dynamic-token compile by default, so the op decides by the call's row count: up to 16 rows the provider, past them
+torch's mm (cuBLAS).
 
 The sum over K is float32 in both; the slices are added in a fixed order (deterministic), a different order
 from cuBLAS's, so outputs may differ from torch.mm's in the last bf16 place.
@@ -17,12 +21,48 @@ from cuBLAS's, so outputs may differ from torch.mm's in the last bf16 place.
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 
 SKINNY_MAX_ROWS = 16  # one 16-row block of the kernel: past it the weight would be read once per block
 SKINNY_MIN_ELEMENTS = 1 << 21  # smaller weights (4 MB in bf16) are launch-bound either way: not measured
+ENV = "COMPILED_LLM_SKINNY_MM"  # 0: every projection on cuBLAS (the pass off, and linear_rows too): an A/B
+WIDE_ENV = "COMPILED_LLM_SKINNY_WIDE"  # 0: the wide shapes stay on cuBLAS (an A/B of WIDE_MEASURED)
+
+# Wide weights (N >= K, [N, K]) whose products at 1-8 rows our unsplit 32-row tile (skinny_gemm.py WIDE_LAUNCH) ran
+# at least 3% faster than cuBLAS on that GPU model, at every row count measured (benchmarks/skinny_gemm.py prints
+# this table for the GPU it runs on: its "wide shapes" line; tests/test_benchmarks.py rebuilds it from the run). H200, session 28, us at M = 1 / 8: Gemma 4's global
+# [q; k] 17.96 / 18.60 -> 15.99 / 16.27, Qwen3.5's merged in_proj 15.84 / 16.12 -> 14.60 / 14.90, the LM heads
+# 346.1 / 350.9 -> 332.1 / 339.0 (Gemma 4) and 244.5 / 249.4 -> 229.3 / 236.1 (Qwen3.5). Left on cuBLAS there:
+# Gemma 4's sliding qkv (8,192 x 2,816: 13.61 against 14.08) and Qwen3.5's full-attention qkv (9,216 x 2,048: 11.84
+# against 12.55); the margin keeps a shape whose ranking could flip between machines out.
+WIDE_MEASURED: dict[str, frozenset[tuple[int, int]]] = {
+    "NVIDIA H200": frozenset({(9216, 2816), (12352, 2048), (262144, 2816), (248320, 2048)}),
+}
+
+
+def device_name(device: torch.device | str | None = None) -> str | None:
+    """The CUDA device's model name ("NVIDIA H200"), None for another device type or where CUDA is absent (torch
+    caches the properties: a lookup)."""
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.get_device_properties(device.index if device.index is not None else
+                                                torch.cuda.current_device()).name
+    except (AssertionError, RuntimeError):  # no CUDA here: no measured wide shapes
+        return None
+
+
+def wide_shapes(name: str | None) -> frozenset[tuple[int, int]]:
+    """The measured wide weight shapes of a GPU model (none where it was not measured, or WIDE_ENV=0)."""
+    if name is None or os.environ.get(WIDE_ENV, "1") == "0":
+        return frozenset()
+    return WIDE_MEASURED.get(name, frozenset())
 
 
 def ref_skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -33,16 +73,31 @@ def _triton(caps: Capabilities, shape: dict) -> str | None:
     return caps.triton_ok()
 
 
-SKINNY_MM = register(OpSpec("skinny_mm", "x [M <= 16, K] @ W [N, K]^T, N < K: split-K in one launch", [
+SKINNY_MM = register(OpSpec("skinny_mm", "x [M <= 16, K] @ W [N, K]^T: a decode batch's weight-streaming projections", [
     Provider("triton", "compiled_llm.ops.triton.skinny_gemm:decode_mm", _triton, capturable=True),
     Provider("reference", "compiled_llm.ops.linear:ref_skinny_mm", capturable=True),
 ]))
 
 
-def takes(n: int, k: int, m: int | None = None) -> bool:
-    """The products the op serves: a narrow output and a weight worth streaming; m, where known: a decode batch's
-    rows (a symbolic row count is decided per call by the op)."""
-    return n < k and n * k >= SKINNY_MIN_ELEMENTS and (m is None or 1 <= m <= SKINNY_MAX_ROWS)
+def takes(n: int, k: int, m: int | None = None, device: str | None = None) -> bool:
+    """The products the op serves: a weight worth streaming with a narrow output, or a wide one measured faster on
+    the GPU model `device` (a name: device_name()); m, where known: a decode batch's rows (a symbolic row count is
+    decided per call by the op)."""
+    if m is not None and not 1 <= m <= SKINNY_MAX_ROWS:
+        return False
+    if n < k:
+        return n * k >= SKINNY_MIN_ELEMENTS
+    return (n, k) in wide_shapes(device)
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T outside a compiled graph (the LM head): through skinny_mm where its Triton provider was
+    chosen (a CUDA engine) and the op takes the product on this device, else F.linear."""
+    if (x.dim() == 2 and x.dtype == w.dtype and SKINNY_MM.provider_name() == "triton"
+            and os.environ.get(ENV, "1") != "0"
+            and takes(w.shape[0], w.shape[1], x.shape[0], device_name(x.device))):
+        return torch.ops.compiled_llm.skinny_mm(x, w)
+    return F.linear(x, w)
 
 
 @torch.library.custom_op("compiled_llm::skinny_mm", mutates_args=())

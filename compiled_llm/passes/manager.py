@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from compiled_llm.ops import OPS
+from compiled_llm.ops import OPS, linear
 from compiled_llm.ops.registry import INDUCTOR
 from compiled_llm.passes.base import INDUCTOR_SETTINGS, FusionPass
 from compiled_llm.passes import skinny_mm
@@ -104,8 +104,10 @@ class PassManager(CustomGraphPass):
         # passes whose fused op resolved to Inductor's own kernel, or has only its reference here where that is
         # slower than no pass: they count matches, Inductor computes the graph (_left_to_inductor)
         self.unfused = tuple(p.name for p in self.passes if _left_to_inductor(p))
+        # the GPU model's measured wide shapes decide some of skinny_mm's rewrites (ops/linear.py WIDE_MEASURED)
+        wide = tuple(sorted(linear.wide_shapes(linear.device_name(device)))) if "skinny_mm" in names else ()
         self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only, self.unfused,
-                       codegen_key)
+                       codegen_key, wide)
         self._uuid = None
         self.calls = 0  # graphs the passes ran on (an FX-cache hit runs none)
         self.last_input = ""  # the last graph as the passes received it, for a report of a missed fusion

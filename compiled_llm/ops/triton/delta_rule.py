@@ -22,19 +22,29 @@ the recurrent kernel and the chunk prep kernel. Its gated output norm (weight * 
 head, NORM) needs a whole head's output in one program: the recurrent kernel applies it when its value block
 spans the head (the decode policy's tile for 2 to 16 sequences); otherwise `_gated_norm_kernel` applies it in
 place afterwards. Both round where the PyTorch reference (ops/delta_rule.py gated_rms_norm) rounds.
+
+The op (`gated_delta_rule` below) starts from in_proj's [q; k; v] columns: the causal conv runs first, as the
+causal_conv1d op's launches, except at a decode step of 2 to 16 sequences, where the recurrent kernel computes
+it itself (CONV) and moves the windows: bitwise the two launches' result, one launch and a gap less a layer.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from compiled_llm.ops.conv1d import CAUSAL_CONV1D
+from compiled_llm.ops.delta_rule import split_qkv
 from compiled_llm.ops.jit import JitKernel, register_kernel
 from compiled_llm.ops.state import DELTA_RULE_CHUNK, WARM_LAYOUTS, StateLayout, get_state_metadata
-from compiled_llm.ops.triton._common import dot_precision
+from compiled_llm.ops.triton._common import dot_precision, ticket_counters
 
 RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recurrent kernel
+CONV_TICKETS = 1 << 14  # the decode conv's key-head counters: 1,024 sequences of 16 key heads (64 KB)
+CONV_ENV = "COMPILED_LLM_GDR_CONV"  # 0: a decode step's conv in its own launch before the recurrence (an A/B)
 CHUNK = DELTA_RULE_CHUNK
 
 
@@ -87,12 +97,48 @@ def _gated_norm_kernel(X, Z, W, sx_t, sx_h, sz_t, sz_h, n_rows, norm_eps, DV: tl
     tl.store(X + t[:, None] * sx_t + h * sx_h + od[None, :], y.to(X.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _conv_silu(X, CW, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, init, KW: tl.constexpr, BLOCK: tl.constexpr):
+    """silu(causal conv) of one decode token's channels `ch` (a vector of BLOCK): the window's K-1 saved inputs
+    (zeros without an initial state) then the token's, rounded to X's dtype and returned in float32: the same
+    sums in the same order as ops/triton/conv1d.py's decode launch, so the same values."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(KW):
+        if j < KW - 1:
+            xv = tl.load(CS + slot * scs_n + ch * scs_c + j, mask=mask & (init != 0), other=0.0).to(tl.float32)
+        else:
+            xv = tl.load(X + t64 * sx_t + ch, mask=mask, other=0.0).to(tl.float32)
+        acc += xv * tl.load(CW + ch * KW + j, mask=mask, other=0.0).to(tl.float32)
+    y = acc / (1.0 + tl.exp(-acc))
+    return y.to(X.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_shift(X, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, init, KW: tl.constexpr):
+    """The window of channels `ch` moves by the decode token: window[i] = (old window ++ token)[i + 1]."""
+    base = CS + slot * scs_n + ch * scs_c
+    for i in tl.static_range(KW - 1):
+        if i + 1 < KW - 1:
+            xv = tl.load(base + (i + 1), mask=mask & (init != 0), other=0.0)
+        else:
+            xv = tl.load(X + t64 * sx_t + ch, mask=mask, other=0.0)
+        tl.store(base + i, xv.to(CS.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["n_seqs", "n_rows"])
 def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_n, ss_h, ss_k, sz_t, sz_h,
                           scale, eps, norm_eps, n_seqs, n_rows,
                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          GATING: tl.constexpr = False, NORM: tl.constexpr = False, ROUND_WH: tl.constexpr = False):
+                          GATING: tl.constexpr = False, NORM: tl.constexpr = False, ROUND_WH: tl.constexpr = False,
+                          X=None, CW=None, CS=None, TK=None, sx_t=0, scs_n=0, scs_c=0,
+                          CONV: tl.constexpr = False, KW: tl.constexpr = 4):
+    # CONV (a decode step: one token a sequence): q, k and v come from the raw [q; k; v] columns X of in_proj
+    # through the causal conv (weight CW [channels, KW], windows CS [slots, channels, KW - 1]) here, instead of
+    # from the conv launch's output. Each program moves the windows of its own value channels; the q / k windows
+    # of a key head are read by the REP x value-block programs that share it, so they take tickets from the
+    # head's counter (TK) after reading, and the last one moves those windows and resets the counter (zero for
+    # the next launch or CUDA-graph replay)
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -116,10 +162,32 @@ def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
     s = tl.where(init != 0, s, 0.0)  # first piece: start from zeros (the slot may hold anything)
     if NORM:  # this program holds the whole head (BV >= DV)
         w = tl.load(NW + ov, mask=mv, other=0.0).to(tl.float32)
+    if CONV:  # the decode token's q, k and v (start's row; nothing is read for a sequence without tokens)
+        num_hk = num_hv // REP
+        qc = hk * DK + ok  # the channels of q, k and v in X and in the windows
+        kc = (num_hk + hk) * DK + ok
+        vc = 2 * num_hk * DK + hv * DV + ov
+        live = end > start
+        q_conv = _conv_silu(X, CW, CS, start, sx_t, slot, scs_n, scs_c, qc, mk & live, init, KW, BK)
+        k_conv = _conv_silu(X, CW, CS, start, sx_t, slot, scs_n, scs_c, kc, mk & live, init, KW, BK)
+        v_conv = _conv_silu(X, CW, CS, start, sx_t, slot, scs_n, scs_c, vc, mv & live, init, KW, BV)
+        if live:
+            # the windows move now, before the state's stores (the ticket's release then has no store to wait for)
+            tl.debug_barrier()  # every thread's window reads precede the (one-thread) ticket below
+            counter = TK + seq * num_hk + hk
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == REP * tl.num_programs(2) - 1:  # every reader of this key head's windows is done
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, qc, mk, init, KW)
+                _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, kc, mk, init, KW)
+            _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, vc, mv, init, KW)  # this program's alone
     for t64 in range(start, end):
-        q = tl.load(Q + t64 * sq_t + hk * sq_h + ok, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(K + t64 * sk_t + hk * sk_h + ok, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(V + t64 * sv_t + hv * sv_h + ov, mask=mv, other=0.0).to(tl.float32)
+        if CONV:
+            q, k, v = q_conv, k_conv, v_conv
+        else:
+            q = tl.load(Q + t64 * sq_t + hk * sq_h + ok, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(K + t64 * sk_t + hk * sk_h + ok, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(V + t64 * sv_t + hv * sv_h + ov, mask=mv, other=0.0).to(tl.float32)
         g, beta = _gating(G, B, AL, DTB, t64, sg_t, sb_t, hv, num_hv, t64 < end, GATING)
         q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
         k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
@@ -253,12 +321,23 @@ def recurrent_tiles_policy(num_seqs: int, dv: int, norm: bool) -> tuple[int, int
 
 def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: StateLayout,
                             recurrent_tiles: tuple[int, int] | None = None, *, gating: tuple | None = None,
-                            out_norm: tuple | None = None) -> torch.Tensor:
+                            out_norm: tuple | None = None, conv: tuple | None = None) -> torch.Tensor:
     """Flat tokens of the layout's sequences (rows past them: padding, left zero); its tensors on v's device.
     The chunked path takes layout.chunk tokens a chunk. recurrent_tiles: (value block, num_warps) of the
     recurrent kernel, overriding the policy (benchmarks/state_kernels.py sweeps them).
     gating: (ba [tokens, 2 Hv] as [b; a], A_log [Hv], dt_bias [Hv]) instead of g and beta (then None);
-    out_norm: (z [tokens, Hv, Dv], weight [Dv], eps): the output is gated_rms_norm(o, z)."""
+    out_norm: (z [tokens, Hv, Dv], weight [Dv], eps): the output is gated_rms_norm(o, z).
+    conv (a decode layout only; out_norm required): (x [tokens, [q; k; v] channels] before the causal conv, any
+    row stride; its weight [channels, K]; its windows [slots, channels, K - 1], updated in place; Hk): q, k and v
+    are None and the conv runs inside the recurrent launch (`_gdr_recurrent_kernel` CONV)."""
+    if conv is not None:
+        x, conv_w, conv_cache, hk = conv
+        assert layout.decode and out_norm is not None, "the conv runs in the recurrent launch at decode only"
+        x, conv_w = _lastdim_contiguous(x), conv_w.contiguous()
+        hv, dv = out_norm[0].shape[1], out_norm[0].shape[2]
+        dk, rest = divmod(x.shape[1] - hv * dv, 2 * hk)
+        assert not rest and conv_cache.shape[1:] == (x.shape[1], conv_w.shape[1] - 1) and conv_cache.stride(2) == 1
+        q, k, v = split_qkv(x, hk, hv, dv)  # views of X (the kernel reads X and the windows instead)
     q, k, v = _lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v)
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -293,13 +372,19 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     grid = (num_seqs, hv, triton.cdiv(dv, bv))
     scale, eps = dk ** -0.5, 1e-6
     if recurrent:
+        fused = {}
+        if conv is not None:  # the q / k windows' tickets: one counter a (sequence, key head), made once, large
+            # enough for any batch (a counter buffer that grew would leave a captured graph its freed first one)
+            counters = ticket_counters(("gdr_conv", dev), max(num_seqs * hk, CONV_TICKETS), dev)
+            fused = dict(X=x, CW=conv_w, CS=conv_cache, TK=counters, sx_t=x.stride(0), scs_n=conv_cache.stride(0),
+                         scs_c=conv_cache.stride(1), CONV=True, KW=conv_w.shape[1])
         _gdr_recurrent_kernel[grid](
             q, k, v, g, beta, o, cache, query_start_loc, slots, has_initial_state, a_log, dt_bias, z, norm_w,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
             o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), z.stride(0), z.stride(1),
             scale, eps, norm_eps, num_seqs, n,
             REP=hv // hk, DK=dk, DV=dv, BK=bk, BV=bv, GATING=gating is not None, NORM=norm_in_kernel,
-            ROUND_WH=round_wh, num_warps=rec_warps)
+            ROUND_WH=round_wh, num_warps=rec_warps, **fused)
     else:
         chunk, num_chunks = layout.chunk, layout.num_chunks
         u = torch.empty((n, hv, dv), dtype=torch.float32, device=dev)
@@ -326,27 +411,46 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     return o
 
 
-def gated_delta_rule(q, k, v, ba, a_log, dt_bias, z, norm_weight, eps: float, layer_idx: int) -> torch.Tensor:
-    """The op's Triton provider: state and batch layout from the forward context."""
+def conv_in_recurrence(num_seqs: int, dv: int) -> bool:
+    """A decode step's conv inside the recurrent launch where its programs hold whole value heads (the policy's
+    tile from 2 to 16 sequences): there REP programs share a key head's q / k conv. With value blocks every
+    block's program computes it again: H200, Qwen3.5 35B-A3B (benchmarks/state_kernels.py conv_gdr, session 29,
+    the two launches -> one), 18.39 -> 16.68 us at 8 sequences, but 54.28 -> 66.27 at 32 (four blocks a head);
+    7.52 -> 7.44 at one (within the spread: left as two launches)."""
+    return recurrent_tiles_policy(num_seqs, dv, True)[0] >= dv
+
+
+def gated_delta_rule(qkv, conv_weight, ba, a_log, dt_bias, z, norm_weight, eps: float, num_k_heads: int,
+                     layer_idx: int) -> torch.Tensor:
+    """The op's Triton provider: state and batch layout from the forward context. A decode step of 2 to 16
+    sequences runs the causal conv inside the recurrent launch (conv_in_recurrence; unless the conv op's provider
+    was overridden, or COMPILED_LLM_GDR_CONV=0); other steps run the conv op's launches, then the delta rule's."""
     meta = get_state_metadata()
-    return gated_delta_rule_varlen(q, k, v, None, None, meta.caches[layer_idx]["ssm"], meta.layout,
-                                   gating=(ba, a_log, dt_bias), out_norm=(z, norm_weight, eps))
+    caches, layout = meta.caches[layer_idx], meta.layout
+    gating, out_norm = (ba, a_log, dt_bias), (z, norm_weight, eps)
+    if (layout.decode and conv_in_recurrence(layout.num_seqs, z.shape[2])
+            and CAUSAL_CONV1D.provider_name() == "triton" and os.environ.get(CONV_ENV, "1") != "0"):
+        return gated_delta_rule_varlen(None, None, None, None, None, caches["ssm"], layout, gating=gating,
+                                       out_norm=out_norm, conv=(qkv, conv_weight, caches["conv"], num_k_heads))
+    mixed = CAUSAL_CONV1D.impl()(qkv, conv_weight, layer_idx)
+    q, k, v = split_qkv(mixed, num_k_heads, z.shape[1], z.shape[2])
+    return gated_delta_rule_varlen(q, k, v, None, None, caches["ssm"], layout, gating=gating, out_norm=out_norm)
 
 
 # ---- JIT warm-up ---------------------------------------------------------------------------------
 
 def _keys(facts: dict) -> list:
-    """(dtype, key heads, value heads, key dim, value dim) of each distinct linear-attention layer, from its state
-    (`facts["states"]`: conv window [q; k; v channels, K - 1] and the delta-rule matrix [value heads, key dim,
-    value dim]; the key heads follow from the channels: 2 * hk * dk + hv * dv)."""
+    """(dtype, key heads, value heads, key dim, value dim, conv window) of each distinct linear-attention layer,
+    from its state (`facts["states"]`: conv window [q; k; v channels, K - 1] and the delta-rule matrix [value heads,
+    key dim, value dim]; the key heads follow from the channels: 2 * hk * dk + hv * dv)."""
     keys = set()
     for spec in (facts.get("states") or {}).values():
         if "ssm" not in spec.shapes or "conv" not in spec.shapes:
             continue
-        (hv, dk, dv), channels = spec.shapes["ssm"], spec.shapes["conv"][0]
+        (hv, dk, dv), (channels, window) = spec.shapes["ssm"], spec.shapes["conv"]
         hk, rest = divmod(channels - hv * dv, 2 * dk)
         if hk > 0 and not rest and hv % hk == 0:
-            keys.add((facts["dtype"], hk, hv, dk, dv))
+            keys.add((facts["dtype"], hk, hv, dk, dv, window + 1))
     return sorted(keys, key=repr)
 
 
@@ -365,15 +469,24 @@ def model_views(n: int, hk: int, hv: int, dk: int, dv: int, dtype, device) -> tu
 
 
 def _compile(key, device) -> None:
-    dtype, hk, hv, dk, dv = key
+    dtype, hk, hv, dk, dv, kw = key
     cache = torch.zeros(2, hv, dk, dv, dtype=torch.float32, device=device)
     a_log, dt_bias = (torch.zeros(hv, dtype=dtype, device=device) for _ in range(2))
     norm_w = torch.ones(dv, dtype=dtype, device=device)
+    conv_dim = 2 * hk * dk + hv * dv
+    conv_w = torch.zeros(conv_dim, kw, dtype=dtype, device=device)
+    conv_cache = torch.zeros(2, conv_dim, kw - 1, dtype=dtype, device=device)
     for slots, init, qsl in WARM_LAYOUTS:
         n, layout = qsl[-1], StateLayout.build(slots, init, qsl, device)
         q, k, v, z, ba = model_views(n, hk, hv, dk, dv, dtype, device)
         gated_delta_rule_varlen(q, k, v, None, None, cache, layout, gating=(ba, a_log, dt_bias),
                                 out_norm=(z, norm_w, 1e-6))
+        if layout.decode and conv_in_recurrence(layout.num_seqs, dv):  # the conv inside the recurrent launch,
+            # reading in_proj's [q; k; v] columns in place
+            qkv = ba.as_strided((n, conv_dim), (ba.stride(0), 1), 0)  # in_proj's first columns (a slice's row
+            # stride: z's, a view, has another at one row)
+            gated_delta_rule_varlen(None, None, None, None, None, cache, layout, gating=(ba, a_log, dt_bias),
+                                    out_norm=(z, norm_w, 1e-6), conv=(qkv, conv_w, conv_cache, hk))
 
 
 register_kernel(JitKernel("gated_delta_rule", "gated_delta_rule", "triton", _keys, _compile))

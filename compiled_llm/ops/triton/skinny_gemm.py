@@ -237,28 +237,42 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = No
     return y
 
 
-# The decode projections' launch (ops/linear.py skinny_mm: N < K): 32-row tiles of 256 columns, K in four slices
-# merged by each tile's last program. H200 (benchmarks/skinny_gemm.py, session 28, M = 8, us): the best of the
-# merged launches at Gemma 4's o_proj (9.66; cuBLAS 10.61) and global o_proj (15.03; 16.26), within 0.25 us of
-# the best at Qwen3.5's out_proj / o_proj (7.65 / 7.63 against 7.40 / 7.44 with 64 rows; cuBLAS 8.99 / 8.98)
+# The decode projections' launches (ops/linear.py skinny_mm). Narrow (N < K): 32-row tiles of 256 columns, K in
+# four slices merged by each tile's last program. H200 (benchmarks/skinny_gemm.py, session 28, M = 8, us): the best
+# of the merged launches at Gemma 4's o_proj (9.66; cuBLAS 10.61) and global o_proj (15.03; 16.26), within 0.25 us
+# of the best at Qwen3.5's out_proj / o_proj (7.65 / 7.63 against 7.40 / 7.44 with 64 rows; cuBLAS 8.99 / 8.98).
+# Wide (N >= K, the shapes ops/linear.py WIDE_MEASURED lists): the same tile unsplit, the best launch at each of
+# them (Gemma 4's global qkv 16.27, cuBLAS 18.60; Qwen3.5's merged in_proj 14.90, cuBLAS 16.12; the LM heads)
 DECODE_LAUNCH = SkinnyLaunch(block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=3, dot=True, merge=True)
+WIDE_LAUNCH = SkinnyLaunch(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True)
+
+
+def decode_launch(n: int, k: int) -> SkinnyLaunch:
+    """The op's launch for a weight [n, k]: split and merged where the output is narrow, else one pass."""
+    return DECODE_LAUNCH if n < k else WIDE_LAUNCH
 
 
 def decode_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The skinny_mm op's Triton provider: x [M, K] @ w [N, K]^T with DECODE_LAUNCH."""
-    MONITOR.note("skinny_mm", (x.dtype, x.shape[1] % DECODE_LAUNCH.block_k == 0))
-    return skinny_mm(x, w, DECODE_LAUNCH)
+    """The skinny_mm op's Triton provider: x [M, K] @ w [N, K]^T with decode_launch's launch."""
+    lp = decode_launch(w.shape[0], w.shape[1])
+    MONITOR.note("skinny_mm", (x.dtype, x.shape[1] % lp.block_k == 0, lp.split_k > 1))
+    return skinny_mm(x, w, lp)
 
 
 def _decode_keys(facts: dict) -> list:
-    # one build serves every weight whose K is a multiple of the 256-column step (all the released configs')
-    return [(facts["dtype"], True)] if "dtype" in facts and "hidden_size" in facts else []
+    # one build of each launch serves every weight whose K is a multiple of the 256-column step (all the released
+    # configs'): the narrow one and the wide one (a build whether or not this GPU takes a wide shape: one more
+    # parallel build at warm-up)
+    return [(facts["dtype"], True, split) for split in (True, False)] if "dtype" in facts and "hidden_size" in facts \
+        else []
 
 
 def _decode_compile(key, device) -> None:
-    dtype, even = key
-    k = 4 * DECODE_LAUNCH.block_k if even else 4 * DECODE_LAUNCH.block_k + 16
-    decode_mm(torch.zeros(2, k, dtype=dtype, device=device), torch.zeros(64, k, dtype=dtype, device=device))
+    dtype, even, split = key
+    lp = DECODE_LAUNCH if split else WIDE_LAUNCH
+    k = 4 * lp.block_k if even else 4 * lp.block_k + 16
+    n = 64 if split else 2 * k  # a narrow or a wide weight
+    decode_mm(torch.zeros(2, k, dtype=dtype, device=device), torch.zeros(n, k, dtype=dtype, device=device))
 
 
 register_kernel(JitKernel("skinny_mm", "skinny_mm", "triton", _decode_keys, _decode_compile))
