@@ -37,7 +37,7 @@ def _weight_of(node) -> torch.fx.Node | None:
 
 class SkinnyMMPass:
     name = "skinny_mm"
-    fusion = "a decode batch's narrow projections (N < K) in one split-K launch"
+    fusion = "a decode batch's narrow projections (N < K, one split-K launch) and measured wide ones on our GEMM"
     op = "skinny_mm"
     count_only_on_reference = True
     count_only_while_reference = True

@@ -43,7 +43,8 @@ from compiled_llm.ops.state import DELTA_RULE_CHUNK, WARM_LAYOUTS, StateLayout, 
 from compiled_llm.ops.triton._common import dot_precision, ticket_counters
 
 RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recurrent kernel
-CONV_TICKETS = 1 << 14  # the decode conv's key-head counters: 1,024 sequences of 16 key heads (64 KB)
+CONV_TICKETS = 1 << 14  # the decode conv's (sequence, key head) counters, made once (64 KB): the fused launch takes
+# at most 16 sequences (conv_in_recurrence), so this holds any model's key heads a rank
 CONV_ENV = "COMPILED_LLM_GDR_CONV"  # 0: a decode step's conv in its own launch before the recurrence (an A/B)
 CHUNK = DELTA_RULE_CHUNK
 
@@ -373,8 +374,8 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     scale, eps = dk ** -0.5, 1e-6
     if recurrent:
         fused = {}
-        if conv is not None:  # the q / k windows' tickets: one counter a (sequence, key head), made once, large
-            # enough for any batch (a counter buffer that grew would leave a captured graph its freed first one)
+        if conv is not None:  # the q / k windows' tickets: one counter a (sequence, key head), made once and large
+            # enough (a counter buffer that grew would leave a captured graph its freed first one)
             counters = ticket_counters(("gdr_conv", dev), max(num_seqs * hk, CONV_TICKETS), dev)
             fused = dict(X=x, CW=conv_w, CS=conv_cache, TK=counters, sx_t=x.stride(0), scs_n=conv_cache.stride(0),
                          scs_c=conv_cache.stride(1), CONV=True, KW=conv_w.shape[1])
