@@ -35,14 +35,20 @@ WIDE_ENV = "COMPILED_LLM_SKINNY_WIDE"  # 0: the wide shapes stay on cuBLAS (an A
 
 # Wide weights (N >= K, [N, K]) whose products at 1-8 rows our unsplit 32-row tile (skinny_gemm.py WIDE_LAUNCH) ran
 # at least 3% faster than cuBLAS on that GPU model, at every row count measured (benchmarks/skinny_gemm.py prints
-# this table for the GPU it runs on: its "wide shapes" line; tests/test_benchmarks.py rebuilds it from the run). H200, session 28, us at M = 1 / 8: Gemma 4's global
-# [q; k] 17.96 / 18.60 -> 15.99 / 16.27, Qwen3.5's merged in_proj 15.84 / 16.12 -> 14.60 / 14.90, the LM heads
+# this table for the GPU it runs on: its "wide shapes" line; tests/test_benchmarks.py rebuilds it from the run).
+# H200, session 28, us at M = 1 / 8: Gemma 4's global [q; k] 17.96 / 18.60 -> 15.99 / 16.27, Qwen3.5's merged
+# in_proj 15.84 / 16.12 -> 14.60 / 14.90, the LM heads
 # 346.1 / 350.9 -> 332.1 / 339.0 (Gemma 4) and 244.5 / 249.4 -> 229.3 / 236.1 (Qwen3.5). Left on cuBLAS there:
 # Gemma 4's sliding qkv (8,192 x 2,816: 13.61 against 14.08) and Qwen3.5's full-attention qkv (9,216 x 2,048: 11.84
 # against 12.55); the margin keeps a shape whose ranking could flip between machines out.
 WIDE_MEASURED: dict[str, frozenset[tuple[int, int]]] = {
     "NVIDIA H200": frozenset({(9216, 2816), (12352, 2048), (262144, 2816), (248320, 2048)}),
 }
+
+
+def enabled() -> bool:
+    """The op takes its products (`COMPILED_LLM_SKINNY_MM=0`: none, for the pass and linear_rows alike)."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def device_name(device: torch.device | str | None = None) -> str | None:
@@ -73,7 +79,8 @@ def _triton(caps: Capabilities, shape: dict) -> str | None:
     return caps.triton_ok()
 
 
-SKINNY_MM = register(OpSpec("skinny_mm", "x [M <= 16, K] @ W [N, K]^T: a decode batch's weight-streaming projections", [
+SKINNY_MM = register(OpSpec("skinny_mm", "x [M <= 16, K] @ W [N, K]^T: a decode batch's weight-streaming "
+                            "projections", [
     Provider("triton", "compiled_llm.ops.triton.skinny_gemm:decode_mm", _triton, capturable=True),
     Provider("reference", "compiled_llm.ops.linear:ref_skinny_mm", capturable=True),
 ]))
@@ -93,8 +100,7 @@ def takes(n: int, k: int, m: int | None = None, device: str | None = None) -> bo
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T outside a compiled graph (the LM head): through skinny_mm where its Triton provider was
     chosen (a CUDA engine) and the op takes the product on this device, else F.linear."""
-    if (x.dim() == 2 and x.dtype == w.dtype and SKINNY_MM.provider_name() == "triton"
-            and os.environ.get(ENV, "1") != "0"
+    if (x.dim() == 2 and x.dtype == w.dtype and SKINNY_MM.provider_name() == "triton" and enabled()
             and takes(w.shape[0], w.shape[1], x.shape[0], device_name(x.device))):
         return torch.ops.compiled_llm.skinny_mm(x, w)
     return F.linear(x, w)

@@ -3,25 +3,24 @@
 the wide weights (N >= K) that ops/linear.py's WIDE_MEASURED lists for the GPU model compiled for (an unsplit tile
 measured faster than cuBLAS there).
 
-Not a fusion: a kernel choice for one matmul, made from the weight's shape (and, for a wide one, the GPU's name). A static compile of more than 16 rows
-keeps torch's mm; in the dynamic-token compile (which every decode size replays by default) the op chooses per call
-by the row count (ops/linear.py). The matches are counted under `compiled_llm_kernel.skinny_mm` (in total, not per layer: no model declares it, so the
-fusion check does not judge it). On CUDA by default (`COMPILED_LLM_SKINNY_MM=0`: off, an A/B); elsewhere the op has
-its reference only and the pass, when named, counts.
+Not a fusion: a kernel choice for one matmul, made from the weight's shape (and, for a wide one, the GPU's name).
+A static compile of more than 16 rows keeps torch's mm; in the dynamic-token compile (which every decode size
+replays by default) the op chooses per call by the row count (ops/linear.py). The matches are counted under
+`compiled_llm_kernel.skinny_mm` (in total, not per layer: no model declares it, so the fusion check does not judge
+it). On CUDA by default (`COMPILED_LLM_SKINNY_MM=0`: off, an A/B); elsewhere the op has its reference only and the
+pass, when named, counts.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-from compiled_llm.ops.linear import ENV, device_name, takes
+from compiled_llm.ops.linear import device_name, enabled, takes
 from compiled_llm.passes.base import count_matches, first_layer, node_layers
 from compiled_llm.passes.moe_overlap import _with_val
 
 
 def enabled_by_default(device: str) -> bool:
-    return device == "cuda" and os.environ.get(ENV, "1") != "0"
+    return device == "cuda" and enabled()
 
 
 def _weight_of(node) -> torch.fx.Node | None:
@@ -46,9 +45,10 @@ class SkinnyMMPass:
     def __init__(self, dtypes: tuple[torch.dtype, ...] = (), device: str = "cpu"):
         self.count_only = False  # set per graph by the pass manager
         self.device = device
-        self.device_name: str | None = None  # the GPU model this graph is compiled for (its measured wide shapes)
 
-    def _match(self, node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    @staticmethod
+    def _match(node: torch.fx.Node, gpu: str | None) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+        """(x, W) of mm(x, W^T) where the op takes the product on the GPU model `gpu` (its measured wide shapes)."""
         if node.target is not torch.ops.aten.mm.default:
             return None
         x, wt = node.args
@@ -59,15 +59,15 @@ class SkinnyMMPass:
         m, (n, k) = xv.shape[0], wv.shape
         if not isinstance(n, int) or not isinstance(k, int):
             return None
-        if not takes(n, k, m if isinstance(m, int) else None, self.device_name):
+        if not takes(n, k, m if isinstance(m, int) else None, gpu):
             return None  # a shape cuBLAS serves as well, or a static row count past a decode batch's
         if wv.stride() != (k, 1) or xv.stride(-1) != 1:
             return None
         return x, w
 
     def __call__(self, graph: torch.fx.Graph) -> int:
-        self.device_name = device_name(self.device)
-        found = [(n, hit) for n in graph.nodes if (hit := self._match(n)) is not None]
+        gpu = device_name(self.device)
+        found = [(n, hit) for n in graph.nodes if (hit := self._match(n, gpu)) is not None]
         if not found:
             return 0
         count_matches(self.name, len(found), [min(node_layers(n), default=None) for n, _ in found], first_layer(graph))

@@ -22,6 +22,37 @@ from compiled_llm.ops.jit import JitKernel, register_kernel
 from compiled_llm.ops.state import WARM_LAYOUTS, StateLayout, get_state_metadata
 
 
+@triton.jit
+def _conv_silu(X, CW, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, init, KW: tl.constexpr, BLOCK: tl.constexpr):
+    """silu(causal conv) of one decode token's channels `ch` (a vector of BLOCK): the window's K-1 saved inputs
+    (zeros without an initial state) then the token's, rounded to X's dtype and returned in float32: the same
+    sums in the same order as `_conv_kernel`'s decode launch, so the same values (the delta rule's decode launch
+    computes its q, k and v with it)."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(KW):
+        if j < KW - 1:
+            xv = tl.load(CS + slot * scs_n + ch * scs_c + j, mask=mask & (init != 0), other=0.0).to(tl.float32)
+        else:
+            xv = tl.load(X + t64 * sx_t + ch, mask=mask, other=0.0).to(tl.float32)
+        acc += xv * tl.load(CW + ch * KW + j, mask=mask, other=0.0).to(tl.float32)
+    y = acc / (1.0 + tl.exp(-acc))
+    return y.to(X.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_shift(X, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, keep, KW: tl.constexpr):
+    """The windows of channels `ch` move by the decode token: window[i] = (old window ++ token)[i + 1]; without
+    an initial state (keep false) the old window counts as zeros. t64 and slot may be columns and ch a row (a
+    [tokens, channels] tile, the decode launch's) or scalars and a vector (one sequence's, the delta rule's)."""
+    base = CS + slot * scs_n + ch * scs_c
+    for i in tl.static_range(KW - 1):
+        if i + 1 < KW - 1:
+            xv = tl.load(base + (i + 1), mask=mask & keep, other=0.0)
+        else:
+            xv = tl.load(X + t64 * sx_t + ch, mask=mask, other=0.0)
+        tl.store(base + i, xv.to(CS.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["n_tokens", "n_mapped", "n_seqs"])  # per-step counts: one build for all
 def _conv_kernel(X, W, Cache, Out, SeqOf, Qsl, Slots, Init,
                  n_tokens, n_mapped, n_seqs, dim,
@@ -57,16 +88,10 @@ def _conv_kernel(X, W, Cache, Out, SeqOf, Qsl, Slots, Init,
     y = tl.where(live[:, None], y, 0.0)
     tl.store(Out + t.to(tl.int64)[:, None] * stride_ot + d[None, :], y.to(Out.dtype.element_ty),
              mask=(t < n_tokens)[:, None] & dmask[None, :])
-    if DECODE:  # the window moves by the one token here (no state launch): window[i] = ext[i + 1], where
-        # ext = old window ++ token; each (sequence, channel) is this program's alone, read above before written
-        wm = live[:, None] & dmask[None, :]
-        base = Cache + slot[:, None] * stride_cs + d[None, :] * stride_cd
-        for i in tl.static_range(K - 1):
-            if i + 1 < K - 1:
-                v = tl.load(base + (i + 1), mask=wm & init[:, None], other=0.0)
-            else:
-                v = tl.load(X + t.to(tl.int64)[:, None] * stride_xt + d[None, :], mask=wm, other=0.0)
-            tl.store(base + i, v.to(Cache.dtype.element_ty), mask=wm)
+    if DECODE:  # the window moves by the one token here (no state launch); each (sequence, channel) is this
+        # program's alone, read above before written
+        _conv_shift(X, Cache, t.to(tl.int64)[:, None], stride_xt, slot[:, None], stride_cs, stride_cd, d[None, :],
+                    live[:, None] & dmask[None, :], init[:, None], K)
 
 
 @triton.jit

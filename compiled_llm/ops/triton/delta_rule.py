@@ -41,6 +41,7 @@ from compiled_llm.ops.delta_rule import split_qkv
 from compiled_llm.ops.jit import JitKernel, register_kernel
 from compiled_llm.ops.state import DELTA_RULE_CHUNK, WARM_LAYOUTS, StateLayout, get_state_metadata
 from compiled_llm.ops.triton._common import dot_precision, ticket_counters
+from compiled_llm.ops.triton.conv1d import _conv_shift, _conv_silu
 
 RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recurrent kernel
 CONV_TICKETS = 1 << 14  # the decode conv's (sequence, key head) counters, made once (64 KB): the fused launch takes
@@ -98,34 +99,6 @@ def _gated_norm_kernel(X, Z, W, sx_t, sx_h, sz_t, sz_h, n_rows, norm_eps, DV: tl
     tl.store(X + t[:, None] * sx_t + h * sx_h + od[None, :], y.to(X.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _conv_silu(X, CW, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, init, KW: tl.constexpr, BLOCK: tl.constexpr):
-    """silu(causal conv) of one decode token's channels `ch` (a vector of BLOCK): the window's K-1 saved inputs
-    (zeros without an initial state) then the token's, rounded to X's dtype and returned in float32: the same
-    sums in the same order as ops/triton/conv1d.py's decode launch, so the same values."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for j in tl.static_range(KW):
-        if j < KW - 1:
-            xv = tl.load(CS + slot * scs_n + ch * scs_c + j, mask=mask & (init != 0), other=0.0).to(tl.float32)
-        else:
-            xv = tl.load(X + t64 * sx_t + ch, mask=mask, other=0.0).to(tl.float32)
-        acc += xv * tl.load(CW + ch * KW + j, mask=mask, other=0.0).to(tl.float32)
-    y = acc / (1.0 + tl.exp(-acc))
-    return y.to(X.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _conv_shift(X, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, init, KW: tl.constexpr):
-    """The window of channels `ch` moves by the decode token: window[i] = (old window ++ token)[i + 1]."""
-    base = CS + slot * scs_n + ch * scs_c
-    for i in tl.static_range(KW - 1):
-        if i + 1 < KW - 1:
-            xv = tl.load(base + (i + 1), mask=mask & (init != 0), other=0.0)
-        else:
-            xv = tl.load(X + t64 * sx_t + ch, mask=mask, other=0.0)
-        tl.store(base + i, xv.to(CS.dtype.element_ty), mask=mask)
-
-
 @triton.jit(do_not_specialize=["n_seqs", "n_rows"])
 def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_n, ss_h, ss_k, sz_t, sz_h,
@@ -179,9 +152,9 @@ def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == REP * tl.num_programs(2) - 1:  # every reader of this key head's windows is done
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, qc, mk, init, KW)
-                _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, kc, mk, init, KW)
-            _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, vc, mv, init, KW)  # this program's alone
+                _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, qc, mk, init != 0, KW)
+                _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, kc, mk, init != 0, KW)
+            _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, vc, mv, init != 0, KW)  # this program's alone
     for t64 in range(start, end):
         if CONV:
             q, k, v = q_conv, k_conv, v_conv
@@ -335,10 +308,9 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
         x, conv_w, conv_cache, hk = conv
         assert layout.decode and out_norm is not None, "the conv runs in the recurrent launch at decode only"
         x, conv_w = _lastdim_contiguous(x), conv_w.contiguous()
-        hv, dv = out_norm[0].shape[1], out_norm[0].shape[2]
-        dk, rest = divmod(x.shape[1] - hv * dv, 2 * hk)
-        assert not rest and conv_cache.shape[1:] == (x.shape[1], conv_w.shape[1] - 1) and conv_cache.stride(2) == 1
-        q, k, v = split_qkv(x, hk, hv, dv)  # views of X (the kernel reads X and the windows instead)
+        assert conv_cache.shape[1:] == (x.shape[1], conv_w.shape[1] - 1) and conv_cache.stride(2) == 1
+        # views of X (the kernel reads X and the windows instead); split_qkv checks the channel count
+        q, k, v = split_qkv(x, hk, out_norm[0].shape[1], out_norm[0].shape[2])
     q, k, v = _lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v)
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
