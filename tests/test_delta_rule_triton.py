@@ -88,7 +88,7 @@ def test_recurrent_launch_keys_are_warmed(monkeypatch):
         q, k_, v, z, ba = delta_rule.model_views(n, hk, hv, dk, dv, torch.float32, "cpu")  # the model's layout
         delta_rule.gated_delta_rule_varlen(q, k_, v, None, None, ssm_cache, layout, gating=(ba, a_log, dt_bias),
                                            out_norm=(z, norm_w, 1e-6))
-        if layout.decode and delta_rule.conv_in_recurrence(len(lens), dv):  # the conv in the recurrent launch
+        if layout.decode and delta_rule.conv_in_recurrence(len(lens), dv, k):  # the conv in the recurrent launch
             qkv = ba.as_strided((n, qkv_dim), (ba.stride(0), 1), 0)
             delta_rule.gated_delta_rule_varlen(None, None, None, None, None, ssm_cache, layout,
                                                gating=(ba, a_log, dt_bias), out_norm=(z, norm_w, 1e-6),
@@ -282,6 +282,33 @@ def group_conv1d():
     _check_conv([1, 1, 1], 40, 4, [True, False, True], extra=24)  # row-strided x: decode, prefill
     _check_conv([5, 1, 2, 19], 130, 4, [False, True, True, False], extra=7)
     _check_conv([5, 1, 2, 19], 300, 4, [False, True, True, False], tiles=(16, 256, 4))  # conv tile > window's
+    _check_conv([1, 1], 24, 5, [True, False])  # decode with 5 taps: the general loop and its window move
+    for k, dtype in ((4, "float32"), (4, "bfloat16"), (3, "bfloat16"), (2, "float32")):
+        _check_conv_decode_taps(40, k, [True, False, True], dtype)
+
+
+def _check_conv_decode_taps(dim, k, init, dtype="float32", seed=0):
+    """The decode branch (each input read once: _conv_taps) against the general loop on the same tokens: three
+    one-token sequences run as a decode step, and again beside a two-token sequence (a prefill-shaped step, the
+    loop and the window launch): the same outputs and windows, bitwise."""
+    import torch
+
+    from compiled_llm.ops.state import StateLayout
+    from compiled_llm.ops.triton.conv1d import causal_conv1d_varlen
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, dim, generator=g).to(dt)
+    w = torch.randn(dim, k, generator=g).to(dt)
+    cache = torch.randn(6, dim, k - 1, generator=g).to(dt)
+    one, mixed = cache.clone(), cache.clone()
+    dec = StateLayout.build([1, 2, 3], init, [0, 1, 2, 3], "cpu")
+    pre = StateLayout.build([1, 2, 3, 4], init + [True], [0, 1, 2, 3, 5], "cpu")
+    assert dec.decode and not pre.decode
+    got = causal_conv1d_varlen(x[:3], w, one, dec)
+    want = causal_conv1d_varlen(x, w, mixed, pre)
+    assert torch.equal(got, want[:3]) and torch.equal(one[1:4], mixed[1:4]), (k, dtype)
+    print(f"  conv decode taps dim={dim} K={k} {dtype}: bitwise the general loop's", flush=True)
 
 
 def _check_conv_fused(lens, hk, hv, dk, dv, kw, init, dtype="float32", seed=0, tiles=None, pad_to=None):
@@ -349,7 +376,8 @@ def _check_conv_fused(lens, hk, hv, dk, dv, kw, init, dtype="float32", seed=0, t
 
 def group_conv_fused():
     _check_conv_fused([1, 1, 1], 2, 4, 16, 16, 4, [True, False, True])  # the whole head a program (norm inside)
-    _check_conv_fused([1], 2, 4, 16, 16, 4, [True])  # one sequence: 16-channel value blocks (norm after)
+    _check_conv_fused([1], 2, 4, 16, 16, 4, [True])  # one sequence, the whole head a program
+    _check_conv_fused([1], 2, 4, 16, 64, 4, [True])  # one sequence: the policy's 32-channel value blocks (norm after)
     _check_conv_fused([1, 1], 1, 2, 8, 24, 3, [False, True], dtype="bfloat16")  # dims not powers of two
     _check_conv_fused([1, 1, 1], 2, 4, 16, 32, 4, [True, True, False], tiles=((8, 32, 2), (16, 4)))  # 2 blocks
     _check_conv_fused([1, 1, 1], 2, 4, 16, 16, 4, [True, False, True], pad_to=5)  # whole-graph padding

@@ -7,6 +7,9 @@ Gated DeltaNet layers), in two launches and no host sync:
    step); at decode, token t is sequence t's, and the kernel needs no map.
 2. `_state_kernel`: one program per (sequence, channel tile) writes the new window, the last K-1 entries of
    ext, over the old one (after launch 1 has read it).
+A decode step is launch 1 alone: each program moves its own windows, and for 2 to 4 taps it reads each window
+entry and token once, for both the conv and the move (_conv_taps, _conv_silu_taps, _conv_store_moved: the
+helpers the delta rule's fused decode launch calls too, so both compute the same values).
 
 Rows past the last sequence (CUDA-graph padding) come out zero, as in the reference; sequences without tokens
 (whole-graph decode padding) leave their slot alone. Only device tensors are read: a CUDA graph replays both.
@@ -23,27 +26,63 @@ from compiled_llm.ops.state import WARM_LAYOUTS, StateLayout, get_state_metadata
 
 
 @triton.jit
-def _conv_silu(X, CW, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, init, KW: tl.constexpr, BLOCK: tl.constexpr):
-    """silu(causal conv) of one decode token's channels `ch` (a vector of BLOCK): the window's K-1 saved inputs
-    (zeros without an initial state) then the token's, rounded to X's dtype and returned in float32: the same
-    sums in the same order as `_conv_kernel`'s decode launch, so the same values (the delta rule's decode launch
-    computes its q, k and v with it)."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for j in tl.static_range(KW):
-        if j < KW - 1:
-            xv = tl.load(CS + slot * scs_n + ch * scs_c + j, mask=mask & (init != 0), other=0.0).to(tl.float32)
-        else:
-            xv = tl.load(X + t64 * sx_t + ch, mask=mask, other=0.0).to(tl.float32)
-        acc += xv * tl.load(CW + ch * KW + j, mask=mask, other=0.0).to(tl.float32)
+def _conv_taps(X, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, keep, KW: tl.constexpr):
+    """A decode token's channels `ch` as stored, for a kernel of 2 to 4 taps: its window's saved inputs w0, w1,
+    w2 (those past K - 1 and, without an initial state (keep false), all of them zeros) and the token's inputs
+    x. Read once, for both the conv (_conv_silu_taps) and the window's move (_conv_store_moved): the decode
+    branch of `_conv_kernel` ([tokens, channels] tiles: t64 and slot columns, ch a row) and the delta rule's
+    fused decode launch (scalars and a channel vector) both take them. Vectors, not a [channels, taps] tile: a
+    reduction over such a tile would hand its layout to the delta rule's state tile, which the outputs multiply
+    (a 64 KB conversion through shared memory)."""
+    tl.static_assert((KW >= 2) & (KW <= 4), "the fused decode conv takes 2 to 4 taps")
+    base = CS + slot * scs_n + ch * scs_c
+    w0 = tl.load(base, mask=mask & keep, other=0.0)
+    if KW > 2:
+        w1 = tl.load(base + 1, mask=mask & keep, other=0.0)
+    else:
+        w1 = tl.zeros_like(w0)
+    if KW > 3:
+        w2 = tl.load(base + 2, mask=mask & keep, other=0.0)
+    else:
+        w2 = tl.zeros_like(w0)
+    x = tl.load(X + t64 * sx_t + ch, mask=mask, other=0.0)
+    return w0, w1, w2, x
+
+
+@triton.jit
+def _conv_silu_taps(w0, w1, w2, x, CW, ch, cmask, KW: tl.constexpr):
+    """silu(causal conv) from _conv_taps' inputs (weight CW [channels, KW]; cmask: the channels that exist),
+    rounded to the token's dtype and returned in float32: the same products and sums in the same order as the
+    general loop of `_conv_kernel`, so the same values."""
+    acc = tl.zeros(x.shape, tl.float32)
+    acc += w0.to(tl.float32) * tl.load(CW + ch * KW, mask=cmask, other=0.0).to(tl.float32)
+    if KW > 2:
+        acc += w1.to(tl.float32) * tl.load(CW + ch * KW + 1, mask=cmask, other=0.0).to(tl.float32)
+    if KW > 3:
+        acc += w2.to(tl.float32) * tl.load(CW + ch * KW + 2, mask=cmask, other=0.0).to(tl.float32)
+    acc += x.to(tl.float32) * tl.load(CW + ch * KW + (KW - 1), mask=cmask, other=0.0).to(tl.float32)
     y = acc / (1.0 + tl.exp(-acc))
-    return y.to(X.dtype.element_ty).to(tl.float32)
+    return y.to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _conv_store_moved(CS, slot, scs_n, scs_c, ch, mask, w1, w2, x, KW: tl.constexpr):
+    """The windows of channels `ch` moved by the token, from the values _conv_taps read (no second read):
+    window[i] = (old window ++ token)[i + 1]."""
+    base = CS + slot * scs_n + ch * scs_c
+    if KW > 2:
+        tl.store(base, w1, mask=mask)
+    if KW > 3:
+        tl.store(base + 1, w2, mask=mask)
+    tl.store(base + (KW - 2), x.to(CS.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _conv_shift(X, CS, t64, sx_t, slot, scs_n, scs_c, ch, mask, keep, KW: tl.constexpr):
     """The windows of channels `ch` move by the decode token: window[i] = (old window ++ token)[i + 1]; without
-    an initial state (keep false) the old window counts as zeros. t64 and slot may be columns and ch a row (a
-    [tokens, channels] tile, the decode launch's) or scalars and a vector (one sequence's, the delta rule's)."""
+    an initial state (keep false) the old window counts as zeros. t64 and slot are columns and ch a row (the
+    decode branch's [tokens, channels] tile) for kernel sizes outside _conv_taps' 2 to 4, which reads each input
+    once instead."""
     base = CS + slot * scs_n + ch * scs_c
     for i in tl.static_range(KW - 1):
         if i + 1 < KW - 1:
@@ -72,26 +111,36 @@ def _conv_kernel(X, W, Cache, Out, SeqOf, Qsl, Slots, Init,
     live = in_batch & (t >= start) & (t < end)
     slot = tl.load(Slots + seq_c, mask=live, other=0).to(tl.int64)
     init = tl.load(Init + seq_c, mask=live, other=0) != 0
-    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    for j in tl.static_range(K):
-        src = t - (K - 1) + j  # the input this tap reads; before `start` it is in the saved window
-        in_x = live & (src >= start)
-        xv = tl.load(X + src.to(tl.int64)[:, None] * stride_xt + d[None, :],
-                     mask=in_x[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        widx = (K - 1) - (start - src)  # position in the window [0, K-1)
-        in_s = live & init & (src < start) & (widx >= 0)
-        sv = tl.load(Cache + slot[:, None] * stride_cs + d[None, :] * stride_cd + widx[:, None],
-                     mask=in_s[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        wv = tl.load(W + d * K + j, mask=dmask, other=0.0).to(tl.float32)
-        acc += (xv + sv) * wv[None, :]
-    y = acc / (1.0 + tl.exp(-acc))
-    y = tl.where(live[:, None], y, 0.0)
-    tl.store(Out + t.to(tl.int64)[:, None] * stride_ot + d[None, :], y.to(Out.dtype.element_ty),
-             mask=(t < n_tokens)[:, None] & dmask[None, :])
-    if DECODE:  # the window moves by the one token here (no state launch); each (sequence, channel) is this
-        # program's alone, read above before written
-        _conv_shift(X, Cache, t.to(tl.int64)[:, None], stride_xt, slot[:, None], stride_cs, stride_cd, d[None, :],
-                    live[:, None] & dmask[None, :], init[:, None], K)
+    if DECODE and (K >= 2) and (K <= 4):  # token t is sequence t's, its K - 1 earlier inputs all in the window:
+        # each input read once, for the conv and for the window's move (each (sequence, channel) this program's)
+        t64, slot2, ch = t.to(tl.int64)[:, None], slot[:, None], d[None, :]
+        m = live[:, None] & dmask[None, :]
+        w0, w1, w2, xv = _conv_taps(X, Cache, t64, stride_xt, slot2, stride_cs, stride_cd, ch, m, init[:, None], K)
+        y = _conv_silu_taps(w0, w1, w2, xv, W, ch, dmask[None, :], K)
+        y = tl.where(live[:, None], y, 0.0)
+        tl.store(Out + t64 * stride_ot + ch, y.to(Out.dtype.element_ty), mask=(t < n_tokens)[:, None] & dmask[None, :])
+        _conv_store_moved(Cache, slot2, stride_cs, stride_cd, ch, m, w1, w2, xv, K)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        for j in tl.static_range(K):
+            src = t - (K - 1) + j  # the input this tap reads; before `start` it is in the saved window
+            in_x = live & (src >= start)
+            xv = tl.load(X + src.to(tl.int64)[:, None] * stride_xt + d[None, :],
+                         mask=in_x[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            widx = (K - 1) - (start - src)  # position in the window [0, K-1)
+            in_s = live & init & (src < start) & (widx >= 0)
+            sv = tl.load(Cache + slot[:, None] * stride_cs + d[None, :] * stride_cd + widx[:, None],
+                         mask=in_s[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            wv = tl.load(W + d * K + j, mask=dmask, other=0.0).to(tl.float32)
+            acc += (xv + sv) * wv[None, :]
+        y = acc / (1.0 + tl.exp(-acc))
+        y = tl.where(live[:, None], y, 0.0)
+        tl.store(Out + t.to(tl.int64)[:, None] * stride_ot + d[None, :], y.to(Out.dtype.element_ty),
+                 mask=(t < n_tokens)[:, None] & dmask[None, :])
+        if DECODE:  # (other kernel sizes) the window moves by the one token here (no state launch); each
+            # (sequence, channel) is this program's alone, read above before written
+            _conv_shift(X, Cache, t.to(tl.int64)[:, None], stride_xt, slot[:, None], stride_cs, stride_cd,
+                        d[None, :], live[:, None] & dmask[None, :], init[:, None], K)
 
 
 @triton.jit
@@ -124,11 +173,14 @@ STATE_BLOCK_D = 128  # the window kernel's channel tile (a prefill's one launch 
 
 def conv_tiles(decode: bool) -> tuple[int, int, int]:
     """(block_t, block_d, num_warps) of the conv kernel: one choice for decode and one for prefill, whatever the
-    batch (each is one build, warmed at start-up). Decode: 8 x 32 tiles, 2 warps (H200, Qwen3.5 35B-A3B's 8,192
-    channels, benchmarks/state_kernels.py, session 20: 3.46 us against 6.83 for 16 x 128 at 8 sequences, 2.44
-    against 3.29 at 1, 7.11 against 13.77 at 32: the kernel is latency-bound, and more, smaller programs hide it).
+    batch (each is one build, warmed at start-up). Decode: 8 x 32 tiles (H200, Qwen3.5 35B-A3B's 8,192 channels,
+    benchmarks/state_kernels.py, session 20: 3.46 us against 6.83 for 16 x 128 at 8 sequences, 2.44 against
+    3.29 at 1, 7.11 against 13.77 at 32: the kernel is latency-bound, and more, smaller programs hide it), at 4
+    warps since the decode branch reads each input once (session 30, one machine, us at 1 / 8 / 32 / 64
+    sequences: the branch before at its best, 2 warps, 2.29 / 3.50 / 7.17 / 12.61; now at 2 warps 2.49 / 3.74 /
+    7.18 / 11.98, at 4 warps 2.19 / 3.29 / 6.92 / 11.26, the best of the 24 tiles at each size).
     Prefill keeps 16 x 128 (not swept)."""
-    return (8, 32, 2) if decode else (16, 128, 4)
+    return (8, 32, 4) if decode else (16, 128, 4)
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,

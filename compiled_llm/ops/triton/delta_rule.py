@@ -24,7 +24,7 @@ spans the head (the decode policy's tile for 2 to 16 sequences); otherwise `_gat
 place afterwards. Both round where the PyTorch reference (ops/delta_rule.py gated_rms_norm) rounds.
 
 The op (`gated_delta_rule` below) starts from in_proj's [q; k; v] columns: the causal conv runs first, as the
-causal_conv1d op's launches, except at a decode step of 2 to 16 sequences, where the recurrent kernel computes
+causal_conv1d op's launches, except at a decode step of 1 to 16 sequences, where the recurrent kernel computes
 it itself (CONV) and moves the windows: bitwise the two launches' result, one launch and a gap less a layer.
 """
 
@@ -41,7 +41,7 @@ from compiled_llm.ops.delta_rule import split_qkv
 from compiled_llm.ops.jit import JitKernel, register_kernel
 from compiled_llm.ops.state import DELTA_RULE_CHUNK, WARM_LAYOUTS, StateLayout, get_state_metadata
 from compiled_llm.ops.triton._common import dot_precision, ticket_counters
-from compiled_llm.ops.triton.conv1d import _conv_shift, _conv_silu
+from compiled_llm.ops.triton.conv1d import _conv_silu_taps, _conv_store_moved, _conv_taps
 
 RECURRENT_MAX_LEN = 4  # batches whose longest piece is this short take the recurrent kernel
 CONV_TICKETS = 1 << 14  # the decode conv's (sequence, key head) counters, made once (64 KB): the fused launch takes
@@ -99,6 +99,19 @@ def _gated_norm_kernel(X, Z, W, sx_t, sx_h, sz_t, sz_h, n_rows, norm_eps, DV: tl
     tl.store(X + t[:, None] * sx_t + h * sx_h + od[None, :], y.to(X.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _gdr_step(s, q, k, v, g, beta, keep, scale, eps):
+    """One token of the recurrence on a [Dk, BV] float32 state tile: q and k L2-normalised (q scaled), the state
+    decayed (from zeros where keep is false: the slot's old contents are not read), corrected and read out.
+    Returns (state, o [BV])."""
+    q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+    s = tl.where(keep, s * tl.exp(g), 0.0)
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    return s, tl.sum(s * q[:, None], 0)
+
+
 @triton.jit(do_not_specialize=["n_seqs", "n_rows"])
 def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_n, ss_h, ss_k, sz_t, sz_h,
@@ -117,14 +130,11 @@ def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
     hv = tl.program_id(1)
     vb = tl.program_id(2)
     num_hv = tl.num_programs(1)
-    if seq == 0:  # the rows past the last sequence (a CUDA graph's padding) are zero: no fill launch for them
-        ov0 = vb * BV + tl.arange(0, BV)
-        for t64 in range(tl.load(QSL + n_seqs).to(tl.int64), n_rows):
-            tl.store(O + t64 * so_t + hv * so_h + ov0, tl.zeros([BV], O.dtype.element_ty), mask=ov0 < DV)
     start = tl.load(QSL + seq).to(tl.int64)
     end = tl.load(QSL + seq + 1).to(tl.int64)
     slot = tl.load(SLOTS + seq).to(tl.int64)
     init = tl.load(INIT + seq)
+    pad_from = tl.load(QSL + n_seqs).to(tl.int64)  # read with the others; the padding rows are zeroed last
     hk = hv // REP
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
@@ -132,48 +142,56 @@ def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
     mv = ov < DV
     m2 = mk[:, None] & mv[None, :]
     s_ptr = S + slot * ss_n + hv * ss_h + ok[:, None] * ss_k + ov[None, :]
-    s = tl.load(s_ptr, mask=m2, other=0.0).to(tl.float32)
-    s = tl.where(init != 0, s, 0.0)  # first piece: start from zeros (the slot may hold anything)
+    s = tl.load(s_ptr, mask=m2, other=0.0).to(tl.float32)  # first piece (init 0): the slot may hold anything
     if NORM:  # this program holds the whole head (BV >= DV)
         w = tl.load(NW + ov, mask=mv, other=0.0).to(tl.float32)
-    if CONV:  # the decode token's q, k and v (start's row; nothing is read for a sequence without tokens)
+    if CONV:  # one step, straight through: every read is issued here, behind the state's, before any is waited on
+        live = end > start  # nothing is read for a sequence without tokens, nor written
+        keep = init != 0
         num_hk = num_hv // REP
         qc = hk * DK + ok  # the channels of q, k and v in X and in the windows
         kc = (num_hk + hk) * DK + ok
         vc = 2 * num_hk * DK + hv * DV + ov
-        live = end > start
-        q_conv = _conv_silu(X, CW, CS, start, sx_t, slot, scs_n, scs_c, qc, mk & live, init, KW, BK)
-        k_conv = _conv_silu(X, CW, CS, start, sx_t, slot, scs_n, scs_c, kc, mk & live, init, KW, BK)
-        v_conv = _conv_silu(X, CW, CS, start, sx_t, slot, scs_n, scs_c, vc, mv & live, init, KW, BV)
+        q0, q1, q2, qx = _conv_taps(X, CS, start, sx_t, slot, scs_n, scs_c, qc, mk & live, keep, KW)
+        k0, k1, k2, kx = _conv_taps(X, CS, start, sx_t, slot, scs_n, scs_c, kc, mk & live, keep, KW)
+        v0, v1, v2, vx = _conv_taps(X, CS, start, sx_t, slot, scs_n, scs_c, vc, mv & live, keep, KW)
+        g, beta = _gating(G, B, AL, DTB, start, sg_t, sb_t, hv, num_hv, live, GATING)
+        if NORM:
+            z = tl.load(Z + start * sz_t + hv * sz_h + ov, mask=mv & live, other=0.0).to(tl.float32)
+        q = _conv_silu_taps(q0, q1, q2, qx, CW, qc, mk, KW)
+        k = _conv_silu_taps(k0, k1, k2, kx, CW, kc, mk, KW)
+        v = _conv_silu_taps(v0, v1, v2, vx, CW, vc, mv, KW)
         if live:
-            # the windows move now, before the state's stores (the ticket's release then has no store to wait for)
+            # the windows move before the state math, from the values read above (no second read; the ticket's
+            # release then has only those reads and the state's load before it, no store)
             tl.debug_barrier()  # every thread's window reads precede the (one-thread) ticket below
             counter = TK + seq * num_hk + hk
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == REP * tl.num_programs(2) - 1:  # every reader of this key head's windows is done
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, qc, mk, init != 0, KW)
-                _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, kc, mk, init != 0, KW)
-            _conv_shift(X, CS, start, sx_t, slot, scs_n, scs_c, vc, mv, init != 0, KW)  # this program's alone
-    for t64 in range(start, end):
-        if CONV:
-            q, k, v = q_conv, k_conv, v_conv
-        else:
+                _conv_store_moved(CS, slot, scs_n, scs_c, qc, mk, q1, q2, qx, KW)
+                _conv_store_moved(CS, slot, scs_n, scs_c, kc, mk, k1, k2, kx, KW)
+            _conv_store_moved(CS, slot, scs_n, scs_c, vc, mv, v1, v2, vx, KW)  # this program's alone
+        s, o = _gdr_step(s, q, k, v, g, beta, keep, scale, eps)
+        if NORM:
+            o = _gated_norm(o, z, w, mv, norm_eps, DV, O.dtype.element_ty, ROUND_WH)
+        tl.store(O + start * so_t + hv * so_h + ov, o.to(O.dtype.element_ty), mask=mv & live)
+    else:
+        s = tl.where(init != 0, s, 0.0)
+        for t64 in range(start, end):
             q = tl.load(Q + t64 * sq_t + hk * sq_h + ok, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(K + t64 * sk_t + hk * sk_h + ok, mask=mk, other=0.0).to(tl.float32)
             v = tl.load(V + t64 * sv_t + hv * sv_h + ov, mask=mv, other=0.0).to(tl.float32)
-        g, beta = _gating(G, B, AL, DTB, t64, sg_t, sb_t, hv, num_hv, t64 < end, GATING)
-        q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
-        s = s * tl.exp(g)
-        delta = (v - tl.sum(s * k[:, None], 0)) * beta
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], 0)
-        if NORM:
-            z = tl.load(Z + t64 * sz_t + hv * sz_h + ov, mask=mv, other=0.0).to(tl.float32)
-            o = _gated_norm(o, z, w, mv, norm_eps, DV, O.dtype.element_ty, ROUND_WH)
-        tl.store(O + t64 * so_t + hv * so_h + ov, o.to(O.dtype.element_ty), mask=mv)
+            g, beta = _gating(G, B, AL, DTB, t64, sg_t, sb_t, hv, num_hv, t64 < end, GATING)
+            s, o = _gdr_step(s, q, k, v, g, beta, True, scale, eps)
+            if NORM:
+                z = tl.load(Z + t64 * sz_t + hv * sz_h + ov, mask=mv, other=0.0).to(tl.float32)
+                o = _gated_norm(o, z, w, mv, norm_eps, DV, O.dtype.element_ty, ROUND_WH)
+            tl.store(O + t64 * so_t + hv * so_h + ov, o.to(O.dtype.element_ty), mask=mv)
     tl.store(s_ptr, s.to(S.dtype.element_ty), mask=m2 & (end > start))  # no tokens: the slot is not ours
+    if seq == 0:  # the rows past the last sequence (a CUDA graph's padding) are zero: no fill launch for them
+        for t64 in range(pad_from, n_rows):
+            tl.store(O + t64 * so_t + hv * so_h + ov, tl.zeros([BV], O.dtype.element_ty), mask=mv)
 
 
 @triton.jit
@@ -384,24 +402,25 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
     return o
 
 
-def conv_in_recurrence(num_seqs: int, dv: int) -> bool:
-    """A decode step's conv inside the recurrent launch where its programs hold whole value heads (the policy's
-    tile from 2 to 16 sequences): there REP programs share a key head's q / k conv. With value blocks every
-    block's program computes it again: H200, Qwen3.5 35B-A3B (benchmarks/state_kernels.py conv_gdr, session 29,
-    the two launches -> one), 18.39 -> 16.68 us at 8 sequences, but 54.28 -> 66.27 at 32 (four blocks a head);
-    7.52 -> 7.44 at one (within the spread: left as two launches)."""
-    return recurrent_tiles_policy(num_seqs, dv, True)[0] >= dv
+def conv_in_recurrence(num_seqs: int, dv: int, kw: int) -> bool:
+    """A decode step's conv (of 2 to 4 taps: _conv_taps) inside the recurrent launch from 1 to 16 sequences.
+    From 2 to 16 the policy's tile holds whole value heads, so REP programs share a key head's q / k conv; at one sequence its four value blocks
+    each compute it again, which still costs less than the conv's own launch. H200, Qwen3.5 35B-A3B
+    (benchmarks/state_kernels.py conv_gdr, session 30, every read issued before any is waited on, the windows
+    moved from the values read): the two launches -> one, 7.44 -> 5.96 us at one sequence, 18.28 -> 15.31 at 8,
+    31.94 -> 28.63 at 16, but 54.63 -> 57.11 at 32 (four blocks a head, 32 sequences: the conv again 4x)."""
+    return 1 <= num_seqs <= 16 and dv <= 128 and 2 <= kw <= 4
 
 
 def gated_delta_rule(qkv, conv_weight, ba, a_log, dt_bias, z, norm_weight, eps: float, num_k_heads: int,
                      layer_idx: int) -> torch.Tensor:
-    """The op's Triton provider: state and batch layout from the forward context. A decode step of 2 to 16
+    """The op's Triton provider: state and batch layout from the forward context. A decode step of 1 to 16
     sequences runs the causal conv inside the recurrent launch (conv_in_recurrence; unless the conv op's provider
     was overridden, or COMPILED_LLM_GDR_CONV=0); other steps run the conv op's launches, then the delta rule's."""
     meta = get_state_metadata()
     caches, layout = meta.caches[layer_idx], meta.layout
     gating, out_norm = (ba, a_log, dt_bias), (z, norm_weight, eps)
-    if (layout.decode and conv_in_recurrence(layout.num_seqs, z.shape[2])
+    if (layout.decode and conv_in_recurrence(layout.num_seqs, z.shape[2], conv_weight.shape[1])
             and CAUSAL_CONV1D.provider_name() == "triton" and os.environ.get(CONV_ENV, "1") != "0"):
         return gated_delta_rule_varlen(None, None, None, None, None, caches["ssm"], layout, gating=gating,
                                        out_norm=out_norm, conv=(qkv, conv_weight, caches["conv"], num_k_heads))
@@ -454,7 +473,7 @@ def _compile(key, device) -> None:
         q, k, v, z, ba = model_views(n, hk, hv, dk, dv, dtype, device)
         gated_delta_rule_varlen(q, k, v, None, None, cache, layout, gating=(ba, a_log, dt_bias),
                                 out_norm=(z, norm_w, 1e-6))
-        if layout.decode and conv_in_recurrence(layout.num_seqs, dv):  # the conv inside the recurrent launch,
+        if layout.decode and conv_in_recurrence(layout.num_seqs, dv, kw):  # the conv inside the recurrent launch,
             # reading in_proj's [q; k; v] columns in place
             qkv = ba.as_strided((n, conv_dim), (ba.stride(0), 1), 0)  # in_proj's first columns (a slice's row
             # stride: z's, a view, has another at one row)
