@@ -42,6 +42,12 @@ def measure_matmul_rate(device: str = "cuda", n: int = 8192) -> float:
     return 2 * n ** 3 * 10 / (time.perf_counter() - t)
 
 
+def expected_touched(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a batch's tokens touch in one MoE layer, expected if each token's k picks were uniform
+    and independent (benchmarks/moe_routing.py counts them in an engine's own run)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
 def _layer_shapes(cfg: dict):
     n = cfg["num_hidden_layers"]
     for i in range(n):
@@ -65,7 +71,7 @@ def _gemma_decode_step_bytes(cfg: dict, batch: int, context: int, elt: int = 2) 
             weights += 2 * h * cfg["hidden_size_per_layer_input"]
         if cfg.get("enable_moe_block"):
             e, k, inter = cfg["num_experts"], cfg["top_k_experts"], cfg["moe_intermediate_size"]
-            touched = e * (1 - (1 - k / e) ** batch)
+            touched = expected_touched(e, k, batch)
             weights += touched * 3 * inter * h + h * e
         if i < shared_from:
             tokens = context if full else min(context, cfg["sliding_window"])
@@ -145,7 +151,7 @@ def _qwen_state_bytes(c, elt: int) -> float:
 
 def _qwen_decode_step_bytes(cfg: dict, batch: int, context: int, elt: int = 2) -> float:
     c = _qwen(cfg)
-    touched = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch) if c.is_moe else 0
+    touched = expected_touched(c.num_experts, c.num_experts_per_tok, batch) if c.is_moe else 0
     weights = c.vocab_size * c.hidden_size  # untied LM head (tied: the same count)
     kv, state = 0.0, 0.0
     for kind in c.layer_types:

@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# kernels (check_kernels_gpu.py, KERNELS_ARGS) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream serving offline32 aot_tput startup_json env;
+# kernels (check_kernels_gpu.py, KERNELS_ARGS) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -110,6 +110,8 @@ for step in $steps; do
                   ${QWEN_SMOKE_ARGS:-} --out "$OUT/qwen_smoke${QWEN_TAG:-}" ;;  # e.g. QWEN_SMOKE_ARGS="--max-autotune static"
     big26_none) run big26_none 240 python3 scripts/gpu_smoke.py --sections big --shape 1024x8x256 --compile-sizes none \
                   --out "$OUT/big26_none" ;;  # issue 15: the buckets replay the dynamic compile (fewer compiles)
+    moe_routing) run moe_routing 240 python3 benchmarks/moe_routing.py ${MOE_ROUTING_ARGS:-} \
+                   --out "$OUT/moe_routing${MOE_ROUTING_TAG:-}.json" ;;  # distinct experts a decode step a layer (eager), vs the floor's count; e.g. MOE_ROUTING_ARGS="--config gemma-4-26b-a4b --shape 1024x8x16"
     moe_stream) run moe_stream 120 python3 benchmarks/moe_stream.py ${MOE_STREAM_ARGS:-} \
                   --out "$OUT/moe_stream${MOE_STREAM_TAG:-}.json" ;;  # e.g. MOE_STREAM_ARGS="--qwen --parts --distinct 56 --launch b_block_k=512" MOE_STREAM_TAG=_qwen
     skinny) run skinny 300 python3 benchmarks/skinny_gemm.py ${SKINNY_ARGS:-} --out "$OUT/skinny_gemm.json" ;;  # e.g. "--models qwen --tokens 1,8 --sweep"

@@ -369,3 +369,34 @@ def test_moe_stream_dry_run(tmp_path):
     for d in (8, 20, 64):
         ids = picks(8, 8, 128, d, "cpu")
         assert ids.unique().numel() == d and all(row.unique().numel() == 8 for row in ids)
+
+
+def test_moe_routing_counts_the_experts_of_each_decode_step(tmp_path):
+    """benchmarks/moe_routing.py on a shrunken Qwen3.5 preset with dummy weights: one count a MoE layer a decode
+    step, each between k and min(E, batch x k), beside the floor's expectation; the wrapper counts what the
+    router returned and is undone afterwards."""
+    import moe_routing
+
+    from compiled_llm.models import qwen3_5
+
+    cfg = dict(config_dict("qwen3.5-35b-a3b"), num_hidden_layers=4, layer_types=qwen_layer_types(4), hidden_size=64,
+               vocab_size=512, num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    folder = write_config_folder(cfg, tmp_path / "qwen3.5-small")
+    router = qwen3_5.ref_softmax_router_topk
+    res = moe_routing.main(["--model", str(folder), "--device", "cpu", "--dtype", "float32", "--shape", "6x3x5",
+                            "--out", str(tmp_path / "routing.json")])
+    assert qwen3_5.ref_softmax_router_topk is router  # unwrapped again
+    assert res["decode_steps"] == 4 and len(res["per_layer_mean"]) == 4  # 5 new tokens: the first from prefill
+    assert 2 <= res["min"] <= res["max"] <= 6
+    assert res["expected"] == pytest.approx(8 * (1 - (1 - 2 / 8) ** 3), abs=0.01)
+    assert res["mean_over_expected"] == pytest.approx(res["mean"] / res["expected"], abs=0.01)
+    assert json.loads((tmp_path / "routing.json").read_text())["per_layer_mean"] == res["per_layer_mean"]
+
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    with moe_routing.RouteCounter(3) as counter:
+        _, ids = qwen3_5.ref_softmax_router_topk(x, w, 2)
+        qwen3_5.ref_softmax_router_topk(x[:2], w, 2)  # not a 3-row call: not counted
+    assert counter.counts == [len(set(ids.flatten().tolist()))]
