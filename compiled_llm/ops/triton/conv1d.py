@@ -111,15 +111,12 @@ def _conv_kernel(X, W, Cache, Out, SeqOf, Qsl, Slots, Init,
     live = in_batch & (t >= start) & (t < end)
     slot = tl.load(Slots + seq_c, mask=live, other=0).to(tl.int64)
     init = tl.load(Init + seq_c, mask=live, other=0) != 0
-    if DECODE and (K >= 2) and (K <= 4):  # token t is sequence t's, its K - 1 earlier inputs all in the window:
-        # each input read once, for the conv and for the window's move (each (sequence, channel) this program's)
+    TAPS: tl.constexpr = DECODE and (K >= 2) and (K <= 4)  # each input read once, for the conv and the move
+    if TAPS:  # token t is sequence t's, its K - 1 earlier inputs all in the window
         t64, slot2, ch = t.to(tl.int64)[:, None], slot[:, None], d[None, :]
         m = live[:, None] & dmask[None, :]
         w0, w1, w2, xv = _conv_taps(X, Cache, t64, stride_xt, slot2, stride_cs, stride_cd, ch, m, init[:, None], K)
         y = _conv_silu_taps(w0, w1, w2, xv, W, ch, dmask[None, :], K)
-        y = tl.where(live[:, None], y, 0.0)
-        tl.store(Out + t64 * stride_ot + ch, y.to(Out.dtype.element_ty), mask=(t < n_tokens)[:, None] & dmask[None, :])
-        _conv_store_moved(Cache, slot2, stride_cs, stride_cd, ch, m, w1, w2, xv, K)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         for j in tl.static_range(K):
@@ -134,13 +131,16 @@ def _conv_kernel(X, W, Cache, Out, SeqOf, Qsl, Slots, Init,
             wv = tl.load(W + d * K + j, mask=dmask, other=0.0).to(tl.float32)
             acc += (xv + sv) * wv[None, :]
         y = acc / (1.0 + tl.exp(-acc))
-        y = tl.where(live[:, None], y, 0.0)
-        tl.store(Out + t.to(tl.int64)[:, None] * stride_ot + d[None, :], y.to(Out.dtype.element_ty),
-                 mask=(t < n_tokens)[:, None] & dmask[None, :])
-        if DECODE:  # (other kernel sizes) the window moves by the one token here (no state launch); each
-            # (sequence, channel) is this program's alone, read above before written
-            _conv_shift(X, Cache, t.to(tl.int64)[:, None], stride_xt, slot[:, None], stride_cs, stride_cd,
-                        d[None, :], live[:, None] & dmask[None, :], init[:, None], K)
+    y = tl.where(live[:, None], y, 0.0)
+    tl.store(Out + t.to(tl.int64)[:, None] * stride_ot + d[None, :], y.to(Out.dtype.element_ty),
+             mask=(t < n_tokens)[:, None] & dmask[None, :])
+    # a decode step's window moves by its one token here (no state launch); each (sequence, channel) is this
+    # program's alone, read above before written
+    if TAPS:
+        _conv_store_moved(Cache, slot2, stride_cs, stride_cd, ch, m, w1, w2, xv, K)
+    elif DECODE:  # other kernel sizes: read again
+        _conv_shift(X, Cache, t.to(tl.int64)[:, None], stride_xt, slot[:, None], stride_cs, stride_cd, d[None, :],
+                    live[:, None] & dmask[None, :], init[:, None], K)
 
 
 @triton.jit

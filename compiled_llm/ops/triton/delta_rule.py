@@ -100,13 +100,12 @@ def _gated_norm_kernel(X, Z, W, sx_t, sx_h, sz_t, sz_h, n_rows, norm_eps, DV: tl
 
 
 @triton.jit
-def _gdr_step(s, q, k, v, g, beta, keep, scale, eps):
+def _gdr_step(s, q, k, v, g, beta, scale, eps):
     """One token of the recurrence on a [Dk, BV] float32 state tile: q and k L2-normalised (q scaled), the state
-    decayed (from zeros where keep is false: the slot's old contents are not read), corrected and read out.
-    Returns (state, o [BV])."""
+    decayed, corrected and read out. Returns (state, o [BV])."""
     q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
     k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
-    s = tl.where(keep, s * tl.exp(g), 0.0)
+    s = s * tl.exp(g)
     delta = (v - tl.sum(s * k[:, None], 0)) * beta
     s = s + k[:, None] * delta[None, :]
     return s, tl.sum(s * q[:, None], 0)
@@ -172,7 +171,8 @@ def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
                 _conv_store_moved(CS, slot, scs_n, scs_c, qc, mk, q1, q2, qx, KW)
                 _conv_store_moved(CS, slot, scs_n, scs_c, kc, mk, k1, k2, kx, KW)
             _conv_store_moved(CS, slot, scs_n, scs_c, vc, mv, v1, v2, vx, KW)  # this program's alone
-        s, o = _gdr_step(s, q, k, v, g, beta, keep, scale, eps)
+        s = tl.where(keep, s, 0.0)  # here, not at the load: nothing above waits for the state
+        s, o = _gdr_step(s, q, k, v, g, beta, scale, eps)
         if NORM:
             o = _gated_norm(o, z, w, mv, norm_eps, DV, O.dtype.element_ty, ROUND_WH)
         tl.store(O + start * so_t + hv * so_h + ov, o.to(O.dtype.element_ty), mask=mv & live)
@@ -183,7 +183,7 @@ def _gdr_recurrent_kernel(Q, K, V, G, B, O, S, QSL, SLOTS, INIT, AL, DTB, Z, NW,
             k = tl.load(K + t64 * sk_t + hk * sk_h + ok, mask=mk, other=0.0).to(tl.float32)
             v = tl.load(V + t64 * sv_t + hv * sv_h + ov, mask=mv, other=0.0).to(tl.float32)
             g, beta = _gating(G, B, AL, DTB, t64, sg_t, sb_t, hv, num_hv, t64 < end, GATING)
-            s, o = _gdr_step(s, q, k, v, g, beta, True, scale, eps)
+            s, o = _gdr_step(s, q, k, v, g, beta, scale, eps)
             if NORM:
                 z = tl.load(Z + t64 * sz_t + hv * sz_h + ov, mask=mv, other=0.0).to(tl.float32)
                 o = _gated_norm(o, z, w, mv, norm_eps, DV, O.dtype.element_ty, ROUND_WH)
@@ -404,11 +404,12 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cache: torch.Tensor, layout: State
 
 def conv_in_recurrence(num_seqs: int, dv: int, kw: int) -> bool:
     """A decode step's conv (of 2 to 4 taps: _conv_taps) inside the recurrent launch from 1 to 16 sequences.
-    From 2 to 16 the policy's tile holds whole value heads, so REP programs share a key head's q / k conv; at one sequence its four value blocks
-    each compute it again, which still costs less than the conv's own launch. H200, Qwen3.5 35B-A3B
-    (benchmarks/state_kernels.py conv_gdr, session 30, every read issued before any is waited on, the windows
-    moved from the values read): the two launches -> one, 7.44 -> 5.96 us at one sequence, 18.28 -> 15.31 at 8,
-    31.94 -> 28.63 at 16, but 54.63 -> 57.11 at 32 (four blocks a head, 32 sequences: the conv again 4x)."""
+    From 2 to 16 the policy's tile holds whole value heads, so REP programs share a key head's q / k conv; at one
+    sequence its four value blocks each compute it again, which still costs less than the conv's own launch.
+    H200, Qwen3.5 35B-A3B (benchmarks/state_kernels.py conv_gdr, session 30, every read issued before any is
+    waited on, the windows moved from the values read): the two launches -> one, 7.44 -> 5.96 us at one
+    sequence, 18.28 -> 15.31 at 8, 31.94 -> 28.63 at 16, but 54.63 -> 57.11 at 32 (four blocks a head, 32
+    sequences: the conv again 4x)."""
     return 1 <= num_seqs <= 16 and dv <= 128 and 2 <= kw <= 4
 
 
