@@ -25,7 +25,17 @@ At batch 8 the grouped GEMMs read ~57 of Qwen3.5 35B-A3B's 256 experts (~50 of G
   `;`-separated set over the policy's), its output checked against the policy's; with --parts also its down
   kernel alone (`down[...]`). At the operating point only: `--distinct 56`.
 
-    python3 benchmarks/moe_stream.py [--qwen] [--distinct 8,16,32,48,57,64] [--parts] [--launch ...] [--out F.json]
+--flush-mb 256: every timed call starts with the weights outside the L2 (a read of that size first, its time
+taken off), as in a decode step; back-to-back calls of one op otherwise find part of the last call's weights
+still in the L2 (H200, Qwen3.5 at 57 experts: gate/up 60.6 us back to back, 69.0 after a 256 MB write, whose
+dirty lines' write-back the next call pays: --flush-write).
+
+--layers 16: each op over 16 layers' copies of the weights in turn (a graph of 16 calls), against 16 calls on
+one layer's: the cold pages of a decode step, which reads a layer's experts once per step.
+
+    python3 benchmarks/moe_stream.py [--qwen] [--distinct 8,16,32,48,57,64] [--parts] [--launch ...]
+                                     [--flush-mb 256] [--out F.json]
+    python3 benchmarks/moe_stream.py [--qwen] --distinct 57 --layers 16
     TRITON_INTERPRET=1 python3 benchmarks/moe_stream.py --smoke   # a CPU dry run at toy shapes
 """
 
@@ -35,6 +45,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from compiled_llm.ops.triton import moe as M  # noqa: E402
-from graph_timing import kernel_timer  # noqa: E402
+from graph_timing import graph_time_us, kernel_timer  # noqa: E402
 
 SHAPES = {
     "gemma": dict(E=128, H=2816, I=704, k=8, act="gelu_tanh"),  # Gemma 4 26B-A4B
@@ -118,8 +129,21 @@ def main() -> int:
     ap.add_argument("--parts", action="store_true", help="also time the gate/up and down kernels each alone")
     ap.add_argument("--launch", default="", help="MoELaunch field sets to time beside the policy's, e.g. "
                     "'b_block_k=512;b_block_n=128,b_stages=3'")
+    ap.add_argument("--flush-mb", type=int, default=0, help="read this many MB before each timed call (its own "
+                    "time taken off): the weights start outside the L2, as in a decode step, where the other "
+                    "layers' weights pass through it between two calls of one layer's experts")
+    ap.add_argument("--flush-write", action="store_true", help="flush by a write instead: the L2 is left full of "
+                    "dirty lines, whose write-back the next call pays")
+    ap.add_argument("--layers", type=int, default=1, help="time each op over this many layers' copies of the weights, "
+                    "one after another (a graph of that many calls, each on the next layer's): the weights start cold "
+                    "in the L2 and in the GPU's page-translation caches, as a decode step's do (at --distinct's "
+                    "first D)")
+    ap.add_argument("--sustain", type=float, default=0.0, help="with --layers: also time each op after this many "
+                    "seconds of back-to-back replays of it (the clocks a long decode runs at)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.layers > 1:
+        return layers(a)
     S = SHAPES["smoke" if a.smoke else "qwen" if a.qwen else "gemma"]
     E, H, I, k, T = S["E"], S["H"], S["I"], S["k"], a.tokens
     dev = torch.device("cpu" if a.smoke else "cuda")
@@ -133,6 +157,14 @@ def main() -> int:
     ds = [int(d) for d in a.distinct.split(",")] if a.distinct else sorted({*range(k, min(E, T * k) + 1, k),
                                                                              min(E, T * k)})
     time_fn = kernel_timer(a.smoke, calls=10)
+    if a.flush_mb:  # each call after a pass over more than the L2 holds; the pass timed alone and taken off
+        scratch = torch.ones(a.flush_mb << 18, dtype=torch.float32, device=dev)
+        flush = scratch.zero_ if a.flush_write else scratch.amax
+        flush_us = time_fn(flush)
+        timer = time_fn
+        time_fn = lambda fn: timer(lambda: (flush(), fn())) - flush_us  # noqa: E731
+        print(f"L2 flush: {a.flush_mb} MB {'written' if a.flush_write else 'read'} before each call, "
+              f"{flush_us:.2f} us taken off", flush=True)
     per_expert = {"gate_up": 2 * I * H * gate_up.element_size(), "down": H * I * down.element_size()}
     both = per_expert["gate_up"] + per_expert["down"]
     timed: dict[str, int] = {}  # every timed variant, in order, with the bytes it moves per distinct expert
@@ -211,8 +243,87 @@ def main() -> int:
         print(f"  {name:28s} fixed {s['fixed_us']:8.2f} us   per expert {s['us_per_expert']:7.3f} us   "
               f"streaming at {s['slope_TBps']} TB/s")
     if a.out:
-        Path(a.out).write_text(json.dumps({"shape": S, "tokens": T, "policy": str(pol), "rows": rows,
+        Path(a.out).write_text(json.dumps({"shape": S, "tokens": T, "policy": str(pol), "flush_mb": a.flush_mb,
+                                           "flush_write": a.flush_write, "rows": rows,
                                            "fit": summary}, indent=1))
+    print("ok")
+    return 0
+
+
+def layers(a) -> int:
+    """The routed op, its two kernels, the weight stream and a copy, each timed over a.layers copies of the
+    weights in turn: the access a decode step makes (a layer's experts last read one step ago, 40 layers of
+    weights since), against the one-layer loop's repeated reads of the same pages."""
+    S = SHAPES["smoke" if a.smoke else "qwen" if a.qwen else "gemma"]
+    E, H, I, k, T, n = S["E"], S["H"], S["I"], S["k"], a.tokens, a.layers
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    dt = torch.float32 if a.smoke else torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate_up = [(torch.randn(E, 2 * I, H, device=dev, generator=g) * H ** -0.5).to(dt) for _ in range(n)]
+    down = [(torch.randn(E, H, I, device=dev, generator=g) * I ** -0.5).to(dt) for _ in range(n)]
+    x = torch.randn(T, H, device=dev, generator=g).to(dt)
+    wts = torch.softmax(torch.randn(T, k, device=dev, generator=g), -1)
+    pol = M.moe_launch_policy(T, k, E, H, I)
+    d = int(a.distinct.split(",")[0]) if a.distinct else min(E, T * k)
+    ids = picks(T, k, E, d, dev)
+    experts = ids.unique().to(torch.int32)
+    out = torch.empty(d, triton.cdiv(I, pol.a_block_n), dtype=torch.float32, device=dev)
+    sel = torch.empty(d, 2 * I, H, dtype=dt, device=dev)
+    launches = [M.moe_launches(x, gate_up[i], down[i], wts, ids, activation=S["act"]) for i in range(n)]
+    for up, _ in launches:
+        up()
+
+    def cycle(make):
+        fns, at = [make(i) for i in range(n)], [0]
+
+        def call():
+            fns[at[0] % n]()
+            at[0] += 1
+        return call
+
+    def stream_dot(i):
+        return lambda: _stream_kernel[(d, triton.cdiv(I, pol.a_block_n))](
+            gate_up[i], experts, out, I, H, gate_up[i].stride(0), gate_up[i].stride(1), BLOCK_N=pol.a_block_n,
+            BLOCK_K=pol.a_block_k, DOT=True, num_warps=pol.a_warps, num_stages=pol.a_stages)
+
+    per_expert = {"gate_up": 2 * I * H * dt.itemsize, "down": H * I * dt.itemsize}
+    variants = [
+        ("moe", lambda i: lambda: M.fused_moe(x, gate_up[i], down[i], wts, ids, activation=S["act"], sum_slots=False),
+         per_expert["gate_up"] + per_expert["down"]),
+        ("gate_up", lambda i: launches[i][0], per_expert["gate_up"]),
+        ("down", lambda i: launches[i][1], per_expert["down"]),
+        ("stream_dot", stream_dot, per_expert["gate_up"]),
+        ("copy", lambda i: lambda: torch.index_select(gate_up[i], 0, experts.long(), out=sel),
+         2 * per_expert["gate_up"]),
+    ]
+    def sustained(fn) -> float:  # fn's time after a.sustain seconds of back-to-back replays of a graph of it
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+
+        def burn():
+            end = time.perf_counter() + a.sustain
+            while time.perf_counter() < end:
+                for _ in range(8):
+                    g.replay()
+                torch.cuda.synchronize()
+        return graph_time_us(fn, replays=20, calls=n, before=burn)
+
+    row = {"distinct": d, "layers": n}
+    for name, make, b_expert in variants:
+        one = kernel_timer(a.smoke, calls=n)(make(0))  # the same layer n times: its pages warm after the first
+        many = kernel_timer(a.smoke, calls=n)(cycle(make))
+        row[name] = {"one_layer_us": round(one, 2), "layers_us": round(many, 2),
+                     "layers_TBps": round(d * b_expert / (many * 1e-6) / 1e12, 3)}
+        if a.sustain and not a.smoke:
+            row[name]["sustained_us"] = round(sustained(cycle(make)), 2)
+        print(f"  {name:12s} one layer {one:8.2f} us   {n} layers in turn {many:8.2f} us "
+              f"({row[name]['layers_TBps']} TB/s)"
+              + (f"   after {a.sustain:g} s of replays {row[name]['sustained_us']:8.2f} us" if "sustained_us" in row[name]
+                 else ""), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"shape": S, "tokens": T, "policy": str(pol), "row": row}, indent=1))
     print("ok")
     return 0
 

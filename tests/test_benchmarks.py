@@ -364,11 +364,52 @@ def test_moe_stream_dry_run(tmp_path):
              "moe[b_block_n=32,b_stages=2]", "down[b_block_n=32,b_stages=2]")  # --launch: another tile
     assert all(row[f"{v}_us"] > 0 for row in data["rows"] for v in names)
     assert set(data["fit"]) == set(names)
+    # --flush-mb: a read of that size before each timed call, its own time taken off (on the CPU a wall-clock
+    # difference, any sign)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_stream.py"), "--smoke", "--distinct", "4",
+                        "--flush-mb", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0 and "L2 flush: 1 MB read before each call" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads(out.read_text())["flush_mb"] == 1
+    # --layers: each op over that many copies of the weights in turn, beside the same op on one copy
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_stream.py"), "--smoke", "--distinct", "8",
+                        "--layers", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    row = json.loads(out.read_text())["row"]
+    assert row["distinct"] == 8 and row["layers"] == 3
+    assert set(row) - {"distinct", "layers"} == {"moe", "gate_up", "down", "stream_dot", "copy"}
+    assert all(v["one_layer_us"] > 0 and v["layers_us"] > 0 for k, v in row.items() if isinstance(v, dict))
     from moe_stream import picks
 
     for d in (8, 20, 64):
         ids = picks(8, 8, 128, d, "cpu")
         assert ids.unique().numel() == d and all(row.unique().numel() == 8 for row in ids)
+
+
+def test_router_kernel_stages_dry_run(tmp_path):
+    """benchmarks/router_kernel.py --parts (here --smoke: the CPU under the Triton interpreter) times the fused
+    router's stages as builds of their own (RouterLaunch.parts) and, with --sweep, other tiles: the full build
+    picks what the default does (bitwise), the other tiles the same experts, and every launch leaves its ticket
+    counters at zero; both router forms (Gemma 4's normed, Qwen3.5's softmax)."""
+    import os
+    import subprocess
+
+    pytest.importorskip("triton")
+    for form in ([], ["--softmax"]):
+        out = tmp_path / "router.json"
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "router_kernel.py"), "--smoke", "--experts", "32",
+                            "--hidden", "256", "--top-k", "4", "--tokens", "1,3", "--sweep", *form, "--out", str(out)],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT,
+                           env=dict(os.environ, TRITON_INTERPRET="1"))
+        assert r.returncode == 0 and "all checks passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        rows = json.loads(out.read_text())["rows"]
+        for t in (1, 3):
+            stages = [row["parts"] for row in rows if row["tokens"] == t and "{" not in row["stage"]]
+            assert stages == [0, 1, 2, 3]
+        full = [row for row in rows if row.get("parts") == 3]
+        assert len(full) == 2 * (1 + 24) and all(row["ok"] and row["tickets_clean"] for row in full)
+        assert all(row["w_maxdiff_default"] == 0.0 for row in full if "{" not in row["stage"])
 
 
 def test_moe_routing_counts_the_experts_of_each_decode_step(tmp_path):
