@@ -123,6 +123,43 @@ def test_compiled_model_turns_whole_graph_on_with_cuda_graphs():
         assert not make(True, "off").full_graph_ok and not make(False).full_graph_ok
 
 
+def test_static_inputs_copy_in_one_launch_per_dtype():
+    """copy_grouped (a step's copies into the static buffers): every pair copied, and the dense pairs of one
+    dtype and device in one torch._foreach_copy_ (one launch on CUDA) each; a strided destination, a dtype
+    conversion and a lone pair copied one by one. load's two copies go out with stage's."""
+    from compiled_llm.compiler.model import StaticBatch, copy_grouped
+    from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata
+
+    big = torch.zeros(4, 6, dtype=torch.int32)
+    pairs = [(torch.zeros(3, dtype=torch.long), torch.tensor([1, 2, 3])),
+             (torch.zeros(2, dtype=torch.long), torch.tensor([4, 5])),
+             (torch.zeros(5, dtype=torch.int32), torch.arange(5, dtype=torch.int32)),
+             (torch.zeros(2, dtype=torch.int32), torch.tensor([7, 8])),  # int64 into int32: a conversion
+             (big[:2, :3], torch.ones(2, 3, dtype=torch.int32)),  # strided destination
+             (torch.zeros(1, dtype=torch.float32), torch.tensor([0.5]))]  # alone in its dtype
+    with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as multi:
+        copy_grouped(pairs)
+    assert multi.call_count == 1 and [d.dtype for d in multi.call_args.args[0]] == [torch.long] * 2
+    for dst, src in pairs:
+        assert torch.equal(dst, src.to(dst.dtype))
+    assert int(big.sum()) == 6
+
+    buf = StaticBatch(4, [None], "cpu", max_blocks=3)
+    meta = AttentionMetadata([0, 1, 2], [5, 5], 4, {None: GroupMetadata(torch.zeros(2, 3, dtype=torch.int32),
+                                                                       torch.tensor([9, 4]))})
+    pending: list = []
+    buf.load(torch.tensor([11, 12]), torch.tensor([5, 6]), pending)
+    assert buf.ids.tolist() == [0, 0, 0, 0] and len(pending) == 2  # held for stage
+    with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as multi:
+        buf.stage(ForwardContext(meta, {}, {}, {}), 2, True, pending)
+    # ids, positions and slot mapping (int64) in one copy; the block table (the buffer's full width: dense)
+    # alone in int32, with seq_lens and offsets converted from the host lists' int64
+    assert multi.call_count == 1 and len(multi.call_args.args[0]) == 3
+    assert buf.ids.tolist() == [11, 12, 0, 0] and buf.pos.tolist() == [5, 6, 0, 0]
+    assert buf.slots[None].tolist() == [9, 4, -1, -1] and buf.seq_lens.tolist() == [5, 5, 0, 0]
+    assert buf.qsl.tolist() == [0, 1, 2, 2, 2]
+
+
 def test_whole_graph_staging_pads_the_state_layout():
     """The whole-graph entry copies the step's state layout into static buffers before each replay, as it
     does token ids and block tables: padded sequences get no token (offsets repeat the last), slot 0, no
@@ -141,7 +178,10 @@ def test_whole_graph_staging_pads_the_state_layout():
         ctx = ForwardContext(meta, {}, {}, {STATE_KEY: StateMetadata({}, layout, copies_before=[(1, 2)])})
         return buf.stage(ctx, n, True).extra[STATE_KEY]
 
-    first = step([3, 5], [True, False])
+    with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as multi:
+        first = step([3, 5], [True, False])
+    # the state's three int32 buffers in one multi-tensor copy (with the step's other same-dtype dense inputs)
+    assert multi.call_count == 1 and [d.dtype for d in multi.call_args.args[0]] == [torch.int32] * 3
     t = first.layout.tensors
     assert first.layout.decode and first.layout.max_query_len == 1 and first.layout.num_seqs == 4
     assert t["query_start_loc"].tolist() == [0, 1, 2, 2, 2]

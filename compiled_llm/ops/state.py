@@ -154,11 +154,13 @@ class StateMetadata:
     def query_start_loc(self) -> list[int]:
         return self.layout.query_start_loc
 
-    def staged(self, size: int, buffers: dict[str, torch.Tensor]) -> "StateMetadata":
+    def staged(self, size: int, buffers: dict[str, torch.Tensor],
+               copies: list | None = None) -> "StateMetadata":
         """This decode step padded to `size` sequences in static buffers (made in `buffers` on first use): what
         a whole-graph decode capture reads and each replay refreshes, with device-to-device copies outside the
         graph. Padded sequences have no token (their offsets repeat the last), slot 0 and no initial state:
-        the kernels skip them."""
+        the kernels skip them. copies: where given, the (buffer, source) pairs are appended to it for the
+        caller to copy (with the step's other inputs, in one launch per dtype) instead of copied here."""
         lay = self.layout
         if not lay.decode:
             raise ValueError("only a decode step replays a whole-graph capture")
@@ -170,7 +172,10 @@ class StateMetadata:
                            has_initial_state=torch.zeros(size, dtype=torch.int32, device=dev))
         for name, buf in buffers.items():
             src = lay.tensors[name]
-            buf[:src.numel()].copy_(src, non_blocking=True)
+            if copies is None:
+                buf[:src.numel()].copy_(src, non_blocking=True)
+            else:
+                copies.append((buf[:src.numel()], src))
             buf[src.numel():].fill_(last if name == "query_start_loc" else 0)
         layout = StateLayout(lay.slots + [0] * pad, lay.has_initial_state + [False] * pad,
                              lay.query_start_loc + [last] * pad, lay.max_query_len, True, dict(buffers), lay.chunk)
