@@ -37,6 +37,9 @@ from compiled_llm.ops.triton import moe as M  # noqa: E402
 from compiled_llm.ops.triton._common import TICKETS  # noqa: E402
 
 PARTS_SWEEP = [dict(block_e=be, splits=s, num_warps=nw) for s in (1, 2, 4, 8) for be in (8, 16, 32) for nw in (4, 8)]
+# token blocks smaller than the batch: several last programs, each picking for fewer rows (each block reads the
+# whole weight again, mostly from L2), at the policy's other tiles and at 4 warps
+TOKEN_BLOCKS = (1, 2, 4)
 SWEEP = [dict(block_e=be, splits=s, block_h=bh, num_warps=nw, num_stages=ns)
          for be in (16, 32) for s in (4, 6, 11, 22) for bh in (64, 128) for nw in (4, 8) for ns in (2, 3)]
 
@@ -144,6 +147,9 @@ def parts(a, dev: str = "cuda", time_us=graph_time_us) -> int:
                 else [(3, names[3], base)])
         if a.sweep:  # the whole launch at other tiles: fewer hidden slices leave the last program fewer partials
             runs += [(3, f"all {c}", M.router_launch(T, H, E, norm=not a.softmax, **c)) for c in PARTS_SWEEP]
+            runs += [(3, f"all {c}", M.router_launch(T, H, E, norm=not a.softmax, **c))
+                     for bt in TOKEN_BLOCKS if bt < base.block_t and bt < T
+                     for c in (dict(block_t=bt), dict(block_t=bt, num_warps=4))]
         for n, stage, lp in runs:
             try:
                 got = M.fused_router_topk(x, scale, w, pes, k, eps, launch=lp)

@@ -408,7 +408,9 @@ def test_router_kernel_stages_dry_run(tmp_path):
             stages = [row["parts"] for row in rows if row["tokens"] == t and "{" not in row["stage"]]
             assert stages == [0, 1, 2, 3]
         full = [row for row in rows if row.get("parts") == 3]
-        assert len(full) == 2 * (1 + 24) and all(row["ok"] and row["tickets_clean"] for row in full)
+        # the default and 24 tiles at each batch; at 3 tokens also token blocks of 1 and 2 rows (two launches each)
+        assert len(full) == 2 * (1 + 24) + 4 and all(row["ok"] and row["tickets_clean"] for row in full)
+        assert sum("'block_t': 1" in row["stage"] for row in full) == 2
         assert all(row["w_maxdiff_default"] == 0.0 for row in full if "{" not in row["stage"])
 
 
