@@ -8,7 +8,9 @@ launches give bitwise-equal results, and the fused kernel's ticket counters are 
 --sweep also times the fused kernel's other tile shapes (block_e, splits, block_h, warps, stages), to pick
 router_launch's defaults from. --parts times the fused kernel's stages instead (RouterLaunch.parts: the slice
 dots and partial stores; + the ticket; + the last program's sums; everything), for Gemma 4's normed
-router or, with --softmax, Qwen3.5's (no norm, no scales; e.g. --experts 256 --hidden 2048 --softmax).
+router or, with --softmax, Qwen3.5's (no norm, no scales; e.g. --experts 256 --hidden 2048 --softmax); with
+--sweep, the whole launch at other slices, expert blocks, warps and token blocks, each one's picks checked
+against the default's.
 
     python3 benchmarks/router_kernel.py [--tokens 1,8,32,64] [--sweep | --parts [--softmax]]
                                         [--out results/router_kernel.json]
