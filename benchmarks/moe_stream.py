@@ -101,6 +101,14 @@ def _stream_kernel(W, Experts, Out, N, K, stride_we, stride_wn,
     tl.store(Out + b * tl.num_programs(1) + n, total)
 
 
+def stream_weights(gate_up: torch.Tensor, experts: torch.Tensor, out: torch.Tensor, pol, dot: bool) -> None:
+    """_stream_kernel over the picked experts' gate/up weights, at the gate/up kernel's grid and tiles."""
+    d, I, H = experts.numel(), gate_up.shape[1] // 2, gate_up.shape[2]
+    _stream_kernel[(d, triton.cdiv(I, pol.a_block_n))](
+        gate_up, experts, out, I, H, gate_up.stride(0), gate_up.stride(1),
+        BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k, DOT=dot, num_warps=pol.a_warps, num_stages=pol.a_stages)
+
+
 def picks(T: int, k: int, E: int, distinct: int, device) -> torch.Tensor:
     """[T, k] expert ids covering exactly `distinct` experts (k <= distinct <= T k), none twice in a row: pick j of
     token t is expert perm[(t k + j) mod distinct] of a fixed random permutation."""
@@ -181,10 +189,7 @@ def main() -> int:
             return M.fused_moe(x, gate_up, down, wts, ids, activation=S["act"], sum_slots=False)
 
         def stream(dot=False):
-            _stream_kernel[(d, triton.cdiv(I, pol.a_block_n))](
-                gate_up, experts, out, I, H, gate_up.stride(0), gate_up.stride(1),
-                BLOCK_N=pol.a_block_n, BLOCK_K=pol.a_block_k, DOT=dot, num_warps=pol.a_warps,
-                num_stages=pol.a_stages)
+            stream_weights(gate_up, experts, out, pol, dot)
 
         def copy():
             torch.index_select(gate_up, 0, experts.long(), out=sel)
@@ -281,21 +286,17 @@ def layers(a) -> int:
             at[0] += 1
         return call
 
-    def stream_dot(i):
-        return lambda: _stream_kernel[(d, triton.cdiv(I, pol.a_block_n))](
-            gate_up[i], experts, out, I, H, gate_up[i].stride(0), gate_up[i].stride(1), BLOCK_N=pol.a_block_n,
-            BLOCK_K=pol.a_block_k, DOT=True, num_warps=pol.a_warps, num_stages=pol.a_stages)
-
     per_expert = {"gate_up": 2 * I * H * dt.itemsize, "down": H * I * dt.itemsize}
     variants = [
         ("moe", lambda i: lambda: M.fused_moe(x, gate_up[i], down[i], wts, ids, activation=S["act"], sum_slots=False),
          per_expert["gate_up"] + per_expert["down"]),
         ("gate_up", lambda i: launches[i][0], per_expert["gate_up"]),
         ("down", lambda i: launches[i][1], per_expert["down"]),
-        ("stream_dot", stream_dot, per_expert["gate_up"]),
+        ("stream_dot", lambda i: lambda: stream_weights(gate_up[i], experts, out, pol, True), per_expert["gate_up"]),
         ("copy", lambda i: lambda: torch.index_select(gate_up[i], 0, experts.long(), out=sel),
          2 * per_expert["gate_up"]),
     ]
+
     def sustained(fn) -> float:  # fn's time after a.sustain seconds of back-to-back replays of a graph of it
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -316,12 +317,12 @@ def layers(a) -> int:
         many = kernel_timer(a.smoke, calls=n)(cycle(make))
         row[name] = {"one_layer_us": round(one, 2), "layers_us": round(many, 2),
                      "layers_TBps": round(d * b_expert / (many * 1e-6) / 1e12, 3)}
+        tail = ""
         if a.sustain and not a.smoke:
             row[name]["sustained_us"] = round(sustained(cycle(make)), 2)
+            tail = f"   after {a.sustain:g} s of replays {row[name]['sustained_us']:8.2f} us"
         print(f"  {name:12s} one layer {one:8.2f} us   {n} layers in turn {many:8.2f} us "
-              f"({row[name]['layers_TBps']} TB/s)"
-              + (f"   after {a.sustain:g} s of replays {row[name]['sustained_us']:8.2f} us" if "sustained_us" in row[name]
-                 else ""), flush=True)
+              f"({row[name]['layers_TBps']} TB/s){tail}", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"shape": S, "tokens": T, "policy": str(pol), "row": row}, indent=1))
     print("ok")
