@@ -23,7 +23,8 @@ At batch 8 the grouped GEMMs read ~57 of Qwen3.5 35B-A3B's 256 experts (~50 of G
 
 - `moe[...]` (`--launch "b_block_k=512;a_block_n=64,a_stages=3"`): the routed op at other MoELaunch fields (each
   `;`-separated set over the policy's), its output checked against the policy's; with --parts also its down
-  kernel alone (`down[...]`). At the operating point only: `--distinct 56`.
+  kernels each alone (`gate_up[...]`, `down[...]`). At the operating point only: `--distinct 56`; at one token
+  (`--tokens 1`, the unsorted pairs of a batch-1 step) `--distinct 8`.
 
 --flush-mb 256: every timed call starts with the weights outside the L2 (a read of that size first, its time
 taken off), as in a decode step; back-to-back calls of one op otherwise find part of the last call's weights
@@ -228,7 +229,8 @@ def main() -> int:
             if a.parts:
                 up_v, dn_v = M.moe_launches(x, gate_up, down, wts, ids, activation=S["act"], policy=lp)
                 up_v()
-                variants.append((f"down[{label}]", dn_v, per_expert["down"]))
+                variants += [(f"gate_up[{label}]", up_v, per_expert["gate_up"]),
+                             (f"down[{label}]", dn_v, per_expert["down"])]
         gu = per_expert["gate_up"]
         variants += [("stream", stream, gu), ("stream_dot", lambda: stream(True), gu), ("copy", copy, 2 * gu)]
         for name, fn, b_expert in variants:

@@ -10,7 +10,8 @@ Shapes come from the model configs (benchmarks/configs.py through the models' co
 as four GEMMs, out_proj, the full-attention [q (+gate); k; v] and o_proj, the shared expert's gate_up,
 down and sigmoid gate, the LM head. The routers are left out (fused Triton kernels already). Each row reports the
 weight's size, cuBLAS us and GB/s (weight bytes / time), the default Triton launch, the best Triton launch of the
-sweep, and the speed-up of the best over cuBLAS. Per-step totals weigh each shape by how many times a decode step
+sweep, the speed-up of the best over cuBLAS, and the engine's launch (`decode_launch`, what the compiled graph's
+skinny_mm takes) with its time. `--try` times named launches instead of a grid. Per-step totals weigh each shape by how many times a decode step
 runs it.
 
 Every Triton launch is first checked against the float32 product of the same bf16 inputs (within one bf16 unit
@@ -18,6 +19,7 @@ in the last place); a launch that fails or does not compile is skipped (reported
 launch fails a check.
 
     python3 benchmarks/skinny_gemm.py [--models gemma,qwen] [--tokens 1,2,4,8,16] [--sweep] [--out FILE.json]
+    python3 benchmarks/skinny_gemm.py --tokens 1,8 --try '64,128,4,4,4;32,256,4,4,3'   # these launches only
     python3 benchmarks/skinny_gemm.py --device cpu --dry-run   # shapes, and the whole path at tiny sizes on
                                                                # the CPU through the Triton interpreter
 """
@@ -138,6 +140,12 @@ def sweep_launches(M: int, K: int, full: bool) -> list[S.SkinnyLaunch]:
     return out
 
 
+def parse_launch(spec: str) -> S.SkinnyLaunch:
+    """'block_n,block_k,split_k,warps,stages[,merge]' (tensor-core dot; merge 1: the last program adds the slices)."""
+    f = [int(v) for v in spec.split(",")]
+    return S.SkinnyLaunch(f[0], f[1], f[2], f[3], f[4], True, bool(f[5]) if len(f) > 5 else f[2] > 1)
+
+
 def cpu_time_us(fn, reps: int) -> float:
     reps = 2
     fn()
@@ -174,8 +182,9 @@ def bench_shape(shape: Shape, tokens: list[int], launches_for, dev, dt, timer, g
         ws = itertools.cycle(copies)
         row["cublas_us"] = round(timer(lambda: torch.mm(x, next(ws).t()), reps), 2)
         default = S.skinny_launch(M, shape.N, shape.K, S.num_sms(x.device), x.element_size())
+        engine = S.decode_launch(shape.N, shape.K)  # what decode_mm (the compiled graph's skinny_mm) launches
         results = []
-        for lp in [default] + [lp for lp in launches_for(M) if lp != default]:
+        for lp in [default] + [lp for lp in [engine, *launches_for(M)] if lp != default]:
             r = dict(launch=dataclasses.asdict(lp), default=lp == default)
             try:
                 r["err"] = round(check(S.skinny_mm(x, w, lp), ref), 3)
@@ -191,6 +200,8 @@ def bench_shape(shape: Shape, tokens: list[int], launches_for, dev, dt, timer, g
         good = [r for r in results if r.get("us") is not None]
         row["default_us"] = results[0].get("us")
         row["default_launch"] = results[0]["launch"]
+        row["engine_us"] = next(r.get("us") for r in results if r["launch"] == dataclasses.asdict(engine))
+        row["engine_launch"] = dataclasses.asdict(engine)
         best = min(good, key=lambda r: r["us"], default=None)
         row["best_us"] = best and best["us"]
         row["best_launch"] = best and best["launch"]
@@ -219,6 +230,8 @@ def print_table(rows: list[dict]) -> None:
         print(f"\n{key[0]}: {key[1]}  (x{rs[0]['per_step']} per step)\n{head}")
         for r in rs:
             sp = f"{r['cublas_us'] / r['best_us']:8.2f}" if r["best_us"] else "       -"
+            if r.get("engine_us") is not None:
+                sp += f"   engine ({_launch_str(r['engine_launch'])}) {r['engine_us']:.2f}"
             print(f"{r['M']:>3} {r['N']:>7} {r['K']:>5} {r['weight_mb']:>8.2f} | {r['cublas_us']:>9.2f} "
                   f"{_gbs(r['weight_mb'], r['cublas_us'])} | {r['default_us'] or 0:>10.2f} "
                   f"{_gbs(r['weight_mb'], r['default_us'])} | {r['best_us'] or 0:>8.2f} "
@@ -266,6 +279,8 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated substrings of shape names to keep")
     ap.add_argument("--sweep", action="store_true", help="the full launch grid (slow: minutes)")
     ap.add_argument("--quick", action="store_true", help="the small launch grid (the default)")
+    ap.add_argument("--try", dest="try_", default=None, help="only these launches besides the defaults, ';'-separated "
+                    "block_n,block_k,split_k,warps,stages[,merge] (e.g. '64,128,4,4,4,1;32,256,4,4,3,1')")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dry-run", action="store_true",
                     help="list the shapes, then run the whole path at tiny sizes (CPU: Triton interpreter)")
@@ -293,10 +308,13 @@ def main() -> int:
         timer = cpu_time_us
     gen = torch.Generator(device=dev).manual_seed(0)
     rows, failed, t0 = [], False, time.time()
+    tried = [parse_launch(spec) for spec in (a.try_ or "").split(";") if spec]
     for s in shapes:
         def launches_for(M, K=s.K):
             if a.dry_run:
                 return [S.SkinnyLaunch(16, 32, 1, 4, 2), S.SkinnyLaunch(16, 32, 2, 4, 2, dot=False)]
+            if a.try_:
+                return tried
             return sweep_launches(M, K, a.sweep and not a.quick)
 
         r, f = bench_shape(s, tokens, launches_for, dev, dt, timer, gen)

@@ -361,7 +361,8 @@ def test_moe_stream_dry_run(tmp_path):
     data = json.loads(out.read_text())
     assert [row["distinct"] for row in data["rows"]] == [4, 8, 12, 16]
     names = ("moe", "gate_up", "down", "gate_up_aligned", "stream", "stream_dot", "copy",  # --parts: each alone
-             "moe[b_block_n=32,b_stages=2]", "down[b_block_n=32,b_stages=2]")  # --launch: another tile
+             "moe[b_block_n=32,b_stages=2]", "gate_up[b_block_n=32,b_stages=2]",  # --launch: another tile
+             "down[b_block_n=32,b_stages=2]")
     assert all(row[f"{v}_us"] > 0 for row in data["rows"] for v in names)
     assert set(data["fit"]) == set(names)
     # --flush-mb: a read of that size before each timed call, its own time taken off (on the CPU a wall-clock
@@ -408,8 +409,10 @@ def test_router_kernel_stages_dry_run(tmp_path):
             stages = [row["parts"] for row in rows if row["tokens"] == t and "{" not in row["stage"]]
             assert stages == [0, 1, 2, 3]
         full = [row for row in rows if row.get("parts") == 3]
-        # the default and 24 tiles at each batch; at 3 tokens also token blocks of 1 and 2 rows (two launches each)
-        assert len(full) == 2 * (1 + 24) + 4 and all(row["ok"] and row["tickets_clean"] for row in full)
+        # the default and 24 tiles at each batch; at 3 tokens also the token blocks under the default's (two launches
+        # each): 1 and 2 rows below the normed router's 8, 1 row below the softmax router's 2 (softmax_block_t)
+        blocks = 2 if form else 4
+        assert len(full) == 2 * (1 + 24) + blocks and all(row["ok"] and row["tickets_clean"] for row in full)
         assert sum("'block_t': 1" in row["stage"] for row in full) == 2
         assert all(row["w_maxdiff_default"] == 0.0 for row in full if "{" not in row["stage"])
 

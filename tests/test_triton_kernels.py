@@ -960,18 +960,21 @@ def _check_router_paths():
         assert torch.equal(got_ids.long(), ref_ids), (dt, got_ids, ref_ids)
         _close(f"softmax router fused {dt}", got_w, ref_w, rtol=1e-4, atol=1e-6)
     # every launch a batch size can take is built by JIT warm-up: two fused builds for Gemma 4's 1..64 tokens
-    # (8-row blocks up to 8 tokens, then 16), Qwen3.5's softmax router one per power of two up to 8
-    for norm, E, H, k, inter, fused_builds in ((True, 128, 2816, 8, 704, 2), (False, 256, 2048, 8, 512, 5)):
+    # (8-row blocks up to 8 tokens, then 16), Qwen3.5's softmax router four (1, 2 and 4 rows up to 16 tokens, then 16)
+    for norm, E, H, k, inter, fused_builds in ((True, 128, 2816, 8, 704, 2), (False, 256, 2048, 8, 512, 4)):
         tokens = M.launch_variants(E, k, H, inter, 200, norm=norm)
         keys = {M.router_launch(t, H, E, norm=norm).build_key() for t in range(1, 201)}
         assert keys == {M.router_launch(t, H, E, norm=norm).build_key() for t in tokens}, tokens
         assert len({M.router_launch(t, H, E, norm=norm).build_key() for t in range(1, 65)}) == fused_builds
-    for T in (1, 3, 8):  # the small token blocks pick the experts the 16-row block picks
+    assert [M.router_launch(T, 2048, 256, norm=False).block_t for T in (1, 2, 4, 5, 8, 16, 17, 64)] == \
+        [1, 2, 2, 4, 4, 4, 16, 16]
+    assert [M.router_launch(T, 2048, 256, norm=False).num_warps for T in (1, 8, 16, 17)] == [4, 4, 4, 8]
+    for T in (1, 3, 8, 13):  # the small token blocks pick the experts the 16-row block picks
         x, w, _, _ = _router_case(T, 40, 200, 8, torch.float32)
         small = M.fused_router_topk(x, None, w, None, 5, 0.0)
         wide = M.fused_router_topk(x, None, w, None, 5, 0.0, launch=M.router_launch(T, 200, 40, norm=False,
                                                                                      block_t=16, splits=12))
-        assert M.router_launch(T, 200, 40, norm=False).block_t == M.triton.next_power_of_2(T)
+        assert M.router_launch(T, 200, 40, norm=False).block_t == M.softmax_block_t(T) < 16
         assert torch.equal(small[1], wide[1]), T
         _close(f"softmax router block {T}", small[0], wide[0], rtol=1e-5, atol=1e-6)
 
@@ -1073,6 +1076,9 @@ def _check_skinny_mm_pass():
     narrow = (torch.randn(1024, 2048, generator=g) * 2048 ** -0.5).bfloat16()  # N < K, 2M elements
     wide = (torch.randn(2048, 1024, generator=g) * 1024 ** -0.5).bfloat16()
     assert skinny_gemm.decode_launch(1024, 2048).merge and skinny_gemm.decode_launch(2048, 1024).split_k == 1
+    # the narrow launches the H200 measured: 64-row tiles from NARROW_MIN_N output columns, 32-row ones below
+    assert skinny_gemm.decode_launch(1024, 2048) == skinny_gemm.DECODE_LAUNCH and skinny_gemm.DECODE_LAUNCH.block_n == 64
+    assert skinny_gemm.decode_launch(1, 2048) == skinny_gemm.NARROW_SMALL_LAUNCH != skinny_gemm.DECODE_LAUNCH
 
     def f(x, x2, w_narrow, w_wide):
         return x @ w_narrow.t(), x2 @ w_wide.t()

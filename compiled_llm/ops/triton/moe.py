@@ -970,6 +970,17 @@ def _slices(hidden: int, target: int, block_h: int) -> tuple[int, int]:
     return triton.cdiv(hidden, slice_h), slice_h
 
 
+def softmax_block_t(num_tokens: int) -> int:
+    """The token block of Qwen3.5's softmax router (no norm) at decode sizes, 4 warps up to 4 rows: the block's last
+    program picks for fewer rows, and the weight tile is read once more per block (mostly from the L2). H200,
+    session 33 (router_kernel.py --parts --sweep --softmax, E 256, H 2048), us, one block of the batch against
+    this: T = 2 5.79 -> 5.28, 4: 6.26 -> 5.67, 8: 7.20 -> 6.38, 16: 9.64 -> 7.39. Gemma 4's router (the norm
+    first) keeps its 8-row block: 4 rows there ran 6.63 against 6.25 at T = 8."""
+    if num_tokens <= 1:
+        return 1
+    return 2 if num_tokens <= 4 else 4 if num_tokens <= 16 else 16
+
+
 def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: int | None = None,
                   splits: int | None = None, block_h: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, fused: bool | None = None, norm: bool = True,
@@ -990,14 +1001,18 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
         bh = block_h or 128
         # up to ROUTER_SMALL_BLOCK_TOKENS, session 21's sweep (prefill_kernels.py --tokens 1,8): a token block of
         # 8 rows and 8 hidden slices, less softmax and top-k work for the block's last program: Gemma 4 7.14 ->
-        # 6.72 us at T = 8 (6.78 -> 6.53 at 1), Qwen3.5 (E = 256, H = 2048) 10.08 -> 7.86; Qwen3.5's softmax
-        # router fits the block to the batch (one row at T = 1: 5.89 us, 4 warps), Gemma's is best at 8 rows
-        # there too (7.36 at one)
+        # 6.72 us at T = 8 (6.78 -> 6.53 at 1), Qwen3.5 (E = 256, H = 2048) 10.08 -> 7.86; Gemma's is best at 8
+        # rows at one token too (7.36 at one). Qwen3.5's softmax router takes blocks of at most 4 rows up to 16
+        # tokens (softmax_block_t; session 33)
         small = num_tokens <= ROUTER_SMALL_BLOCK_TOKENS
-        bt = block_t or ((8 if norm else triton.next_power_of_2(num_tokens)) if small else 16)
+        if norm:
+            bt = block_t or (8 if small else 16)
+        else:
+            bt = block_t or softmax_block_t(num_tokens)
+            small = small or bt <= 4
         n, sh = _slices(hidden, splits or (8 if small else 12), bh)
-        return RouterLaunch(True, bt, block_e or 16, bh, n, sh, num_warps or (4 if small and bt == 1 else 8),
-                            num_stages or 3)
+        return RouterLaunch(True, bt, block_e or 16, bh, n, sh, num_warps or (4 if bt <= 4 and (bt == 1 or not norm)
+                                                                                else 8), num_stages or 3)
     if norm and num_tokens >= ROUTER_WIDE_MIN_TOKENS and block_e is None and splits is None:
         # H200 sweep (prefill_kernels.py, session 17), 8,192 tokens: 88.7 us against 179.2 for the tiles below
         # (the norm pass and the dot pass read a row block once per expert block there); at 1,024 tokens the
