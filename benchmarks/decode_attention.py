@@ -19,9 +19,12 @@ long shapes (1 x 8.5K, 8 x 4.4K, 4 x 8.5K). Per case:
               each value, read instead of rebuilt), the engine's launch and, unless --no-sweep, other tiles
   flashinfer  (sliding, when installed: WITH_FLASHINFER=1 and the carried wheels) FlashInfer's paged decode,
               CUDA-core and tensor-core kernels, over the same caches (issue 14 item 3)
+  stream      (--stream) the engine launch's bytes streamed at its grid and tiles by a kernel that only loads
+              and sums them, through the block table and with the pages computed: what the access pattern
+              itself reaches, against which the attention's time (its combine launch included) is judged
 Every candidate's output is compared with the engine policy's (max abs difference, bf16).
 
-    python3 benchmarks/decode_attention.py [--out FILE.json] [--quick | --no-sweep]
+    python3 benchmarks/decode_attention.py [--out FILE.json] [--quick | --no-sweep] [--stream] [--cases 4x8500,8x1100]
     python3 benchmarks/decode_attention.py --dry-run   # CPU, Triton interpreter, tiny shapes
 """
 
@@ -40,6 +43,7 @@ if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is i
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -113,6 +117,8 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
                              rotated_pairs=rot)
         rows.append(row)
         ref = out if ref is None else ref
+    if args.stream:
+        rows += stream_rows(layer, seqs, ctx, caches, tables, seq_lens, opts, n, per_layer, args)
     if not layer["k_eq_v"] and not args.dry_run:
         rows += flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref, args)
     if layer["k_eq_v"] and layer.get("rotated_pairs"):
@@ -240,6 +246,102 @@ def flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref
     return rows
 
 
+@triton.jit(do_not_specialize=["num_splits", "window"])
+def _stream_kernel(K, V, BlockTables, SeqLens, Out, stride_kb, stride_ks, stride_kh, stride_bt, window, num_splits,
+                   per_seq, W1: tl.constexpr, W2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SLIDING: tl.constexpr, TWO: tl.constexpr, PAGED: tl.constexpr):
+    """Program (seq, KV head, split) walks the key range the decode kernel's program of the same ids reads and
+    loads the same rows (W1 elements, then W2 more; V too where TWO), summed by a dot with a block of ones (so
+    Triton pipelines the loads through shared memory as the attention's dots make it do); no scores, no softmax,
+    no partial outputs. PAGED: each key's page from the block table, as the kernel does; else computed (the
+    benchmark's tables hold one sequence's pages in order, so the addresses are the same without the lookup)."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + seq)
+    first = seq_len * 0
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    n = tl.arange(0, BLOCK_N)
+    d1 = tl.arange(0, W1)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    ones = tl.full([16, BLOCK_N], 1.0, K.dtype.element_ty)
+    acc = tl.zeros([16, W1], tl.float32)
+    if W2 > 0:
+        d2 = tl.arange(0, W2)
+        acc2 = tl.zeros([16, W2], tl.float32)
+    for kstart in range(start, end, BLOCK_N):
+        pos = kstart + n
+        pmask = pos < end
+        if PAGED:
+            page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+        else:
+            page = (seq * per_seq + pos // PAGE).to(tl.int64)
+        row = page * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
+        acc += tl.dot(ones, tl.load(K + row[:, None] + d1[None, :], mask=pmask[:, None], other=0.0))
+        if TWO:
+            acc += tl.dot(ones, tl.load(V + row[:, None] + d1[None, :], mask=pmask[:, None], other=0.0))
+        if W2 > 0:
+            acc2 += tl.dot(ones, tl.load(K + row[:, None] + W1 + d2[None, :], mask=pmask[:, None], other=0.0))
+    total = tl.sum(tl.sum(acc, 1), 0)
+    if W2 > 0:
+        total += tl.sum(tl.sum(acc2, 1), 0)
+    tl.store(Out + (seq * tl.num_programs(1) + kvh) * tl.num_programs(2) + split, total)
+
+
+def stream_rows(layer, seqs, ctx, caches, tables, seq_lens, opts, n, per_layer, args) -> list[dict]:
+    """--stream: the bytes the engine's launch reads, streamed by _stream_kernel at the same grid and tiles (no
+    combine launch), through the block table and without it: the access pattern's own bandwidth, against which
+    the attention's time is judged."""
+    pol = candidates(layer, seqs, args.max_len, None)[0][1]
+    d, kv, rot = layer["head_dim"], layer["kv_heads"], 0
+    if layer["k_eq_v"] and layer.get("rotated_pairs"):  # the rows as the engine keeps them: [v | k1 | k2]
+        rot = PA.rotated_block(layer["rotated_pairs"], d // 2)
+        views = [rot_rows(c, opts, rot, triton.cdiv(ctx, PAGE))[0] for c in caches]
+        ks = [(v, v) for v in views]
+    else:
+        ks = [(c[0], c[1] if not layer["k_eq_v"] else c[0]) for c in caches]
+    two = not layer["k_eq_v"]
+    nbytes = per_layer * (1 + 2 * rot / d)
+    per_seq = tables.shape[1]
+    out = torch.empty(seqs * kv * pol.num_splits, dtype=torch.float32, device=tables.device)
+    rows = []
+    for paged in (True, False):
+        def launch(pair, paged=paged):
+            k, v = pair
+            _stream_kernel[(seqs, kv, pol.num_splits)](
+                k, v, tables, seq_lens, out, k.stride(0), k.stride(1), k.stride(2), tables.stride(0),
+                int(layer["window"] or 0), pol.num_splits, per_seq, W1=d, W2=2 * rot, PAGE=PAGE, BLOCK_N=pol.block_n,
+                SLIDING=layer["window"] is not None, TWO=two, PAGED=paged, num_warps=pol.num_warps,
+                num_stages=pol.num_stages)
+            return out
+
+        launch(ks[0])
+        first = out.clone()
+        # the stream's sums cover exactly the rows the attention reads: every program's key range, both tensors
+        # (and the kept keys after each value), each row 16 times (the block of ones)
+        lo = max(0, ctx - layer["window"]) if layer["window"] else 0
+        k0, v0 = ks[0]
+        k0 = torch.as_strided(k0, (*k0.shape[:-1], d + 2 * rot), k0.stride())  # the whole row
+        ref = 0.0
+        for s_ in range(seqs):
+            pages = tables[s_].long()
+            ref += 16 * float(k0[pages].reshape(-1, kv, d + 2 * rot)[lo:ctx].float().sum())
+            if two:
+                ref += 16 * float(v0[pages].reshape(-1, kv, d)[lo:ctx].float().sum())
+        got = float(first.sum())
+        assert abs(got - ref) <= 1e-2 * (abs(ref) + float(first.abs().sum()) + 1.0), (paged, got, ref)
+        us = float("nan") if args.dry_run else graph_time_us(lambda: [launch(p) for p in ks][-1], replays=args.replays,
+                                                            calls=1) / n
+        rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, us=us, gbps=nbytes / us / 1e3 if us == us else None,
+                         candidate=f"stream ({'block table' if paged else 'pages computed'}, engine grid)",
+                         splits=pol.num_splits, warps=pol.num_warps, stages=pol.num_stages, block_n=pol.block_n))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-len", type=int, default=131072, help="the engine's block-table bound (tokens)")
@@ -247,11 +349,14 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="only the engine's launch (and, global, the key-rebuild comparisons)")
     ap.add_argument("--layers", default="sliding,global")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--stream", action="store_true", help="also stream the engine launch's bytes without the "
+                    "attention (the access pattern's bandwidth), through the block table and without it")
+    ap.add_argument("--cases", default=None, help="seqs x context pairs, e.g. 4x8500,8x1100 (default: all five)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev, dtype = ("cpu", torch.float32) if args.dry_run else ("cuda", torch.bfloat16)
-    cases = CASES
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")] if args.cases else CASES
     layers = [lay for lay in (SLIDING, GLOBAL) if lay["name"] in args.layers.split(",")]
     if args.dry_run:  # tiny shapes, the same code paths
         layers = [dict(SLIDING, kv_heads=2, head_dim=32, window=24),
@@ -264,13 +369,15 @@ def main():
         for seqs, ctx in cases:
             rows += run_case(layer, seqs, ctx, args, dev, dtype)
             best = min((r for r in rows if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx
-                        and r.get("us") == r.get("us") and "us" in r and "rebuild" not in r["candidate"]),
+                        and r.get("us") == r.get("us") and "us" in r and "rebuild" not in r["candidate"]
+                        and not r["candidate"].startswith("stream")),
                        key=lambda r: r["us"], default=None)
             for r in rows:
                 if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx and \
                         (r["candidate"] in ("engine", "every key rebuilt (session 12)", "rot keys cached: engine")
                          or r is best
-                         or "rebuild" in r["candidate"] or "flashinfer" in r["candidate"] or "error" in r):
+                         or "rebuild" in r["candidate"] or "flashinfer" in r["candidate"] or "error" in r
+                         or r["candidate"].startswith("stream")):
                     print(f"{r['layer']:8} S={seqs} ctx={ctx:5}  {r['candidate']:36} "
                           + (f"{r['us']:8.2f} us  {r['gbps'] or 0:7.0f} GB/s  diff {r.get('max_diff', 0):.1e}"
                              if "us" in r else r["error"]) + ("  <- best" if r is best else ""), flush=True)

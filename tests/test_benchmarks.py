@@ -264,18 +264,21 @@ def test_the_measured_wide_table_is_what_the_h200_run_gives():
 def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     """benchmarks/decode_attention.py and pdl_chain.py run their whole path on the CPU (Triton interpreter,
     tiny shapes): every candidate agrees with the engine's launch, the global layer's full key rebuild and
-    the partial one agree, and the chain's Triton GEMMs equal cuBLAS's (float32)."""
+    the partial one agree, --stream's kernel sums exactly the rows the engine's launch reads (checked inside, with
+    and without the block table), and the chain's Triton GEMMs equal cuBLAS's (float32)."""
     import subprocess
 
     out = tmp_path / "attn.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--dry-run", "--quick",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "--stream", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     checked = [row for row in rows if "max_diff" in row]
     assert len(checked) >= 12 and all(row["max_diff"] < 1e-4 for row in checked), checked
     assert {row["candidate"] for row in rows if row["layer"] == "global"} >= {
         "engine", "every key rebuilt (session 12)", "no-rebuild (K!=V path, same bytes)"}
+    streams = [row for row in rows if row["candidate"].startswith("stream")]
+    assert len(streams) == 2 * 2 * 2  # both layers, both cases, with and without the block table
     out = tmp_path / "pdl.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pdl_chain.py"), "--dry-run", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
