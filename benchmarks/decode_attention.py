@@ -258,13 +258,7 @@ def _stream_kernel(K, V, BlockTables, SeqLens, Out, stride_kb, stride_ks, stride
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + seq)
-    first = seq_len * 0
-    if SLIDING:
-        first = tl.maximum(seq_len - window, 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
-    start = first + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = PA.split_range(SeqLens, seq, split, window, num_splits, BLOCK_N, SLIDING)
     n = tl.arange(0, BLOCK_N)
     d1 = tl.arange(0, W1)
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt

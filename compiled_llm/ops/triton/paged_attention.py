@@ -166,6 +166,19 @@ def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
 # decode: one query token per sequence, split-K over the context
 
 
+@triton.jit
+def split_range(SeqLens, seq, split, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """A decode split's key range [start, end) of sequence `seq`: a whole number of BLOCK_N tiles of the keys it
+    sees (the window's, SLIDING), split `split` of num_splits."""
+    seq_len = tl.load(SeqLens + seq)
+    first = seq_len * 0
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
+    return start, tl.minimum(start + chunk, seq_len)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     Q, K, V, BlockTables, SeqLens, KNorm, InvFreq, Out, MidO, MidLse, Raw,
@@ -193,14 +206,7 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + seq)
-    first = seq_len * 0
-    if SLIDING:
-        first = tl.maximum(seq_len - window, 0)
-    # this split's key range [start, end), a whole number of tiles
-    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
-    start = first + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = split_range(SeqLens, seq, split, window, num_splits, BLOCK_N, SLIDING)
 
     h = tl.arange(0, BLOCK_H)
     hmask = h < GROUP
