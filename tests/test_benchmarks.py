@@ -261,6 +261,29 @@ def test_the_measured_wide_table_is_what_the_h200_run_gives():
     assert skinny_gemm.wide_table(slow) == []  # cuBLAS within the margin at one row count
 
 
+def test_the_narrow_decode_launches_are_what_the_h200_run_measured_fastest():
+    """skinny_gemm.DECODE_LAUNCH comes from the recorded H200 run of skinny_gemm.py --try (session 33, 1, 4 and 8
+    rows): on every narrow weight the op takes in a decode step (N < K, at least 2M elements: not Qwen3.5's
+    one-column shared-expert gate), it is within 1% of the fastest launch tried and faster than session 28's launch
+    (the run's engine column) and cuBLAS."""
+    import dataclasses
+
+    from compiled_llm.ops import linear
+    from compiled_llm.ops.triton import skinny_gemm as S
+
+    run = json.loads((ROOT / "benchmarks/results/skinny_gemm_try_call3_20261204_s33.json").read_text())
+    assert run["device"] == "NVIDIA H200"
+    narrow = [r for r in run["rows"] if r["N"] < r["K"] and r["per_step"] and linear.takes(r["N"], r["K"])]
+    assert {r["name"] for r in narrow} == {"sliding o_proj", "global o_proj", "linear out_proj", "full o_proj",
+                                           "shared_expert gate_up"}
+    assert not linear.takes(1, 2048)
+    for r in narrow:
+        times = {tuple(sorted(lr["launch"].items())): lr["us"] for lr in r["launches"] if lr.get("us")}
+        t = times[tuple(sorted(dataclasses.asdict(S.decode_launch(r["N"], r["K"])).items()))]
+        assert t <= 1.01 * min(times.values()), (r["name"], r["M"], t, min(times.values()))
+        assert t < r["engine_us"] and t < r["cublas_us"], (r["name"], r["M"])
+
+
 def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     """benchmarks/decode_attention.py and pdl_chain.py run their whole path on the CPU (Triton interpreter,
     tiny shapes): every candidate agrees with the engine's launch, the global layer's full key rebuild and

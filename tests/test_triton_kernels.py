@@ -1076,9 +1076,6 @@ def _check_skinny_mm_pass():
     narrow = (torch.randn(1024, 2048, generator=g) * 2048 ** -0.5).bfloat16()  # N < K, 2M elements
     wide = (torch.randn(2048, 1024, generator=g) * 1024 ** -0.5).bfloat16()
     assert skinny_gemm.decode_launch(1024, 2048).merge and skinny_gemm.decode_launch(2048, 1024).split_k == 1
-    # the narrow launches the H200 measured: 64-row tiles from NARROW_MIN_N output columns, 32-row ones below
-    assert skinny_gemm.decode_launch(1024, 2048) == skinny_gemm.DECODE_LAUNCH and skinny_gemm.DECODE_LAUNCH.block_n == 64
-    assert skinny_gemm.decode_launch(1, 2048) == skinny_gemm.NARROW_SMALL_LAUNCH != skinny_gemm.DECODE_LAUNCH
 
     def f(x, x2, w_narrow, w_wide):
         return x @ w_narrow.t(), x2 @ w_wide.t()

@@ -242,46 +242,37 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = No
 # us at M = 1 / 4 / 8, against session 28's 32-row tiles of 256 columns at three stages): Gemma 4's o_proj 9.46 /
 # 9.53 / 9.63 -> 9.15 / 9.26 / 9.28 and global o_proj 14.77 / 15.05 / 15.23 -> 14.32 / 14.34 / 14.56, Qwen3.5's
 # out_proj 7.61 / 7.61 / 7.68 -> 7.24 / 7.27 / 7.29, o_proj 7.56 / 7.62 / 7.71 -> 7.26 / 7.31 / 7.31, its shared
-# expert's gate_up 4.22 / 4.25 / 4.22 -> 4.17 / 4.20 / 4.18 (cuBLAS: 10.7, 16.0, 9.0, 9.0, 5.1-12.7). Outputs of
-# fewer than NARROW_MIN_N columns (Qwen3.5's shared-expert gate, N = 1) keep the 32-row tile: 3.73 / 3.71 / 3.75
-# against 3.79 / 3.86 / 3.82. Wide (N >= K, the shapes ops/linear.py WIDE_MEASURED lists): the 32-row tile
-# unsplit, the best launch at each of them (Gemma 4's global qkv 16.27, cuBLAS 18.60; Qwen3.5's merged in_proj
-# 14.90, cuBLAS 16.12; the LM heads)
+# expert's gate_up 4.22 / 4.25 / 4.22 -> 4.17 / 4.20 / 4.18 (cuBLAS: 10.7, 16.0, 9.0, 9.0, 5.1-12.7). Wide (N >= K,
+# the shapes ops/linear.py WIDE_MEASURED lists): the 32-row tile unsplit, the best launch at each of them (Gemma 4's
+# global qkv 16.27, cuBLAS 18.60; Qwen3.5's merged in_proj 14.90, cuBLAS 16.12; the LM heads)
 DECODE_LAUNCH = SkinnyLaunch(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4, dot=True, merge=True)
-NARROW_SMALL_LAUNCH = SkinnyLaunch(block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=3, dot=True, merge=True)
-NARROW_MIN_N = 64
 WIDE_LAUNCH = SkinnyLaunch(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True)
 
 
 def decode_launch(n: int, k: int) -> SkinnyLaunch:
     """The op's launch for a weight [n, k]: split and merged where the output is narrow, else one pass."""
-    if n >= k:
-        return WIDE_LAUNCH
-    return DECODE_LAUNCH if n >= NARROW_MIN_N else NARROW_SMALL_LAUNCH
+    return DECODE_LAUNCH if n < k else WIDE_LAUNCH
 
 
 def decode_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The skinny_mm op's Triton provider: x [M, K] @ w [N, K]^T with decode_launch's launch."""
     lp = decode_launch(w.shape[0], w.shape[1])
-    kind = "wide" if lp is WIDE_LAUNCH else "narrow" if lp is DECODE_LAUNCH else "narrow_small"
-    MONITOR.note("skinny_mm", (x.dtype, x.shape[1] % lp.block_k == 0, kind))
+    MONITOR.note("skinny_mm", (x.dtype, x.shape[1] % lp.block_k == 0, lp.split_k > 1))
     return skinny_mm(x, w, lp)
 
 
 def _decode_keys(facts: dict) -> list:
     # one build of each launch serves every weight whose K is a multiple of the 256-column step (all the released
-    # configs'): the two narrow ones and the wide one (a build whether or not this GPU takes a wide shape or a
-    # model has a narrow output under NARROW_MIN_N columns: parallel builds at warm-up)
-    return [(facts["dtype"], True, kind) for kind in ("narrow", "narrow_small", "wide")] \
-        if "dtype" in facts and "hidden_size" in facts else []
+    # configs'): the narrow one and the wide one (a build whether or not this GPU takes a wide shape: one more
+    # parallel build at warm-up)
+    return [(facts["dtype"], True, split) for split in (True, False)] if "dtype" in facts and "hidden_size" in facts \
+        else []
 
 
 def _decode_compile(key, device) -> None:
-    dtype, even, kind = key
-    lp = {"narrow": DECODE_LAUNCH, "narrow_small": NARROW_SMALL_LAUNCH, "wide": WIDE_LAUNCH}[kind]
+    dtype, even, split = key
     k = 4 * 256 if even else 4 * 256 + 16
-    n = {"narrow": NARROW_MIN_N, "narrow_small": 1, "wide": 2 * k}[kind]
-    assert decode_launch(n, k) == lp, (kind, n, k)
+    n = 64 if split else 2 * k  # a narrow or a wide weight
     decode_mm(torch.zeros(2, k, dtype=dtype, device=device), torch.zeros(n, k, dtype=dtype, device=device))
 
 
