@@ -45,6 +45,11 @@ class AttnLaunch:
     # prefill: the key tiles that every row of the query tile sees whole (inside the causal edge and the window,
     # none past the last key) run without the position masks; only the edge tiles build and apply them
     interior: bool = True
+    # decode: the products with the keys and the values as the large operand (S^T = K Q^T, O^T += V^T P^T), so the
+    # dots' M dimension is the tile's keys or head_dim instead of the GQA group's few query heads (padded to 16):
+    # the shape Hopper's warpgroup MMA takes (M a multiple of 64). Not with raw scores (OmniKV's filter layers).
+    # Off by the policy until measured (benchmarks/decode_attention.py: the "transposed" candidates)
+    transposed: bool = False
 
 
 # a d=512 prefill whose keys are rebuilt in the loop cannot split the output (the rebuild needs all of v)
@@ -154,6 +159,14 @@ def _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh,
 
 
 @triton.jit
+def _qk(q, k, PREC: tl.constexpr, F32: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """q [heads, dims] . k [keys, dims]^T: [heads, keys], or with TRANSPOSED its transpose [keys, heads] as k q^T."""
+    if TRANSPOSED:
+        return _dot(k, tl.trans(q), PREC, F32)
+    return _dot(q, tl.trans(k), PREC, F32)
+
+
+@triton.jit
 def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
     # log2-domain scores (exp2 in the softmax)
     if SOFTCAP:
@@ -193,6 +206,7 @@ def _decode_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr, PARTIAL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
     RAW: tl.constexpr = False, F32: tl.constexpr = False, ROT_CACHED: tl.constexpr = False,
+    TRANSPOSED: tl.constexpr = False,
 ):
     # ROT_CACHED (with PARTIAL: AttentionSpec.rot_keys): each cached row keeps, after the value's 2 HALF
     # elements, the rotated keys of the first ROT dims of each half, [k1 | k2]: read, not rebuilt.
@@ -203,6 +217,9 @@ def _decode_kernel(
     # first ROT dims of each half are rotated. Those keys are rebuilt in the loop; on the others the key is
     # v * k_norm_weight, so the weight goes on the query once (q * w, zero on the rotated dims) and the dot
     # reads v as loaded. The full rebuild was about half of the layer's decode time on the H200 (session 13).
+    # TRANSPOSED (AttnLaunch.transposed): scores as [keys, heads] and the accumulators as [dims, heads], the
+    # softmax over axis 0; the same sums, transposed back for the stores.
+    tl.static_assert(not (TRANSPOSED and RAW), "raw scores come from the untransposed launch")
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -243,8 +260,12 @@ def _decode_kernel(
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if TRANSPOSED:
+        acc1 = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
+        acc2 = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
+    else:
+        acc1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        acc2 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for kstart in range(start, end, BLOCK_N):
         pos = kstart + n
         pmask = pos < end
@@ -263,29 +284,42 @@ def _decode_kernel(
                 v1r = tl.load(V + r_off, mask=pmask[:, None], other=0.0)
                 v2r = tl.load(V + r_off + HALF, mask=pmask[:, None], other=0.0)
                 k1r, k2r = _rebuild_keys(v1r, v2r, w1r, w2r, invr, cos_b, sin_b, kstart, q1)
-            qk = _dot(q1, tl.trans(v1), PREC, F32) + _dot(q2, tl.trans(v2), PREC, F32)
-            qk += _dot(q1r, tl.trans(k1r), PREC, F32)
-            qk += _dot(q2r, tl.trans(k2r), PREC, F32)
+            qk = _qk(q1, v1, PREC, F32, TRANSPOSED) + _qk(q2, v2, PREC, F32, TRANSPOSED)
+            qk += _qk(q1r, k1r, PREC, F32, TRANSPOSED)
+            qk += _qk(q2r, k2r, PREC, F32, TRANSPOSED)
         else:
             if K_EQ_V:
                 k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
             else:
                 k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
-            qk = _dot(q1, tl.trans(k1), PREC, F32) + _dot(q2, tl.trans(k2), PREC, F32)
+            qk = _qk(q1, k1, PREC, F32, TRANSPOSED) + _qk(q2, k2, PREC, F32, TRANSPOSED)
         s = _scores(qk, scale, softcap, SOFTCAP)
-        if RAW:
-            tl.store(Raw + seq.to(tl.int64) * stride_rs + head[:, None] * stride_rh + pos[None, :], s,
-                     mask=hmask[:, None] & pmask[None, :])
-        s = tl.where(pmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv = p.to(v1.dtype)
-        acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
-        acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
+        if TRANSPOSED:  # s: [keys, heads]
+            s = tl.where(pmask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            pv = p.to(v1.dtype)
+            acc1 = acc1 * alpha[None, :] + _dot(tl.trans(v1), pv, PREC, F32)
+            acc2 = acc2 * alpha[None, :] + _dot(tl.trans(v2), pv, PREC, F32)
+        else:
+            if RAW:
+                tl.store(Raw + seq.to(tl.int64) * stride_rs + head[:, None] * stride_rh + pos[None, :], s,
+                         mask=hmask[:, None] & pmask[None, :])
+            s = tl.where(pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = p.to(v1.dtype)
+            acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
+            acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
         m_i = m_new
 
+    if TRANSPOSED:
+        acc1 = tl.trans(acc1)
+        acc2 = tl.trans(acc2)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o1 = acc1 / l_safe[:, None]
     o2 = acc2 / l_safe[:, None]
@@ -410,7 +444,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n, ROT=rot, PARTIAL=k_eq_v and rot < half,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
         PREC=dot_precision(q.dtype), RAW=raw is not None, F32=dot_f32(q.dtype), ROT_CACHED=rot_keys > 0,
-        num_warps=pol.num_warps, num_stages=pol.num_stages,
+        TRANSPOSED=pol.transposed and raw is None, num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:
         le = lse if lse is not None else out
