@@ -1225,7 +1225,13 @@ def test_decode_split_policy_picks_the_h200_sweeps_best(seqs, ctx, head_dim, kv_
 
     pol = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
                                      k_eq_v=head_dim == 512)
-    assert pol.num_splits == splits
+    assert pol.num_splits == splits and not pol.transposed
+    import os
+    from unittest import mock
+    with mock.patch.dict(os.environ, {PA.TRANSPOSED_ENV: "1"}):  # the A/B switch: the same launch, transposed
+        import dataclasses
+        assert PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
+                                          k_eq_v=head_dim == 512) == dataclasses.replace(pol, transposed=True)
     if head_dim == 512:  # Gemma 4's global layers rebuild 64 of 256 angles' keys: 32-key tiles, 2 stages; one
         # sequence: at most 32 splits of 64-key tiles, 8 warps (session 23's sweep)
         part = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True, rotated_pairs=64)

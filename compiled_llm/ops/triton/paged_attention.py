@@ -14,6 +14,7 @@ per output half, each computing the full scores, so that a head_dim-512 tile kee
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ def _pow2_floor(x: int) -> int:
 
 PREFILL_INTERIOR_ENV = "COMPILED_LLM_PREFILL_INTERIOR"  # 0: every prefill key tile masked (an A/B)
 ROT_TILE_ENV = "COMPILED_LLM_DECODE_ROT_TILE"  # 32: kept-keys decode on the rebuild's 32-key tiles (an A/B)
+TRANSPOSED_ENV = "COMPILED_LLM_DECODE_TRANSPOSED"  # 1: every decode launch transposed (AttnLaunch.transposed; an A/B)
 
 
 def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, num_kv_heads: int = 1,
@@ -105,6 +107,14 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
     want = triton.next_power_of_2(triton.cdiv(waves * num_sms, base))
     by_len = _pow2_floor(triton.cdiv(ctx, min_keys))
     splits = max(1, min(want, by_len, 64))
+    pol = _decode_policy(splits, head_dim, k_eq_v, partial, rot_keys, base, block_n, warps, stages)
+    if os.environ.get(TRANSPOSED_ENV, "0") == "1":
+        return dataclasses.replace(pol, transposed=True)
+    return pol
+
+
+def _decode_policy(splits: int, head_dim: int, k_eq_v: bool, partial: bool, rot_keys: bool, base: int, block_n: int,
+                   warps: int, stages: int) -> AttnLaunch:
     if rot_keys and k_eq_v and head_dim >= 512 and os.environ.get(ROT_TILE_ENV, "64") != "32":
         # the kept keys free the rebuild's registers (sm_90: 148, no spill): 64-key tiles at 4 warps, 2 stages.
         # H200 (session 24, decode_attention.py --layers global, rot keys cached): 37.85 / 40.05 us against
