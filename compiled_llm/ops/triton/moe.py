@@ -1053,7 +1053,11 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     ids = torch.empty(num_tokens, top_k, dtype=ids_dtype, device=x.device)  # int64: the op's dtype, no cast kernel
     if num_tokens == 0:
         return (weights, ids) if align_block_m is None else (weights, ids, None)
-    lp = launch or router_launch(num_tokens, hidden, num_experts, norm=norm)
+    # the alignment needs every pick in one program: up to 16 tokens, one token block (the softmax router's
+    # default blocks are smaller: softmax_block_t)
+    one_block = align_block_m is not None and not norm and num_tokens <= 16
+    lp = launch or router_launch(num_tokens, hidden, num_experts, norm=norm,
+                                 block_t=triton.next_power_of_2(num_tokens) if one_block else None)
     has_scale = per_expert_scale is not None
     partial = torch.empty(lp.splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(num_tokens, lp.block_t), triton.cdiv(num_experts, lp.block_e), lp.splits)
