@@ -1007,12 +1007,13 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
         small = num_tokens <= ROUTER_SMALL_BLOCK_TOKENS
         if norm:
             bt = block_t or (8 if small else 16)
+            warps = 4 if small and bt == 1 else 8
         else:
             bt = block_t or softmax_block_t(num_tokens)
             small = small or bt <= 4
+            warps = 4 if bt <= 4 else 8
         n, sh = _slices(hidden, splits or (8 if small else 12), bh)
-        return RouterLaunch(True, bt, block_e or 16, bh, n, sh, num_warps or (4 if bt <= 4 and (bt == 1 or not norm)
-                                                                                else 8), num_stages or 3)
+        return RouterLaunch(True, bt, block_e or 16, bh, n, sh, num_warps or warps, num_stages or 3)
     if norm and num_tokens >= ROUTER_WIDE_MIN_TOKENS and block_e is None and splits is None:
         # H200 sweep (prefill_kernels.py, session 17), 8,192 tokens: 88.7 us against 179.2 for the tiles below
         # (the norm pass and the dot pass read a row block once per expert block there); at 1,024 tokens the

@@ -13,8 +13,8 @@ per output half, each computing the full scores, so that a head_dim-512 tile kee
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -107,28 +107,23 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
     want = triton.next_power_of_2(triton.cdiv(waves * num_sms, base))
     by_len = _pow2_floor(triton.cdiv(ctx, min_keys))
     splits = max(1, min(want, by_len, 64))
-    pol = _decode_policy(splits, head_dim, k_eq_v, partial, rot_keys, base, block_n, warps, stages)
-    if os.environ.get(TRANSPOSED_ENV, "0") == "1":
-        return dataclasses.replace(pol, transposed=True)
-    return pol
-
-
-def _decode_policy(splits: int, head_dim: int, k_eq_v: bool, partial: bool, rot_keys: bool, base: int, block_n: int,
-                   warps: int, stages: int) -> AttnLaunch:
     if rot_keys and k_eq_v and head_dim >= 512 and os.environ.get(ROT_TILE_ENV, "64") != "32":
         # the kept keys free the rebuild's registers (sm_90: 148, no spill): 64-key tiles at 4 warps, 2 stages.
         # H200 (session 24, decode_attention.py --layers global, rot keys cached): 37.85 / 40.05 us against
         # 41.45 / 42.98 for the 32-key tiles at 8 x 4.4K / 4 x 8.5K, 12.32 against 12.49 at 1 x 1.1K, 3% slower
         # at 8 x 1.1K; one sequence keeps at most 32 splits
-        return AttnLaunch(num_splits=min(splits, 32) if base <= 2 else splits, block_n=64, num_warps=4,
-                          num_stages=2)
-    if partial and head_dim >= 512 and base <= 2:
+        pol = AttnLaunch(num_splits=min(splits, 32) if base <= 2 else splits, block_n=64, num_warps=4, num_stages=2)
+    elif partial and head_dim >= 512 and base <= 2:
         # one sequence of Gemma 4's global layers (H200 sweep, session 23, decode_attention.py at 1 x 1.1K with
         # the engine's table bound): 32 splits of 64-key tiles at 8 warps, 16.64 us against 19.15 for 64 splits of
         # 32-key tiles at 4 (at 8 sequences equal, 26.27 / 26.46: the tiles above stay). ptxas sm_90: 238
         # registers, no spill (the 4-warp tile: 255 and a 56-byte spill)
-        return AttnLaunch(num_splits=min(splits, 32), block_n=64, num_warps=8, num_stages=stages)
-    return AttnLaunch(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+        pol = AttnLaunch(num_splits=min(splits, 32), block_n=64, num_warps=8, num_stages=stages)
+    else:
+        pol = AttnLaunch(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+    if os.environ.get(TRANSPOSED_ENV, "0") == "1":
+        return dataclasses.replace(pol, transposed=True)
+    return pol
 
 
 # ----------------------------------------------------------------------------------------------------
