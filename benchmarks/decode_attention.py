@@ -19,8 +19,6 @@ long shapes (1 x 8.5K, 8 x 4.4K, 4 x 8.5K). Per case:
               each value, read instead of rebuilt), the engine's launch and, unless --no-sweep, other tiles
   flashinfer  (sliding, when installed: WITH_FLASHINFER=1 and the carried wheels) FlashInfer's paged decode,
               CUDA-core and tensor-core kernels, over the same caches (issue 14 item 3)
-  transposed  the engine's launch with the products transposed (AttnLaunch.transposed: keys and values as the
-              dots' large operand), and at 64-key tiles (sliding) or 8 warps (global, kept keys)
   stream      (--stream) the engine launch's bytes streamed at its grid and tiles by a kernel that only loads
               and sums them, through the block table and with the pages computed: what the access pattern
               itself reaches, against which the attention's time (its combine launch included) is judged
@@ -85,14 +83,12 @@ def candidates(layer: dict, seqs: int, max_len: int, quick: bool) -> list[tuple[
                                       sliding_window=layer["window"], k_eq_v=layer["k_eq_v"],
                                       rotated_pairs=layer.get("rotated_pairs"))
     rot = layer.get("rotated_pairs")
-    out = [("engine", base, rot), ("engine, transposed", R(base, transposed=True), rot)]
+    out = [("engine", base, rot)]
     if layer["k_eq_v"] and rot is not None:
         full = PA.attention_launch_policy(seqs, max_len, layer["head_dim"], num_kv_heads=layer["kv_heads"],
                                           k_eq_v=True)
         out.append(("every key rebuilt (session 12)", full, None))
-    if base.block_n < 64:  # 64 keys: the transposed scores' M dimension at Hopper's warpgroup MMA size
-        out.append(("transposed bn=64", R(base, transposed=True, block_n=64), rot))
-    if quick is None:  # --no-sweep: the engine's launch (and the alternatives above) only
+    if quick is None:  # --no-sweep: the engine's launch (and its merge alternative) only
         return out
     splits = (8, 16, 32) if quick else (4, 8, 16, 32, 64)
     for n in splits:
@@ -113,7 +109,7 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
     rows = []
     ref = None
     cands = candidates(layer, seqs, args.max_len, None if args.no_sweep else args.quick)
-    for name, pol, rot in cands[:5] if args.dry_run else cands:  # (dry run: the code paths, not the sweep)
+    for name, pol, rot in cands[:4] if args.dry_run else cands:  # (dry run: the code paths, not the sweep)
         row, out = timed_row(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name), pol, caches, n,
                              per_layer, ref, args,
                              lambda c, pol=pol, rot=rot: PA.paged_decode(q, c, tables, seq_lens, policy=pol,
@@ -169,9 +165,12 @@ def rot_keys_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_la
     R = dataclasses.replace
     rot = PA.rotated_block(layer["rotated_pairs"], layer["head_dim"] // 2)
     rcaches = [rot_rows(c, opts, rot, triton.cdiv(ctx, PAGE)) for c in caches]
-    base = candidates(layer, seqs, args.max_len, None)[0][1]
-    cands = [("rot keys cached: engine", base), ("rot keys cached: engine, transposed", R(base, transposed=True)),
-             ("rot keys cached: transposed w=8", R(base, transposed=True, num_warps=8))]
+    # the launch the engine gives these rows (rot_keys: its own tiles), not the rebuilding layer's (until session 34
+    # this row timed the rebuilding layer's launch over the kept keys, so "engine" read 43 us at 4 x 8.5K where the
+    # engine takes the 40-us row of the sweep)
+    base = PA.attention_launch_policy(seqs, args.max_len, layer["head_dim"], num_kv_heads=layer["kv_heads"],
+                                      k_eq_v=True, rotated_pairs=layer["rotated_pairs"], rot_keys=True)
+    cands = [("rot keys cached: engine", base)]
     grid = [(n_, w, st, bn) for n_ in (8, 16, 32, 64) for w in (4, 8) for st in (2, 3) for bn in (32, 64)]
     if args.no_sweep:
         grid = [(base.num_splits, 4, 3, 32), (base.num_splits, 4, 2, 64), (base.num_splits, 8, 2, 64),
@@ -181,7 +180,7 @@ def rot_keys_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_la
         if p != base:
             cands.append((f"rot keys cached: splits={n_} w={w} st={st} bn={bn}", p))
     rows = []
-    for name, pol in cands[:4] if args.dry_run else cands:
+    for name, pol in cands[:3] if args.dry_run else cands:
         rows.append(timed_row(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name), pol, rcaches, n,
                               per_layer * (1 + 2 * rot / layer["head_dim"]), ref, args,
                               lambda c, pol=pol: PA.paged_decode(q, c, tables, seq_lens, policy=pol, rot_keys=rot,
@@ -374,7 +373,6 @@ def main():
             for r in rows:
                 if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx and \
                         (r["candidate"] in ("engine", "every key rebuilt (session 12)", "rot keys cached: engine")
-                         or "transposed" in r["candidate"]
                          or r is best
                          or "rebuild" in r["candidate"] or "flashinfer" in r["candidate"] or "error" in r
                          or r["candidate"].startswith("stream")):

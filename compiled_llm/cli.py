@@ -48,6 +48,31 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernel_check(config, tokens: int | None) -> int:
+    """compile-cache --dry-run --kernels: every Triton kernel start-up would build on an H100/H200, built for
+    sm_90 here (compiler/kernel_check.py); exit status 1 when one fails to build or needs more shared memory
+    than a block gets."""
+    from pathlib import Path
+
+    from compiled_llm.compiler.kernel_check import SMEM_LIMIT, check_model
+    from compiled_llm.models.loader import resolve_dtype
+    from compiled_llm.models.registry import resolve_model_class
+    from compiled_llm.runtime.model_runner import read_hf_config
+
+    hf = read_hf_config(Path(config.resolved_model()))
+    dtype = resolve_dtype(config.dtype, resolve_model_class(hf).config_from_hf(hf).torch_dtype)
+    from compiled_llm.config import default_batched_tokens
+
+    built = check_model(hf, dtype, block_size=config.block_size,
+                        max_num_batched_tokens=tokens or default_batched_tokens("cuda"))
+    bad = [b for b in built if b.error or b.shared > SMEM_LIMIT]
+    print(f"{len(built)} Triton kernels built for sm_90 (shared memory, registers and spills from ptxas):")
+    for b in built:
+        print("  " + b.row())
+    print(f"{len(bad)} failed" if bad else "all built")
+    return 1 if bad else 0
+
+
 def _audit(config, target: str, tokens: int | None) -> int:
     """compile-cache --dry-run: the graph audit (runtime/audit.py) of the checkpoint's config, no weights,
     no GPU; exit status 1 when some layer misses a fusion its model declares. target: the --device flag as
@@ -79,6 +104,8 @@ def _compile_cache(args: argparse.Namespace) -> int:
     from compiled_llm.runtime.engine import LLMEngine
 
     if args.dry_run:  # fake tensors: the config is not resolved against this machine's devices
+        if args.kernels:
+            return _kernel_check(config_from_args(args, device="cpu"), args.max_num_batched_tokens)
         return _audit(config_from_args(args, device="cpu"), args.device, args.max_num_batched_tokens)
     config = config_from_args(args)
     if not args.out:
@@ -123,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="build nothing: print the graph audit (per layer, the fusions that matched against those the "
                          "model declares; graph pieces; the largest tensor of a max-num-batched-tokens prefill) for "
                          "the GPU's graph, from config.json alone, on any machine; exit 1 on a missing fusion")
+    cc.add_argument("--kernels", action="store_true",
+                    help="with --dry-run: instead of the audit, build every Triton kernel start-up would build on an "
+                         "H100/H200 for sm_90 on this machine (no GPU) and print each one's shared memory, registers and "
+                         "spills; exit 1 when one fails to build")
     cc.add_argument("--report", action="store_true", help="print per-pass matches, graph pieces and captured graphs")
     add_engine_args(cc)
     cc.set_defaults(func=_compile_cache)

@@ -123,7 +123,7 @@ def _attn_reference(q, cache, bt, seq_lens, q_lens, *, page, kv_heads, group, he
 
 def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head_dim, window=None, softcap=None,
                      k_eq_v=False, splits=None, block_n=None, block_m=None, inloop_k=False, spans=None, seed=0,
-                     full_rebuild=False, split_d=False, transposed=False):
+                     full_rebuild=False, split_d=False):
     import torch
 
     from compiled_llm.ops.triton import paged_attention as PA
@@ -149,8 +149,7 @@ def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head
     if mode == "decode":
         base = PA.attention_launch_policy(len(seq_lens), max(seq_lens), head_dim, num_kv_heads=kv_heads,
                                           sliding_window=window, k_eq_v=k_eq_v)
-        pol = PA.AttnLaunch(num_splits=splits or base.num_splits, block_n=block_n or base.block_n,
-                            transposed=transposed)
+        pol = PA.AttnLaunch(num_splits=splits or base.num_splits, block_n=block_n or base.block_n)
         # K=V: keys rebuilt on the rotated dims only, as the engine runs it (full_rebuild: every dim)
         from compiled_llm.ops.rope import rotated_pairs
 
@@ -164,7 +163,7 @@ def _check_attention(mode, *, seq_lens, q_lens=None, page, kv_heads, group, head
     name = ("in-loop-k " if inloop_k and k_eq_v and mode == "prefill" else "") + (f"{mode} lens={seq_lens} q={q_lens if mode == 'prefill' else 1} page={page} kv={kv_heads} g={group} "
             f"d={head_dim} W={window} cap={softcap} kv=v:{k_eq_v} splits={pol.num_splits} bn={pol.block_n}"
             + (f" bm={pol.block_m}" if mode == "prefill" else "") + (f" spans={spans}" if spans else "")
-            + (" split-d" if split_d else "") + (" transposed" if transposed else "")
+            + (" split-d" if split_d else "")
             + (f" rebuilt dims/2={PA.rotated_block(rot, head_dim // 2)}" if mode == "decode" and k_eq_v else ""))
     _close(name, out, ref)
 
@@ -246,18 +245,15 @@ def check_rot_keys():
 
         seen = []
 
-        def wide(*args, transposed=False, **kw):
+        def wide(*args, **kw):
             seen.append(kw.get("rot_keys"))
-            return PA.AttnLaunch(num_splits=2, block_n=64, num_warps=4, num_stages=2, transposed=transposed)
-        real = P.attention_launch_policy
+            return PA.AttnLaunch(num_splits=2, block_n=64, num_warps=4, num_stages=2)
+        real, P.attention_launch_policy = P.attention_launch_policy, wide
         try:
-            P.attention_launch_policy = wide
             _close("rot_keys decode, 64-key tiles", triton_attention(q, 0), ref)
-            P.attention_launch_policy = lambda *a, **kw: wide(*a, transposed=True, **kw)
-            _close("rot_keys decode, 64-key tiles, transposed", triton_attention(q, 0), ref)
         finally:
             P.attention_launch_policy = real
-        assert seen == [True, True]
+        assert seen == [True]
         rows[0][..., d:] = torch.randn(rows[0][..., d:].shape, generator=g)  # (a shift alike for every key
         spoiled = triton_attention(q, 0)  # would cancel in the softmax)
     assert (spoiled - ref).abs().max() > 1e-1, "the decode kernel did not read the cached rotated keys"
@@ -359,8 +355,6 @@ SPLIT_D_CASES = [
 def check_decode():
     for case in DECODE_CASES:
         _check_attention("decode", **case)
-    for case in DECODE_CASES:  # the products with the keys and values as the large operand (AttnLaunch.transposed)
-        _check_attention("decode", **case, transposed=True)
 
 
 def _check_split_d_same(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, window=None, softcap=None,
@@ -1225,13 +1219,7 @@ def test_decode_split_policy_picks_the_h200_sweeps_best(seqs, ctx, head_dim, kv_
 
     pol = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
                                      k_eq_v=head_dim == 512)
-    assert pol.num_splits == splits and not pol.transposed
-    import os
-    from unittest import mock
-    with mock.patch.dict(os.environ, {PA.TRANSPOSED_ENV: "1"}):  # the A/B switch: the same launch, transposed
-        import dataclasses
-        assert PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
-                                          k_eq_v=head_dim == 512) == dataclasses.replace(pol, transposed=True)
+    assert pol.num_splits == splits
     if head_dim == 512:  # Gemma 4's global layers rebuild 64 of 256 angles' keys: 32-key tiles, 2 stages; one
         # sequence: at most 32 splits of 64-key tiles, 8 warps (session 23's sweep)
         part = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True, rotated_pairs=64)

@@ -13,7 +13,6 @@ per output half, each computing the full scores, so that a head_dim-512 tile kee
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -46,11 +45,6 @@ class AttnLaunch:
     # prefill: the key tiles that every row of the query tile sees whole (inside the causal edge and the window,
     # none past the last key) run without the position masks; only the edge tiles build and apply them
     interior: bool = True
-    # decode: the products with the keys and the values as the large operand (S^T = K Q^T, O^T += V^T P^T), so the
-    # dots' M dimension is the tile's keys or head_dim instead of the GQA group's few query heads (padded to 16):
-    # the shape Hopper's warpgroup MMA takes (M a multiple of 64). Not with raw scores (OmniKV's filter layers).
-    # Off by the policy until measured (benchmarks/decode_attention.py: the "transposed" candidates)
-    transposed: bool = False
 
 
 # a d=512 prefill whose keys are rebuilt in the loop cannot split the output (the rebuild needs all of v)
@@ -63,7 +57,6 @@ def _pow2_floor(x: int) -> int:
 
 PREFILL_INTERIOR_ENV = "COMPILED_LLM_PREFILL_INTERIOR"  # 0: every prefill key tile masked (an A/B)
 ROT_TILE_ENV = "COMPILED_LLM_DECODE_ROT_TILE"  # 32: kept-keys decode on the rebuild's 32-key tiles (an A/B)
-TRANSPOSED_ENV = "COMPILED_LLM_DECODE_TRANSPOSED"  # 1: every decode launch transposed (AttnLaunch.transposed; an A/B)
 
 
 def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, num_kv_heads: int = 1,
@@ -112,18 +105,15 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
         # H200 (session 24, decode_attention.py --layers global, rot keys cached): 37.85 / 40.05 us against
         # 41.45 / 42.98 for the 32-key tiles at 8 x 4.4K / 4 x 8.5K, 12.32 against 12.49 at 1 x 1.1K, 3% slower
         # at 8 x 1.1K; one sequence keeps at most 32 splits
-        pol = AttnLaunch(num_splits=min(splits, 32) if base <= 2 else splits, block_n=64, num_warps=4, num_stages=2)
-    elif partial and head_dim >= 512 and base <= 2:
+        return AttnLaunch(num_splits=min(splits, 32) if base <= 2 else splits, block_n=64, num_warps=4,
+                          num_stages=2)
+    if partial and head_dim >= 512 and base <= 2:
         # one sequence of Gemma 4's global layers (H200 sweep, session 23, decode_attention.py at 1 x 1.1K with
         # the engine's table bound): 32 splits of 64-key tiles at 8 warps, 16.64 us against 19.15 for 64 splits of
         # 32-key tiles at 4 (at 8 sequences equal, 26.27 / 26.46: the tiles above stay). ptxas sm_90: 238
         # registers, no spill (the 4-warp tile: 255 and a 56-byte spill)
-        pol = AttnLaunch(num_splits=min(splits, 32), block_n=64, num_warps=8, num_stages=stages)
-    else:
-        pol = AttnLaunch(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
-    if os.environ.get(TRANSPOSED_ENV, "0") == "1":
-        return dataclasses.replace(pol, transposed=True)
-    return pol
+        return AttnLaunch(num_splits=min(splits, 32), block_n=64, num_warps=8, num_stages=stages)
+    return AttnLaunch(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,14 +151,6 @@ def _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh,
     """Both halves of a tile's keys from the paged cache (K!=V layers): rows at (page, slot), head kvh."""
     k_off = page[:, None] * stride_kb + (slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
     return tl.load(K + k_off, mask=kvmask, other=0.0), tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
-
-
-@triton.jit
-def _qk(q, k, PREC: tl.constexpr, F32: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """q [heads, dims] . k [keys, dims]^T: [heads, keys], or with TRANSPOSED its transpose [keys, heads] as k q^T."""
-    if TRANSPOSED:
-        return _dot(k, tl.trans(q), PREC, F32)
-    return _dot(q, tl.trans(k), PREC, F32)
 
 
 @triton.jit
@@ -211,7 +193,6 @@ def _decode_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr, PARTIAL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
     RAW: tl.constexpr = False, F32: tl.constexpr = False, ROT_CACHED: tl.constexpr = False,
-    TRANSPOSED: tl.constexpr = False,
 ):
     # ROT_CACHED (with PARTIAL: AttentionSpec.rot_keys): each cached row keeps, after the value's 2 HALF
     # elements, the rotated keys of the first ROT dims of each half, [k1 | k2]: read, not rebuilt.
@@ -222,9 +203,6 @@ def _decode_kernel(
     # first ROT dims of each half are rotated. Those keys are rebuilt in the loop; on the others the key is
     # v * k_norm_weight, so the weight goes on the query once (q * w, zero on the rotated dims) and the dot
     # reads v as loaded. The full rebuild was about half of the layer's decode time on the H200 (session 13).
-    # TRANSPOSED (AttnLaunch.transposed): scores as [keys, heads] and the accumulators as [dims, heads], the
-    # softmax over axis 0; the same sums, transposed back for the stores.
-    tl.static_assert(not (TRANSPOSED and RAW), "raw scores come from the untransposed launch")
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -265,12 +243,8 @@ def _decode_kernel(
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if TRANSPOSED:
-        acc1 = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
-        acc2 = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
-    else:
-        acc1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        acc2 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for kstart in range(start, end, BLOCK_N):
         pos = kstart + n
         pmask = pos < end
@@ -289,42 +263,29 @@ def _decode_kernel(
                 v1r = tl.load(V + r_off, mask=pmask[:, None], other=0.0)
                 v2r = tl.load(V + r_off + HALF, mask=pmask[:, None], other=0.0)
                 k1r, k2r = _rebuild_keys(v1r, v2r, w1r, w2r, invr, cos_b, sin_b, kstart, q1)
-            qk = _qk(q1, v1, PREC, F32, TRANSPOSED) + _qk(q2, v2, PREC, F32, TRANSPOSED)
-            qk += _qk(q1r, k1r, PREC, F32, TRANSPOSED)
-            qk += _qk(q2r, k2r, PREC, F32, TRANSPOSED)
+            qk = _dot(q1, tl.trans(v1), PREC, F32) + _dot(q2, tl.trans(v2), PREC, F32)
+            qk += _dot(q1r, tl.trans(k1r), PREC, F32)
+            qk += _dot(q2r, tl.trans(k2r), PREC, F32)
         else:
             if K_EQ_V:
                 k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
             else:
                 k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
-            qk = _qk(q1, k1, PREC, F32, TRANSPOSED) + _qk(q2, k2, PREC, F32, TRANSPOSED)
+            qk = _dot(q1, tl.trans(k1), PREC, F32) + _dot(q2, tl.trans(k2), PREC, F32)
         s = _scores(qk, scale, softcap, SOFTCAP)
-        if TRANSPOSED:  # s: [keys, heads]
-            s = tl.where(pmask[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            pv = p.to(v1.dtype)
-            acc1 = acc1 * alpha[None, :] + _dot(tl.trans(v1), pv, PREC, F32)
-            acc2 = acc2 * alpha[None, :] + _dot(tl.trans(v2), pv, PREC, F32)
-        else:
-            if RAW:
-                tl.store(Raw + seq.to(tl.int64) * stride_rs + head[:, None] * stride_rh + pos[None, :], s,
-                         mask=hmask[:, None] & pmask[None, :])
-            s = tl.where(pmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = p.to(v1.dtype)
-            acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
-            acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
+        if RAW:
+            tl.store(Raw + seq.to(tl.int64) * stride_rs + head[:, None] * stride_rh + pos[None, :], s,
+                     mask=hmask[:, None] & pmask[None, :])
+        s = tl.where(pmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(v1.dtype)
+        acc1 = acc1 * alpha[:, None] + _dot(pv, v1, PREC, F32)
+        acc2 = acc2 * alpha[:, None] + _dot(pv, v2, PREC, F32)
         m_i = m_new
 
-    if TRANSPOSED:
-        acc1 = tl.trans(acc1)
-        acc2 = tl.trans(acc2)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o1 = acc1 / l_safe[:, None]
     o2 = acc2 / l_safe[:, None]
@@ -449,7 +410,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n, ROT=rot, PARTIAL=k_eq_v and rot < half,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
         PREC=dot_precision(q.dtype), RAW=raw is not None, F32=dot_f32(q.dtype), ROT_CACHED=rot_keys > 0,
-        TRANSPOSED=pol.transposed and raw is None, num_warps=pol.num_warps, num_stages=pol.num_stages,
+        num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:
         le = lse if lse is not None else out

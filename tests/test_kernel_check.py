@@ -1,0 +1,106 @@
+"""compiler/kernel_check.py: the engine's Triton kernels built for an H100/H200 (sm_90) on the CPU, through
+Triton's own compiler (the interpreter tests run a kernel's Python only)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_llm.compiler.kernel_check import SMEM_LIMIT, build_sm90, check_model, recorded_launches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from configs import config_dict  # noqa: E402
+
+
+def test_a_kernel_the_interpreter_runs_but_the_gpu_cannot_build_fails_here():
+    """Session 34's bug class: a jitted helper returning differently shaped tensors from its two constexpr
+    branches. Triton's interpreter ran it (every CPU test passed); its compiler refuses it whichever branch is
+    taken, as the H200's build did; the same helper with one return builds."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def pick(a, FLIP: tl.constexpr):
+        if FLIP:
+            return tl.trans(a)
+        return a
+
+    @triton.jit
+    def pick_once(a, FLIP: tl.constexpr):
+        if FLIP:
+            r = tl.trans(a)
+        else:
+            r = a
+        return r
+
+    def kernel_with(helper):
+        @triton.jit
+        def k(X, Y, FLIP: tl.constexpr):
+            i = tl.arange(0, 16)
+            j = tl.arange(0, 32)
+            a = tl.load(X + i[:, None] * 32 + j[None, :])
+            b = helper(a, FLIP)
+            tl.store(Y + tl.arange(0, 512), tl.reshape(b, [512]))
+        return k
+
+    x, y = torch.zeros(16, 32, dtype=torch.bfloat16), torch.zeros(512, dtype=torch.bfloat16)
+    for helper, ok in ((pick, False), (pick_once, True)):
+        with recorded_launches() as launches:
+            kernel_with(helper)[(1,)](x, y, FLIP=True)
+        assert len(launches) == 1 and launches[0].kwargs["FLIP"] is True
+        if ok:
+            ptx = build_sm90(launches[0]).asm["ptx"]
+            assert ".target sm_90" in ptx
+        else:
+            with pytest.raises(Exception) as err:
+                build_sm90(launches[0])
+            chain = [err.value]
+            while chain[-1].__cause__ is not None:
+                chain.append(chain[-1].__cause__)
+            assert any("return types" in str(e) for e in chain), chain  # (the wording differs by Triton version)
+
+
+@pytest.mark.parametrize("name", ["gemma-4-26b-a4b", "qwen3.5-35b-a3b"])
+def test_every_kernel_start_up_builds_on_an_h200_builds_for_sm90(name):
+    """Every Triton launch start-up warm-up makes for the released config on an H100/H200 (the providers chosen
+    for one) builds for sm_90 within a block's shared memory; the decode attention, the MoE GEMMs and the
+    decode projections are among them, and the large-tile prefill GEMMs take Hopper's warpgroup MMA."""
+    built = check_model(config_dict(name), torch.bfloat16)
+    failed = [b.row() for b in built if b.error or b.shared > SMEM_LIMIT]
+    assert not failed, "\n".join(failed)
+    names = {b.launch.name for b in built}
+    assert {"_decode_kernel", "_prefill_kernel", "_gate_up_kernel", "_down_kernel", "_skinny_kernel"} <= names
+    assert any(b.wgmma for b in built if b.launch.name == "_gate_up_kernel")
+    assert all(b.registers > 0 for b in built)  # ptxas read each one
+
+
+def test_compile_cache_dry_run_kernels_prints_each_kernels_build(tmp_path, capsys):
+    """`compile-cache --dry-run --kernels` from a config.json alone: the table, one row a distinct kernel build,
+    and exit 0; a kernel that cannot build for sm_90 makes it exit 1 and names it."""
+    import json
+    from unittest import mock
+
+    from compiled_llm.cli import main
+    from compiled_llm.compiler import kernel_check
+
+    (tmp_path / "config.json").write_text(json.dumps(config_dict("gemma-4-26b-a4b")))
+    args = ["compile-cache", "--dry-run", "--kernels", "--model", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Triton kernels built for sm_90" in out and "all built" in out
+    assert any(line.strip().startswith("_decode_kernel") and "regs" in line for line in out.splitlines())
+
+    real = kernel_check.build_sm90
+
+    def refuse_decode(launch):
+        if launch.name == "_decode_kernel":
+            raise RuntimeError("no registers left")
+        return real(launch)
+
+    with mock.patch.object(kernel_check, "build_sm90", refuse_decode):
+        assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "_decode_kernel" in out and "FAILED RuntimeError: no registers left" in out and "failed" in out
