@@ -50,11 +50,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _kernel_check(config, tokens: int | None) -> int:
     """compile-cache --dry-run --kernels: every Triton kernel start-up would build on an H100/H200, built for
-    sm_90 here (compiler/kernel_check.py); exit status 1 when one fails to build or needs more shared memory
+    sm_90 here (runtime/kernel_check.py); exit status 1 when one fails to build or needs more shared memory
     than a block gets."""
     from pathlib import Path
 
-    from compiled_llm.compiler.kernel_check import SMEM_LIMIT, check_model
+    from compiled_llm.runtime.kernel_check import SMEM_LIMIT, check_model
     from compiled_llm.models.loader import resolve_dtype
     from compiled_llm.models.registry import resolve_model_class
     from compiled_llm.runtime.model_runner import read_hf_config

@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# kernels (check_kernels_gpu.py, KERNELS_ARGS) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env;
+# kernels (check_kernels_gpu.py, KERNELS_ARGS) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -44,6 +44,8 @@ from tiny_models import make_checkpoint; make_checkpoint(Path('/tmp/ckpt_all'), 
 
 for step in $steps; do
   case $step in
+    kernel_check) run kernel_check 200 python3 scripts/kernel_check_gpu.py --config ${KCHECK_CONFIG:-gemma-4-26b-a4b} \
+                    --out "$OUT/kernel_check_${KCHECK_CONFIG:-gemma-4-26b-a4b}.json" ;;  # CPU-recorded builds = the GPU's?
     kernels) run kernels 180 python3 scripts/check_kernels_gpu.py ${KERNELS_ARGS:---only decode,logits --no-time} ;;
     correctness) run correctness 240 python3 scripts/gpu_check.py --compiled --names ${CHECK_NAMES:-all,moe,k_eq_v} ;;
     compiler) run compiler 240 python3 scripts/compiler_gpu_check.py --sections kernels,models --names dense32,moe32,all32 --out "$OUT" ;;

@@ -670,9 +670,9 @@ def _check_moe_tma():
         handler = logging.Handler()
         handler.emit = records.append
         M.log.addHandler(handler)
-        gpu = SimpleNamespace(is_cuda=True, device="cuda:7")
+        gpu = SimpleNamespace(is_cuda=True, device=torch.device("cuda:7"))
         try:
-            with mock.patch.dict(M._TMA_DEVICES, {"cuda:7": True}):
+            with mock.patch.dict(M._TMA_DEVICES, {torch.device("cuda:7"): True}):
                 pol = M.moe_launch_policy(8192, 8, 128, 2816, 352)
                 for _ in range(2):
                     assert not M.tma_usable(gpu, torch.zeros(4, 704, 256), torch.zeros(4, 256, 352), pol)

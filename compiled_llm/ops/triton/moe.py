@@ -541,19 +541,23 @@ _TMA_DEVICES: dict[torch.device, bool] = {}
 _TMA_WARNED: set = set()
 
 
+def has_tma(device: torch.device) -> bool:
+    """The device has TMA (compute capability 9.0+), or the Triton interpreter, which emulates it.
+    (runtime/kernel_check.py answers for an H100/H200 while it records launches on CPU tensors.)"""
+    if _INTERPRETED:
+        return True
+    if device.type != "cuda":
+        return False
+    if device not in _TMA_DEVICES:
+        _TMA_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _TMA_DEVICES[device]
+
+
 def tma_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, pol: MoELaunch) -> bool:
     """MoELaunch.tma can run here: a device with TMA (compute capability 9.0+; the Triton interpreter emulates
     it), whole weight tensors (their 2D views are the descriptors' tensors), and column tiles that divide the
     expert's rows (a tile must not cross into the next expert, or from gate to up)."""
-    if _INTERPRETED:
-        ok = True
-    elif x.is_cuda:
-        if x.device not in _TMA_DEVICES:
-            _TMA_DEVICES[x.device] = torch.cuda.get_device_capability(x.device)[0] >= 9
-        ok = _TMA_DEVICES[x.device]
-    else:
-        ok = False
-    if not ok:
+    if not has_tma(x.device):
         return False
     inter, hidden = down_proj.shape[2], down_proj.shape[1]
     fits = (gate_up_proj.is_contiguous() and down_proj.is_contiguous() and inter % pol.a_block_n == 0

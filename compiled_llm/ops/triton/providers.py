@@ -204,7 +204,9 @@ def _attention_keys(facts: dict) -> list:
 def _attention_compile(key, device) -> None:
     """Prefill once, and decode at every split count the policy can choose (each is its own build)."""
     _, dtype, head_dim, group, sliding, softcap, k_eq_v, rot = key
-    kw = dict(k_eq_v=k_eq_v, num_heads=group, window=64 if sliding else None, softcap=30.0 if softcap else None,
+    # a window wider than any context here, so that the split counts below reach a sliding layer's decode too
+    # (a 64-token window kept it at one split: its split launch built at its first real launch)
+    kw = dict(k_eq_v=k_eq_v, num_heads=group, window=1 << 20 if sliding else None, softcap=30.0 if softcap else None,
               rot_keys=rot)
     with scratch_context(head_dim, dtype, device, tokens=3, **kw):
         attention(torch.zeros(6, group * head_dim, dtype=dtype, device=device), 0)

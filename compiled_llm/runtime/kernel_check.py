@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
+from compiled_llm.ops.registry import Capabilities
+
 SM90 = ("cuda", 90, 32)  # an H100 / H200: (backend, compute capability, warp size)
+H100_CAPS = Capabilities("cuda", (9, 0), frozenset({"triton"}))  # the providers resolved as there (no FlashInfer)
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
@@ -61,21 +64,26 @@ class Built:
 
 
 @contextlib.contextmanager
-def recorded_launches():
-    """Within: Triton launches are recorded (kernel, arguments, options) into the yielded list, not run."""
+def recorded_launches(as_sm90: bool = False):
+    """Within: Triton launches are recorded (kernel, arguments, options) into the yielded list, not run.
+    as_sm90: the wrappers' device checks answer as an H100/H200 would for CPU tensors (TMA: ops/triton/moe.py)."""
     from triton.runtime.jit import JITFunction
 
+    from compiled_llm.ops.triton import moe
+
     launches: list[Launch] = []
-    run = JITFunction.run
+    run, has_tma = JITFunction.run, moe.has_tma
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(Launch(self, args, kwargs))
 
     JITFunction.run = record
+    if as_sm90:
+        moe.has_tma = lambda device: True
     try:
         yield launches
     finally:
-        JITFunction.run = run
+        JITFunction.run, moe.has_tma = run, has_tma
 
 
 def build_sm90(launch: Launch):
@@ -122,24 +130,30 @@ def check_launch(launch: Launch, usage: bool = True) -> Built:
 
 
 def distinct(launches: list[Launch]) -> list[Launch]:
-    """One launch per (kernel, argument types and constexprs, options): those Triton would build once."""
+    """One launch per build Triton would make: the kernel, its constexprs' values and launch options, and its
+    other arguments' specialisation (dtype and 16-byte alignment, ints equal to 1 or divisible by 16)."""
     seen, out = set(), []
     for lz in launches:
-        sig = (lz.kernel, tuple(_shape_key(a) for a in lz.args),
-               tuple(sorted((k, _shape_key(v)) for k, v in lz.kwargs.items())))
+        params = lz.kernel.params
+        args = tuple(_spec_key(v, params[i]) for i, v in enumerate(lz.args))
+        named = {p.name: p for p in params}
+        kwargs = tuple(sorted((k, _spec_key(v, named.get(k))) for k, v in lz.kwargs.items()))
+        sig = (lz.kernel, args, kwargs)
         if sig not in seen:
             seen.add(sig)
             out.append(lz)
     return out
 
 
-def _shape_key(v):
+def _spec_key(v, param):
+    if param is None or param.is_constexpr:  # a constexpr or a launch option: its value
+        return repr(v)
     if isinstance(v, torch.Tensor):
         return ("tensor", v.dtype, v.data_ptr() % 16 == 0)
     if isinstance(v, bool) or v is None:
         return v
     if isinstance(v, int):
-        return ("int", v == 1, v % 16 == 0)
+        return ("int",) if param.do_not_specialize else ("int", v == 1, v % 16 == 0, v >= 2 ** 31)
     if isinstance(v, float):
         return "float"
     return repr(v)
@@ -152,7 +166,6 @@ def engine_launches(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block_
     from compiled_llm.compiler.warmup import kernel_keys
     from compiled_llm.models.registry import resolve_model_class
     from compiled_llm.ops.registry import model_facts, preserved_choices, select_providers
-    from compiled_llm.runtime.audit import GPU
 
     model_cls = resolve_model_class(hf_config)
     cfg = model_cls.config_from_hf(hf_config)
@@ -162,12 +175,12 @@ def engine_launches(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block_
         specs = model.attention_specs()
         facts = model_facts(cfg, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                             tp_size=1, states=model.state_specs() if hasattr(model, "state_specs") else None)
-        select_providers(torch.device("cuda"), dtype, specs, facts, caps=GPU)
+        select_providers(torch.device("cuda"), dtype, specs, facts, caps=H100_CAPS)
         out: list[Launch] = []
         for kernel, key in kernel_keys(dict(facts, dtype=dtype, layers=specs)):
             if kernel.provider != "triton" or (only and kernel.name not in only):
                 continue
-            with recorded_launches() as launches, torch.inference_mode():
+            with recorded_launches(as_sm90=True) as launches, torch.inference_mode():
                 kernel.compile(key, torch.device("cpu"))
             for lz in launches:
                 lz.source = f"{kernel.name} {key!r}"[:120]
@@ -177,6 +190,10 @@ def engine_launches(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block_
 
 def check_model(hf_config: dict, dtype: torch.dtype = torch.bfloat16, usage: bool = True, block_size: int = 16,
                 max_num_batched_tokens: int = 8192, only: set[str] | None = None) -> list[Built]:
-    """Each distinct launch of engine_launches, built for sm_90 (usage: with ptxas's registers and spills)."""
-    return [check_launch(lz, usage) for lz in engine_launches(hf_config, dtype, block_size, max_num_batched_tokens,
-                                                              only=only)]
+    """Each distinct launch of engine_launches, built for sm_90 (usage: with ptxas's registers and spills), on
+    every core (Triton's compiler releases the GIL: two threads halve a model's ~35 s on two cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    launches = engine_launches(hf_config, dtype, block_size, max_num_batched_tokens, only=only)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda lz: check_launch(lz, usage), launches))
