@@ -119,6 +119,8 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
         ref = out if ref is None else ref
     if args.stream:
         rows += stream_rows(layer, seqs, ctx, caches, tables, seq_lens, opts, n, per_layer, args)
+    if args.ladder and not layer["k_eq_v"]:
+        rows += ladder_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, ref, args)
     if not layer["k_eq_v"] and not args.dry_run:
         rows += flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref, args)
     if layer["k_eq_v"] and layer.get("rotated_pairs"):
@@ -290,6 +292,116 @@ def _stream_kernel(K, V, BlockTables, SeqLens, Out, stride_kb, stride_ks, stride
     tl.store(Out + (seq * tl.num_programs(1) + kvh) * tl.num_programs(2) + split, total)
 
 
+@triton.jit(do_not_specialize=["num_splits"])
+def _ladder_kernel(Q, K, V, BlockTables, SeqLens, MidO, MidLse, Out, stride_qs, stride_qh, stride_kb, stride_ks,
+                   stride_kh, stride_bt, stride_ms, stride_mh, stride_ls, stride_lh, scale, window, num_splits,
+                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, LEVEL: tl.constexpr):
+    """--ladder (K!=V layers): the decode kernel's program (seq, KV head, split) rebuilt one piece at a time, at its
+    grid, tiles and loads (each half of K and V a [BLOCK_N, HALF] load through the block table).
+    LEVEL 0: the loads only, summed by dots with a block of ones ([BLOCK_H, BLOCK_N], the scores' shape);
+    1: + the query and the scores (QK^T of both halves; their maximum kept); 2: + the online softmax (its sums kept);
+    3: + the PV products (the whole loop); 4: + the partial results' stores (the engine's kernel; MidO/MidLse as
+    its split launch writes them). Levels 0-3 store one number a program, so nothing they compute is dropped."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    start, end = PA.split_range(SeqLens, seq, split, window, num_splits, BLOCK_N, SLIDING)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < GROUP
+    head = kvh * GROUP + h
+    d = tl.arange(0, HALF)
+    n = tl.arange(0, BLOCK_N)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    q_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + d[None, :]
+    q1 = tl.load(q_ptr, mask=hmask[:, None], other=0.0)
+    q2 = tl.load(q_ptr + HALF, mask=hmask[:, None], other=0.0)
+    ones = tl.full([BLOCK_H, BLOCK_N], 1.0, K.dtype.element_ty)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    for kstart in range(start, end, BLOCK_N):
+        pos = kstart + n
+        pmask = pos < end
+        page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+        off = page[:, None] * stride_kb + ((pos % PAGE) * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+        k1 = tl.load(K + off, mask=pmask[:, None], other=0.0)
+        k2 = tl.load(K + off + HALF, mask=pmask[:, None], other=0.0)
+        v1 = tl.load(V + off, mask=pmask[:, None], other=0.0)
+        v2 = tl.load(V + off + HALF, mask=pmask[:, None], other=0.0)
+        if LEVEL == 0:
+            acc1 += tl.dot(ones, k1) + tl.dot(ones, v1)
+            acc2 += tl.dot(ones, k2) + tl.dot(ones, v2)
+        else:
+            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * (scale * 1.4426950408889634)
+            s = tl.where(pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if LEVEL == 1:
+                acc1 += tl.dot(ones, v1)
+                acc2 += tl.dot(ones, v2)
+            else:
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if LEVEL == 2:
+                    acc1 = acc1 * alpha[:, None] + tl.dot(ones, v1)
+                    acc2 = acc2 * alpha[:, None] + tl.dot(ones, v2)
+                else:
+                    pv = p.to(v1.dtype)
+                    acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1)
+                    acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2)
+            m_i = m_new
+    if LEVEL < 4:
+        total = tl.sum(tl.sum(acc1, 1) + tl.sum(acc2, 1), 0) + tl.sum(tl.where(hmask, m_i + l_i, 0.0), 0)
+        tl.store(Out + (seq * tl.num_programs(1) + kvh) * tl.num_programs(2) + split, total)
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o_ptr = MidO + seq * stride_ms + head[:, None] * stride_mh + split * (2 * HALF) + d[None, :]
+        tl.store(o_ptr, acc1 / l_safe[:, None], mask=hmask[:, None])
+        tl.store(o_ptr + HALF, acc2 / l_safe[:, None], mask=hmask[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(MidLse + seq * stride_ls + head * stride_lh + split, lse, mask=hmask)
+
+
+def ladder_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, ref, args) -> list[dict]:
+    """--ladder (K!=V layers): _ladder_kernel at each level, at the engine launch's grid and tiles; the top level's
+    partial results, merged by the engine's combine kernel, equal the engine's output (checked)."""
+    pol = candidates(layer, seqs, args.max_len, None)[0][1]
+    d, kv = layer["head_dim"], layer["kv_heads"]
+    heads = q.shape[1]
+    group = heads // kv
+    splits = pol.num_splits
+    mid_o = torch.empty(seqs, heads, splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(seqs, heads, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(seqs * kv * splits, dtype=torch.float32, device=q.device)
+    names = ["loads only", "+ scores", "+ softmax", "+ PV products", "+ partial stores (the engine's kernel)"]
+    rows = []
+    for level, name in enumerate(names):
+        def launch(c, level=level):
+            k, v = c[0], c[1]
+            _ladder_kernel[(seqs, kv, splits)](
+                q, k, v, tables, seq_lens, mid_o, mid_lse, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                k.stride(2), tables.stride(0), mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
+                mid_lse.stride(1), float(opts["scale"]), int(layer["window"] or 0), splits, GROUP=group,
+                BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=d // 2, PAGE=PAGE, BLOCK_N=pol.block_n,
+                SLIDING=layer["window"] is not None, LEVEL=level, num_warps=pol.num_warps, num_stages=pol.num_stages)
+            return out
+
+        launch(caches[0])
+        diff = None
+        if level == 4:  # the engine's combine over these partial results: the engine's output
+            got = PA.combine_splits(mid_o, mid_lse, torch.empty_like(ref))
+            diff = (got.float() - ref.float()).abs().max().item()
+            assert diff < 2e-2, ("ladder top level against the engine", diff)
+        us = float("nan") if args.dry_run else graph_time_us(lambda: [launch(c) for c in caches][-1],
+                                                            replays=args.replays, calls=1) / n
+        rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=f"ladder {level}: {name}", us=us,
+                         gbps=per_layer / us / 1e3 if us == us else None, splits=splits, warps=pol.num_warps,
+                         stages=pol.num_stages, block_n=pol.block_n, **({} if diff is None else dict(max_diff=diff))))
+    return rows
+
+
 def stream_rows(layer, seqs, ctx, caches, tables, seq_lens, opts, n, per_layer, args) -> list[dict]:
     """--stream: the bytes the engine's launch reads, streamed by _stream_kernel at the same grid and tiles (no
     combine launch), through the block table and without it: the access pattern's own bandwidth, against which
@@ -349,6 +461,8 @@ def main():
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--stream", action="store_true", help="also stream the engine launch's bytes without the "
                     "attention (the access pattern's bandwidth), through the block table and without it")
+    ap.add_argument("--ladder", action="store_true", help="(sliding) the decode kernel rebuilt one piece at a time "
+                    "(loads, scores, softmax, PV, partial stores) at the engine's grid: where its time over the stream goes")
     ap.add_argument("--cases", default=None, help="seqs x context pairs, e.g. 4x8500,8x1100 (default: all five)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out")
@@ -368,16 +482,16 @@ def main():
             rows += run_case(layer, seqs, ctx, args, dev, dtype)
             best = min((r for r in rows if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx
                         and r.get("us") == r.get("us") and "us" in r and "rebuild" not in r["candidate"]
-                        and not r["candidate"].startswith("stream")),
+                        and not r["candidate"].startswith("stream") and not r["candidate"].startswith("ladder")),
                        key=lambda r: r["us"], default=None)
             for r in rows:
                 if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx and \
                         (r["candidate"] in ("engine", "every key rebuilt (session 12)", "rot keys cached: engine")
                          or r is best
                          or "rebuild" in r["candidate"] or "flashinfer" in r["candidate"] or "error" in r
-                         or r["candidate"].startswith("stream")):
+                         or r["candidate"].startswith("stream") or r["candidate"].startswith("ladder")):
                     print(f"{r['layer']:8} S={seqs} ctx={ctx:5}  {r['candidate']:36} "
-                          + (f"{r['us']:8.2f} us  {r['gbps'] or 0:7.0f} GB/s  diff {r.get('max_diff', 0):.1e}"
+                          + (f"{r['us']:8.2f} us  {r['gbps'] or 0:7.0f} GB/s  diff {r.get('max_diff') or 0:.1e}"
                              if "us" in r else r["error"]) + ("  <- best" if r is best else ""), flush=True)
     print(f"done in {time.time() - t0:.0f}s")
     if args.out:

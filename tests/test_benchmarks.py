@@ -286,20 +286,24 @@ def test_the_narrow_decode_launches_are_what_the_h200_run_measured_fastest():
 
 def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     """benchmarks/decode_attention.py and pdl_chain.py run their whole path on the CPU (Triton interpreter,
-    tiny shapes): every candidate agrees with the engine's launch, the global layer's full key rebuild and
+    tiny shapes): every candidate agrees with the engine's launch (--ladder's top level too), the global layer's full key rebuild and
     the partial one agree, --stream's kernel sums exactly the rows the engine's launch reads (checked inside, with
     and without the block table), and the chain's Triton GEMMs equal cuBLAS's (float32)."""
     import subprocess
 
     out = tmp_path / "attn.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--dry-run", "--quick",
-                        "--stream", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "--stream", "--ladder", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     checked = [row for row in rows if "max_diff" in row]
     assert len(checked) >= 12 and all(row["max_diff"] < 1e-4 for row in checked), checked
     assert {row["candidate"] for row in rows if row["layer"] == "global"} >= {
         "engine", "every key rebuilt (session 12)", "no-rebuild (K!=V path, same bytes)"}
+    # --ladder: the sliding layer's kernel rebuilt in five levels, the top one merged equal to the engine's output
+    ladder = [row for row in rows if row["candidate"].startswith("ladder")]
+    assert [row["candidate"][:8] for row in ladder] == [f"ladder {i}" for i in range(5)] * 2
+    assert all(row["max_diff"] < 1e-4 for row in ladder if row["candidate"].startswith("ladder 4"))
     streams = [row for row in rows if row["candidate"].startswith("stream")]
     assert len(streams) == 2 * 2 * 2  # both layers, both cases, with and without the block table
     out = tmp_path / "pdl.json"

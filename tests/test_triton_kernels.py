@@ -306,6 +306,8 @@ DECODE_CASES = [
          full_rebuild=True),
     # one sequence's 64-key tiles (the batch-1 global-layer launch), a partial last tile
     dict(seq_lens=[150], page=16, kv_heads=2, group=8, head_dim=128, k_eq_v=True, splits=2, block_n=64),
+    # 40 splits: the combine's 64-split block in four chunks of dims, the short sequence's later splits empty
+    dict(seq_lens=[700, 45], page=16, kv_heads=1, group=2, head_dim=256, splits=40, block_n=16),
 ]
 
 PREFILL_CASES = [

@@ -40,8 +40,8 @@ from compiled_llm.ops.context import layer_cache
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.sparse import SPARSE_KEY, _streaming_shift, index_buffer, omnikv_select, staging_buffer
 from compiled_llm.ops.triton._common import _dot, _reduce_angle, dot_f32, dot_precision
-from compiled_llm.ops.triton.paged_attention import (AttnLaunch, _cached_keys, _combine_kernel, _scores,
-                                                     attention_launch_policy, paged_decode, paged_prefill,
+from compiled_llm.ops.triton.paged_attention import (AttnLaunch, _cached_keys, _scores, attention_launch_policy,
+                                                     combine_splits, paged_decode, paged_prefill,
                                                      rotated_block)
 
 DENSE, INDEX, STREAMING = 0, 1, 2
@@ -381,12 +381,7 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         STAGED=staged, num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     if not direct:
-        _combine_kernel[(rows, num_heads)](
-            mid_o, mid_lse, out, out, splits,
-            mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), 0,
-            HEAD_DIM=head_dim, BLOCK_DV=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4,
-        )
+        combine_splits(mid_o, mid_lse, out)
     return out
 
 
