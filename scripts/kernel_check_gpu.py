@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from configs import config_dict  # noqa: E402
 
-from compiled_llm.runtime.kernel_check import H100_CAPS, check_launch, engine_launches  # noqa: E402
+from compiled_llm.runtime.kernel_check import check_launch, engine_launches, h100_kernel_keys  # noqa: E402
 
 
 def main() -> int:
@@ -40,10 +40,6 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from triton import knobs
-
-    from compiled_llm.compiler.warmup import kernel_keys, precompile_kernels  # noqa: F401
-    from compiled_llm.models.registry import resolve_model_class
-    from compiled_llm.ops.registry import model_facts, preserved_choices, select_providers
 
     hits, builds = Counter(), Counter()
     builds_by_step: dict[str, list] = {"cpu": [], "cuda": []}  # (name, specialisation) of each build, by step
@@ -75,28 +71,19 @@ def main() -> int:
 
     step[0] = "cuda"
     t0 = time.time()
-    hf = config_dict(a.config)
-    cfg = resolve_model_class(hf).config_from_hf(hf)
-    with preserved_choices():
-        with torch.device("meta"):
-            model = resolve_model_class(hf)(cfg)
-        specs = model.attention_specs()
-        facts = model_facts(cfg, block_size=16, max_num_batched_tokens=8192, tp_size=1)
-        select_providers(torch.device("cuda"), torch.bfloat16, specs, facts, caps=H100_CAPS)
-        facts = dict(facts, dtype=torch.bfloat16, layers=specs)
-        from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction
 
-        launch = JITFunction.run
+    launch = JITFunction.run
 
-        def compile_only(self, *args, grid, warmup, **kwargs):
-            return launch(self, *args, grid=grid, warmup=True, **kwargs)
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
+    with h100_kernel_keys(config_dict(a.config)) as keys:
         JITFunction.run = compile_only
         try:
             with torch.inference_mode():
-                for kernel, key in kernel_keys(facts):
-                    if kernel.provider == "triton":
-                        kernel.compile(key, torch.device("cuda"))
+                for kernel, key in keys:
+                    kernel.compile(key, torch.device("cuda"))
         finally:
             JITFunction.run = launch
     torch.cuda.synchronize()
