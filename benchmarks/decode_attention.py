@@ -119,7 +119,7 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
         ref = out if ref is None else ref
     if args.stream:
         rows += stream_rows(layer, seqs, ctx, caches, tables, seq_lens, opts, n, per_layer, args)
-    if args.ladder and not layer["k_eq_v"]:
+    if args.ladder and (not layer["k_eq_v"] or layer.get("rotated_pairs")):
         rows += ladder_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, ref, args)
     if not layer["k_eq_v"] and not args.dry_run:
         rows += flashinfer_rows(layer, seqs, ctx, caches, tables, q, opts, n, per_layer, ref, args)
@@ -293,12 +293,14 @@ def _stream_kernel(K, V, BlockTables, SeqLens, Out, stride_kb, stride_ks, stride
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _ladder_kernel(Q, K, V, BlockTables, SeqLens, MidO, MidLse, Out, stride_qs, stride_qh, stride_kb, stride_ks,
-                   stride_kh, stride_bt, stride_ms, stride_mh, stride_ls, stride_lh, scale, window, num_splits,
-                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, LEVEL: tl.constexpr):
-    """--ladder (K!=V layers): the decode kernel's program (seq, KV head, split) rebuilt one piece at a time, at its
-    grid, tiles and loads (each half of K and V a [BLOCK_N, HALF] load through the block table).
+def _ladder_kernel(Q, K, V, KNorm, BlockTables, SeqLens, MidO, MidLse, Out, stride_qs, stride_qh, stride_kb,
+                   stride_ks, stride_kh, stride_bt, stride_ms, stride_mh, stride_ls, stride_lh, scale, window,
+                   num_splits, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, LEVEL: tl.constexpr, ROT: tl.constexpr = 0):
+    """--ladder: the decode kernel's program (seq, KV head, split) rebuilt one piece at a time, at its grid, tiles
+    and loads (each half of K and V a [BLOCK_N, HALF] load through the block table). ROT > 0: a global K=V layer's
+    rows that keep their rotated keys ([v | k1 | k2], AttentionSpec.rot_keys), read as the kernel reads them: the
+    values' halves, then ROT rotated key dims of each half; the query times k_norm_weight on the other dims.
     LEVEL 0: the loads only, summed by dots with a block of ones ([BLOCK_H, BLOCK_N], the scores' shape);
     1: + the query and the scores (QK^T of both halves; their maximum kept); 2: + the online softmax (its sums kept);
     3: + the PV products (the whole loop); 4: + the partial results' stores (the engine's kernel; MidO/MidLse as
@@ -316,6 +318,17 @@ def _ladder_kernel(Q, K, V, BlockTables, SeqLens, MidO, MidLse, Out, stride_qs, 
     q_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + d[None, :]
     q1 = tl.load(q_ptr, mask=hmask[:, None], other=0.0)
     q2 = tl.load(q_ptr + HALF, mask=hmask[:, None], other=0.0)
+    if ROT > 0:
+        r = tl.arange(0, ROT)
+        plain = d >= ROT
+        w1 = tl.load(KNorm + d, mask=plain, other=0.0).to(tl.float32)
+        w2 = tl.load(KNorm + HALF + d, mask=plain, other=0.0).to(tl.float32)
+        q1 = (q1.to(tl.float32) * w1[None, :]).to(q1.dtype)
+        q2 = (q2.to(tl.float32) * w2[None, :]).to(q2.dtype)
+        qr_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + r[None, :]
+        q1r = tl.load(qr_ptr, mask=hmask[:, None], other=0.0)
+        q2r = tl.load(qr_ptr + HALF, mask=hmask[:, None], other=0.0)
+        accr = tl.zeros([BLOCK_H, ROT], tl.float32)
     ones = tl.full([BLOCK_H, BLOCK_N], 1.0, K.dtype.element_ty)
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -326,15 +339,31 @@ def _ladder_kernel(Q, K, V, BlockTables, SeqLens, MidO, MidLse, Out, stride_qs, 
         pmask = pos < end
         page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
         off = page[:, None] * stride_kb + ((pos % PAGE) * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
-        k1 = tl.load(K + off, mask=pmask[:, None], other=0.0)
-        k2 = tl.load(K + off + HALF, mask=pmask[:, None], other=0.0)
         v1 = tl.load(V + off, mask=pmask[:, None], other=0.0)
         v2 = tl.load(V + off + HALF, mask=pmask[:, None], other=0.0)
-        if LEVEL == 0:
-            acc1 += tl.dot(ones, k1) + tl.dot(ones, v1)
-            acc2 += tl.dot(ones, k2) + tl.dot(ones, v2)
+        if ROT > 0:
+            roff = page[:, None] * stride_kb + ((pos % PAGE) * stride_ks + kvh * stride_kh)[:, None] + r[None, :]
+            k1r = tl.load(V + roff + 2 * HALF, mask=pmask[:, None], other=0.0)
+            k2r = tl.load(V + roff + 2 * HALF + ROT, mask=pmask[:, None], other=0.0)
         else:
-            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * (scale * 1.4426950408889634)
+            k1 = tl.load(K + off, mask=pmask[:, None], other=0.0)
+            k2 = tl.load(K + off + HALF, mask=pmask[:, None], other=0.0)
+        if LEVEL == 0:
+            if ROT > 0:
+                acc1 += tl.dot(ones, v1)
+                acc2 += tl.dot(ones, v2)
+                accr += tl.dot(ones, k1r) + tl.dot(ones, k2r)
+            else:
+                acc1 += tl.dot(ones, k1) + tl.dot(ones, v1)
+                acc2 += tl.dot(ones, k2) + tl.dot(ones, v2)
+        else:
+            if ROT > 0:
+                qk = tl.dot(q1, tl.trans(v1)) + tl.dot(q2, tl.trans(v2))
+                qk += tl.dot(q1r, tl.trans(k1r))
+                qk += tl.dot(q2r, tl.trans(k2r))
+            else:
+                qk = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+            s = qk * (scale * 1.4426950408889634)
             s = tl.where(pmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             if LEVEL == 1:
@@ -354,6 +383,8 @@ def _ladder_kernel(Q, K, V, BlockTables, SeqLens, MidO, MidLse, Out, stride_qs, 
             m_i = m_new
     if LEVEL < 4:
         total = tl.sum(tl.sum(acc1, 1) + tl.sum(acc2, 1), 0) + tl.sum(tl.where(hmask, m_i + l_i, 0.0), 0)
+        if ROT > 0:
+            total += tl.sum(tl.sum(accr, 1), 0)
         tl.store(Out + (seq * tl.num_programs(1) + kvh) * tl.num_programs(2) + split, total)
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -365,10 +396,21 @@ def _ladder_kernel(Q, K, V, BlockTables, SeqLens, MidO, MidLse, Out, stride_qs, 
 
 
 def ladder_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, ref, args) -> list[dict]:
-    """--ladder (K!=V layers): _ladder_kernel at each level, at the engine launch's grid and tiles; the top level's
-    partial results, merged by the engine's combine kernel, equal the engine's output (checked)."""
-    pol = candidates(layer, seqs, args.max_len, None)[0][1]
+    """--ladder: _ladder_kernel at each level, at the engine launch's grid and tiles (a K=V layer: over the rows
+    keeping their rotated keys, at the engine's launch for them); the top level's partial results, merged by the
+    engine's combine, equal the engine's output (checked)."""
     d, kv = layer["head_dim"], layer["kv_heads"]
+    rot = 0
+    if layer["k_eq_v"]:
+        rot = PA.rotated_block(layer["rotated_pairs"], d // 2)
+        caches = [rot_rows(c, opts, rot, triton.cdiv(ctx, PAGE)) for c in caches]
+        pol = PA.attention_launch_policy(seqs, args.max_len, d, num_kv_heads=kv, k_eq_v=True,
+                                         rotated_pairs=layer["rotated_pairs"], rot_keys=True)
+        ref = PA.paged_decode(q, caches[0], tables, seq_lens, policy=pol, rot_keys=rot,
+                              rotated_pairs=layer["rotated_pairs"], **opts)
+        per_layer = per_layer * (1 + 2 * rot / d)
+    else:
+        pol = candidates(layer, seqs, args.max_len, None)[0][1]
     heads = q.shape[1]
     group = heads // kv
     splits = pol.num_splits
@@ -379,13 +421,15 @@ def ladder_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_laye
     rows = []
     for level, name in enumerate(names):
         def launch(c, level=level):
-            k, v = c[0], c[1]
+            k, v = c[0], c[-1]
             _ladder_kernel[(seqs, kv, splits)](
-                q, k, v, tables, seq_lens, mid_o, mid_lse, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                q, k, v, opts.get("k_norm_weight", q), tables, seq_lens, mid_o, mid_lse, out, q.stride(0), q.stride(1),
+                k.stride(0), k.stride(1),
                 k.stride(2), tables.stride(0), mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
                 mid_lse.stride(1), float(opts["scale"]), int(layer["window"] or 0), splits, GROUP=group,
                 BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=d // 2, PAGE=PAGE, BLOCK_N=pol.block_n,
-                SLIDING=layer["window"] is not None, LEVEL=level, num_warps=pol.num_warps, num_stages=pol.num_stages)
+                SLIDING=layer["window"] is not None, LEVEL=level, ROT=rot, num_warps=pol.num_warps,
+                num_stages=pol.num_stages)
             return out
 
         launch(caches[0])
@@ -461,7 +505,7 @@ def main():
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--stream", action="store_true", help="also stream the engine launch's bytes without the "
                     "attention (the access pattern's bandwidth), through the block table and without it")
-    ap.add_argument("--ladder", action="store_true", help="(sliding) the decode kernel rebuilt one piece at a time "
+    ap.add_argument("--ladder", action="store_true", help="the decode kernel rebuilt one piece at a time "
                     "(loads, scores, softmax, PV, partial stores) at the engine's grid: where its time over the stream goes")
     ap.add_argument("--cases", default=None, help="seqs x context pairs, e.g. 4x8500,8x1100 (default: all five)")
     ap.add_argument("--dry-run", action="store_true")

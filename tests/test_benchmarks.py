@@ -300,9 +300,11 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     assert len(checked) >= 12 and all(row["max_diff"] < 1e-4 for row in checked), checked
     assert {row["candidate"] for row in rows if row["layer"] == "global"} >= {
         "engine", "every key rebuilt (session 12)", "no-rebuild (K!=V path, same bytes)"}
-    # --ladder: the sliding layer's kernel rebuilt in five levels, the top one merged equal to the engine's output
+    # --ladder: the kernel rebuilt in five levels (the sliding layer's and the global layer's over its kept keys),
+    # the top one merged equal to the engine's output
     ladder = [row for row in rows if row["candidate"].startswith("ladder")]
-    assert [row["candidate"][:8] for row in ladder] == [f"ladder {i}" for i in range(5)] * 2
+    assert [row["candidate"][:8] for row in ladder] == [f"ladder {i}" for i in range(5)] * 4
+    assert {row["layer"] for row in ladder} == {"sliding", "global"}
     assert all(row["max_diff"] < 1e-4 for row in ladder if row["candidate"].startswith("ladder 4"))
     streams = [row for row in rows if row["candidate"].startswith("stream")]
     assert len(streams) == 2 * 2 * 2  # both layers, both cases, with and without the block table
