@@ -48,21 +48,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kernel_check(config, tokens: int | None) -> int:
-    """compile-cache --dry-run --kernels: every Triton kernel start-up would build on an H100/H200, built for
-    sm_90 here (runtime/kernel_check.py); exit status 1 when one fails to build or needs more shared memory
-    than a block gets."""
+def _hf_config_and_dtype(config) -> tuple[dict, "torch.dtype"]:
+    """The checkpoint's config.json and the dtype the engine would run it in (--dtype, else the checkpoint's)."""
     from pathlib import Path
 
-    from compiled_llm.runtime.kernel_check import SMEM_LIMIT, check_model
     from compiled_llm.models.loader import resolve_dtype
     from compiled_llm.models.registry import resolve_model_class
     from compiled_llm.runtime.model_runner import read_hf_config
 
     hf = read_hf_config(Path(config.resolved_model()))
-    dtype = resolve_dtype(config.dtype, resolve_model_class(hf).config_from_hf(hf).torch_dtype)
-    from compiled_llm.config import default_batched_tokens
+    return hf, resolve_dtype(config.dtype, resolve_model_class(hf).config_from_hf(hf).torch_dtype)
 
+
+def _kernel_check(config, tokens: int | None) -> int:
+    """compile-cache --dry-run --kernels: every Triton kernel start-up would build on an H100/H200, built for
+    sm_90 here (runtime/kernel_check.py); exit status 1 when one fails to build or needs more shared memory
+    than a block gets."""
+    from compiled_llm.config import default_batched_tokens
+    from compiled_llm.runtime.kernel_check import SMEM_LIMIT, check_model
+
+    hf, dtype = _hf_config_and_dtype(config)
     built = check_model(hf, dtype, block_size=config.block_size,
                         max_num_batched_tokens=tokens or default_batched_tokens("cuda"))
     bad = [b for b in built if b.error or b.shared > SMEM_LIMIT]
@@ -77,20 +82,14 @@ def _audit(config, target: str, tokens: int | None) -> int:
     """compile-cache --dry-run: the graph audit (runtime/audit.py) of the checkpoint's config, no weights,
     no GPU; exit status 1 when some layer misses a fusion its model declares. target: the --device flag as
     given, naming the graph to audit (auto: the GPU's), not a device this machine must have."""
-    from pathlib import Path
-
     import torch
 
     from compiled_llm.compiler import parse_passes, parse_sizes
     from compiled_llm.config import default_batched_tokens
-    from compiled_llm.models.loader import resolve_dtype
-    from compiled_llm.models.registry import resolve_model_class
     from compiled_llm.runtime.audit import audit
-    from compiled_llm.runtime.model_runner import read_hf_config
 
-    hf = read_hf_config(Path(config.resolved_model()))
+    hf, dtype = _hf_config_and_dtype(config)
     device = torch.device("cuda" if target in ("auto", "cuda") else target)  # the GPU's graph by default
-    dtype = resolve_dtype(config.dtype, resolve_model_class(hf).config_from_hf(hf).torch_dtype)
     tokens = tokens or default_batched_tokens(device.type)  # the target's default when not given
     sizes = parse_sizes(config.cudagraph_batch_sizes, device, config.max_num_seqs, tokens)
     report = audit(hf, device=device, dtype=dtype, tokens=tokens, batch_sizes=sizes,

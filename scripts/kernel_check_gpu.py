@@ -3,8 +3,8 @@
 
 1. Every Triton launch start-up warm-up makes for the config (recorded on CPU tensors, as
    `compile-cache --dry-run --kernels` does), built for sm_90 into Triton's on-disk cache (a fresh one).
-2. The same JIT registry keys compiled the engine's way: each key's compile function launched on CUDA tensors
-   with Triton's launches turned into warm-ups (compiler/warmup.py precompile_kernels, one worker).
+2. The same JIT registry keys compiled the engine's way, by start-up's own parallel build on CUDA tensors
+   (compiler/warmup.py precompile_kernels, one worker).
 Triton's compile listener counts, per kernel name, the builds of step 2 that its cache answered (built in step 1
 with the same specialisation) and those it had to build (a specialisation the CPU recording missed).
 
@@ -31,7 +31,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from configs import config_dict  # noqa: E402
 
-from compiled_llm.runtime.kernel_check import check_launch, engine_launches, h100_kernel_keys  # noqa: E402
+from compiled_llm.compiler.warmup import precompile_kernels  # noqa: E402
+from compiled_llm.runtime.kernel_check import check_launch, engine_launches, h100_facts  # noqa: E402
 
 
 def main() -> int:
@@ -71,21 +72,8 @@ def main() -> int:
 
     step[0] = "cuda"
     t0 = time.time()
-    from triton.runtime.jit import JITFunction
-
-    launch = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        return launch(self, *args, grid=grid, warmup=True, **kwargs)
-
-    with h100_kernel_keys(config_dict(a.config)) as keys:
-        JITFunction.run = compile_only
-        try:
-            with torch.inference_mode():
-                for kernel, key in keys:
-                    kernel.compile(key, torch.device("cuda"))
-        finally:
-            JITFunction.run = launch
+    with h100_facts(config_dict(a.config)) as facts:  # the engine's own parallel build, one worker
+        assert precompile_kernels(facts, torch.device("cuda"), workers=1) > 0, "start-up's parallel build did not run"
     torch.cuda.synchronize()
     print(f"step 2: the registry's keys compiled on CUDA tensors in {time.time() - t0:.1f}s: "
           f"{sum(hits.values())} answered by step 1's builds, {sum(builds.values())} built anew", flush=True)

@@ -160,11 +160,10 @@ def _spec_key(v, param):
 
 
 @contextlib.contextmanager
-def h100_kernel_keys(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
-                     max_num_batched_tokens: int = 8192):
-    """Within: the providers chosen as on an H100/H200 for this model (built on the meta device), and the yielded
-    (JIT kernel, key) pairs their Triton kernels register for it, as start-up warm-up goes through them."""
-    from compiled_llm.compiler.warmup import kernel_keys
+def h100_facts(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
+               max_num_batched_tokens: int = 8192):
+    """Within: the providers chosen as on an H100/H200 for this model (built on the meta device); yields the model
+    facts start-up warm-up takes (compiler/warmup.py kernel_keys, precompile_kernels)."""
     from compiled_llm.models.interfaces import recurrent_state_specs
     from compiled_llm.models.registry import resolve_model_class
     from compiled_llm.ops.registry import model_facts, preserved_choices, select_providers
@@ -178,17 +177,19 @@ def h100_kernel_keys(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block
         facts = model_facts(cfg, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, tp_size=1,
                             states=recurrent_state_specs(model))
         select_providers(torch.device("cuda"), dtype, specs, facts, caps=H100_CAPS)
-        yield [(k, key) for k, key in kernel_keys(dict(facts, dtype=dtype, layers=specs)) if k.provider == "triton"]
+        yield dict(facts, dtype=dtype, layers=specs)
 
 
 def engine_launches(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
                     max_num_batched_tokens: int = 8192, only: set[str] | None = None) -> list[Launch]:
     """Every Triton launch start-up warm-up makes for this model on an H100/H200 (the providers chosen for
     it, each registered JIT key's compile function), recorded on the CPU."""
+    from compiled_llm.compiler.warmup import kernel_keys
+
     out: list[Launch] = []
-    with h100_kernel_keys(hf_config, dtype, block_size, max_num_batched_tokens) as keys:
-        for kernel, key in keys:
-            if only and kernel.name not in only:
+    with h100_facts(hf_config, dtype, block_size, max_num_batched_tokens) as facts:
+        for kernel, key in kernel_keys(facts):
+            if kernel.provider != "triton" or (only and kernel.name not in only):
                 continue
             with recorded_launches(as_sm90=True) as launches, torch.inference_mode():
                 kernel.compile(key, torch.device("cpu"))
