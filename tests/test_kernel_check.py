@@ -4,6 +4,7 @@ Triton's own compiler (the interpreter tests run a kernel's Python only)."""
 from __future__ import annotations
 
 import sys
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,32 @@ def test_compile_cache_dry_run_kernels_prints_each_kernels_build(tmp_path, capsy
         assert main(args) == 1
     out = capsys.readouterr().out
     assert "_decode_kernel" in out and "FAILED RuntimeError: no registers left" in out and "failed" in out
+
+
+def test_the_projection_of_a_split_decodes_output_launches_with_pdl_on_an_h200():
+    """The o_proj right after the decode's combine (the combine's output tensor) launches with programmatic
+    dependent launch on an H100/H200 (the combine lets it start; it asks L2 for its first weight steps, then
+    waits): recorded as an H200 would launch them. Any other decode projection (Qwen3.5's out_proj after the delta
+    rule, where PDL lost 0.7%) launches plainly, and so does everything with COMPILED_LLM_DECODE_PDL=0."""
+    from compiled_llm.ops.triton import paged_attention as PA
+    from compiled_llm.ops.triton.skinny_gemm import decode_mm
+
+    rows, heads, splits, d = 2, 16, 8, 256
+    mid_o, mid_lse = torch.zeros(rows, heads, splits, d), torch.zeros(rows, heads, splits)
+    out = torch.empty(rows, heads, d, dtype=torch.bfloat16)
+    w = torch.zeros(2816, heads * d, dtype=torch.bfloat16)  # Gemma 4's o_proj: narrow (split K)
+    other = torch.zeros(rows, heads * d, dtype=torch.bfloat16)
+
+    def launched(pdl_env):
+        with mock.patch.dict("os.environ", {"COMPILED_LLM_DECODE_PDL": pdl_env}), \
+                recorded_launches(as_sm90=True) as launches:
+            PA.combine_splits(mid_o, mid_lse, out)
+            decode_mm(out.view(rows, -1), w)
+            decode_mm(other, w)
+        return [(ln.name, ln.kwargs.get("GDC", False), ln.kwargs.get("launch_pdl", False),
+                 ln.kwargs.get("PREFETCH", 0)) for ln in launches]
+
+    assert launched("2") == [("_combine_kernel", True, False, 0), ("_skinny_kernel", False, True, 2),
+                             ("_skinny_kernel", False, False, 0)]
+    assert launched("0") == [("_combine_kernel", False, False, 0), ("_skinny_kernel", False, False, 0),
+                             ("_skinny_kernel", False, False, 0)]

@@ -26,6 +26,41 @@ def dot_f32(dtype: torch.dtype) -> bool:
     return _INTERPRETED and dtype != torch.float32
 
 
+# Programmatic dependent launch between a decode layer's attention and its output projection: the split decode's
+# combine kernel lets the next kernel launch as soon as it starts, and the narrow decode projection of exactly the
+# combine's output (skinny_gemm.decode_mm; LAST_COMBINE below) launches with PDL, asks L2 for the first P column
+# steps of its weight slice, then waits for the combine. The combine reads only L2 (the splits' partials), so the
+# projection's first weight bytes come from HBM while it runs. sm_90+ only. H200, session 35 (alternating runs on
+# one machine, tok/s): Gemma 4 26B-A4B batch-1 decode 313.5 / 314.1 -> 316.2 / 316.5, 1024x8x256 and 8192x4x512
+# within +-0.3%; Qwen3.5 35B-A3B unchanged (its o_proj takes the attention gate first). COMPILED_LLM_DECODE_PDL=P
+# sets the steps, 0 turns it off (an A/B). Not kept: every narrow decode projection launched so (Qwen3.5's out_proj
+# behind the delta rule, its shared expert: -0.7% at batch 8), and the decode kernel prefetching its first key
+# tiles behind the QK-norm kernel (Gemma 4 -2% at batches 4 and 8, nothing at batch 1).
+DECODE_PDL_ENV = "COMPILED_LLM_DECODE_PDL"
+_SM90: dict[torch.device, bool] = {}
+
+
+def sm90(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0+ (never under the interpreter: it runs no PTX)."""
+    if _INTERPRETED or device.type != "cuda":
+        return False
+    if device not in _SM90:
+        _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _SM90[device]
+
+
+# the output address of the last split combine launched (combine_splits): a projection of exactly that tensor is
+# the kernel right after it in stream order (decode_mm launches it with PDL; a stale match costs a PDL launch behind
+# another kernel, never a wrong result: the projection still waits for the kernel before it)
+LAST_COMBINE: list[int | None] = [None]
+
+
+def decode_pdl_steps(device: torch.device) -> int:
+    """COMPILED_LLM_DECODE_PDL's prefetched column steps on a device that can launch with PDL, else 0 (off)."""
+    steps = int(os.environ.get(DECODE_PDL_ENV, "2") or 0)
+    return steps if steps > 0 and sm90(device) else 0
+
+
 # Self-resetting ticket counters of the kernels whose last program of a group (found by an atomic ticket) does the
 # group's final work and resets the group's counter to zero: the router's token blocks, the skinny GEMM's output
 # tiles. Zero between launches, so a CUDA graph replays them with no memset.

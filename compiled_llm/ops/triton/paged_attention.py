@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from compiled_llm.ops.rope import rotated_block  # noqa: F401  (the decode kernel's ROT; sparse_attention imports it here)
-from compiled_llm.ops.triton._common import _dot, _reduce_angle, _tanh, dot_f32, dot_precision
+from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, _reduce_angle, _tanh, decode_pdl_steps, dot_f32,
+                                             dot_precision)
 
 # Per-step integers (split counts, batch sizes, block-table width) are marked do_not_specialize so that a
 # new value never triggers a fresh build mid-serving (Triton would otherwise specialise on ==1 / %16).
@@ -308,10 +310,13 @@ def _combine_kernel(
     MidO, MidLse, Out, Lse, num_splits,
     stride_ms, stride_mh, stride_ls, stride_lh, stride_os, stride_oh, stride_es,
     HEAD_DIM: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
     # program (seq, head, dims chunk): every split's partial output of BLOCK_DC dims in one load, weighted by the
     # splits' log-sum-exps. (A loop over the splits, one row a step, cost ~3.6 us a launch at 16 splits on the
     # H200, each step waiting on its load: session 34's --ladder; now ~one load's latency.)
+    if GDC:  # the next kernel (launched with PDL: _common.DECODE_PDL_ENV) may start now; it waits for this one
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -346,8 +351,10 @@ def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     _combine_kernel[(rows, heads, triton.cdiv(head_dim, block_dc))](
         mid_o, mid_lse, out, le, splits,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        le.stride(0), HEAD_DIM=head_dim, BLOCK_DC=block_dc, BLOCK_S=block_s, WRITE_LSE=lse is not None, num_warps=4,
+        le.stride(0), HEAD_DIM=head_dim, BLOCK_DC=block_dc, BLOCK_S=block_s, WRITE_LSE=lse is not None,
+        **({"GDC": True} if decode_pdl_steps(out.device) else {}), num_warps=4,
     )
+    LAST_COMBINE[0] = out.data_ptr()
     return out
 
 

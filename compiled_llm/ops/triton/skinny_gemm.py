@@ -30,7 +30,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
-from compiled_llm.ops.triton._common import _dot, dot_f32, dot_precision, ticket_counters
+from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, decode_pdl_steps, dot_f32, dot_precision,
+                                             ticket_counters)
 
 
 # M, N and y's row stride are not specialised (N = 1 would be a build of its own): one build per tile shape,
@@ -42,12 +43,14 @@ def _skinny_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr = 0,
-    Tickets=None, SPLIT: tl.constexpr = 1, MERGE: tl.constexpr = False,
+    Tickets=None, SPLIT: tl.constexpr = 1, MERGE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
-    # PDL (programmatic dependent launch, launched with launch_pdl; GPU only, an experiment:
-    # benchmarks/pdl_chain.py): 1 waits for the previous kernel before reading anything and lets the next
-    # launch once its weight stream is done; 2 also asks L2 for this program's weight slice before the wait
-    # (the weights do not depend on the previous kernel, so their first bytes arrive while it finishes)
+    # PDL (programmatic dependent launch, launched with launch_pdl; sm_90+ only; decode_mm's o_proj behind the
+    # decode's combine takes 2 with PREFETCH, benchmarks/pdl_chain.py the rest): 1 waits for the previous kernel
+    # before reading anything and lets the next launch once its weight stream is done; 2 also asks L2 for this
+    # program's weight slice before the wait
+    # (the weights do not depend on the previous kernel, so their first bytes arrive while it finishes); PREFETCH
+    # > 0: only the slice's first PREFETCH column steps (_common.DECODE_PDL_ENV)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     s = tl.program_id(2)
@@ -63,7 +66,10 @@ def _skinny_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     cols = tl.arange(0, BLOCK_M)
     if PDL >= 2:
-        _prefetch_l2(W, w_rows, nmask, k_lo, k_hi, BLOCK_K, 128 // W.dtype.element_ty.primitive_bitwidth * 8)
+        p_hi = k_hi
+        if PREFETCH > 0:
+            p_hi = tl.minimum(k_lo + PREFETCH * BLOCK_K, k_hi)
+        _prefetch_l2(W, w_rows, nmask, k_lo, p_hi, BLOCK_K, 128 // W.dtype.element_ty.primitive_bitwidth * 8)
     if PDL >= 1:
         gdc_wait()
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -196,10 +202,11 @@ def _effective_split(K: int, block_k: int, split_k: int) -> int:
 _WORKSPACE_BLOCK = 1024
 
 
-def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = None, pdl: int = 0) -> torch.Tensor:
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = None, pdl: int = 0,
+              prefetch: int = 0) -> torch.Tensor:
     """x [M, K] (rows may be strided, columns contiguous) @ w[N, K]^T -> [M, N] in x's dtype, float32 sums.
     launch: override skinny_launch's choice (benchmarks, tests). pdl: _skinny_kernel's PDL (CUDA on sm_90+
-    only; benchmarks/pdl_chain.py)."""
+    only; benchmarks/pdl_chain.py); prefetch: its PREFETCH (pdl 2)."""
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
     assert x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16), (x.dtype, w.dtype)
     if x.stride(1) != 1:
@@ -228,7 +235,8 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = No
         x, w, y, part, M, N, K, kps, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, PARTIAL=split > 1, EVEN_K=K % lp.block_k == 0,
         DOT=lp.dot, PREC=dot_precision(x.dtype), F32=dot_f32(x.dtype),
-        num_warps=lp.num_warps, num_stages=lp.num_stages, **({"PDL": pdl, "launch_pdl": True} if pdl else {}),
+        num_warps=lp.num_warps, num_stages=lp.num_stages,
+        **({"PDL": pdl, "PREFETCH": prefetch, "launch_pdl": True} if pdl else {}),
         **extra,
     )
     if split > 1 and not merge:
@@ -255,10 +263,16 @@ def decode_launch(n: int, k: int) -> SkinnyLaunch:
 
 
 def decode_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The skinny_mm op's Triton provider: x [M, K] @ w [N, K]^T with decode_launch's launch."""
+    """The skinny_mm op's Triton provider: x [M, K] @ w [N, K]^T with decode_launch's launch. The o_proj of the
+    decode's combine output (the kernel just before it: _common.LAST_COMBINE) launches with PDL, its first weight
+    steps asked of L2 while the combine runs (_common.DECODE_PDL_ENV). Behind other kernels PDL cost Qwen3.5 0.7%
+    at batch 8 (its out_proj after the delta rule, its shared expert; session 35), so only there."""
     lp = decode_launch(w.shape[0], w.shape[1])
     MONITOR.note("skinny_mm", (x.dtype, x.shape[1] % lp.block_k == 0, lp.split_k > 1))
-    return skinny_mm(x, w, lp)
+    after_combine = LAST_COMBINE[0] is not None and x.data_ptr() == LAST_COMBINE[0]
+    LAST_COMBINE[0] = None
+    steps = decode_pdl_steps(x.device) if after_combine and lp.split_k > 1 else 0
+    return skinny_mm(x, w, lp, pdl=2 if steps else 0, prefetch=steps)
 
 
 def _decode_keys(facts: dict) -> list:
@@ -273,7 +287,11 @@ def _decode_compile(key, device) -> None:
     dtype, even, split = key
     k = 4 * 256 if even else 4 * 256 + 16
     n = 64 if split else 2 * k  # a narrow or a wide weight
-    decode_mm(torch.zeros(2, k, dtype=dtype, device=device), torch.zeros(n, k, dtype=dtype, device=device))
+    x, w = torch.zeros(2, k, dtype=dtype, device=device), torch.zeros(n, k, dtype=dtype, device=device)
+    decode_mm(x, w)
+    if split and decode_pdl_steps(x.device):  # the o_proj after a combine (launched with PDL): a build of its own
+        LAST_COMBINE[0] = x.data_ptr()
+        decode_mm(x, w)
 
 
 register_kernel(JitKernel("skinny_mm", "skinny_mm", "triton", _decode_keys, _decode_compile))
