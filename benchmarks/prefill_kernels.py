@@ -110,7 +110,7 @@ def router_group(S, T, dev, dt, time_fn, rows, smoke):
     sweep("router", T, cands, run, check, 2.0 * T * H * E, time_fn, rows)
 
 
-def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False, tma_only=False):
+def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False, tma_only=False, persistent_only=False):
     E, H, I, k = S["E"], S["H"], S["I"], S["k"]
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(T, H, device=dev, generator=g).to(dt)
@@ -121,7 +121,11 @@ def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False, tma_only=Fa
     p0 = M.moe_launch_policy(T, k, E, H, I)
     R = dataclasses.replace
     cands = [p0]
-    if tma_only:  # MoELaunch.tma against the same tiles without it, and larger tiles that TMA may afford
+    if persistent_only:  # MoELaunch.persistent: the policy's tiles (with TMA) as a program a tile and persistent
+        base = R(p0, tma=True, persistent=0)
+        cands = [base] + [R(base, persistent=n) for n in (1, 2)]
+        cands += [R(base, persistent=1, a_block_n=128), R(base, persistent=1, b_block_n=256, b_stages=3)]
+    elif tma_only:  # MoELaunch.tma against the same tiles without it, and larger tiles that TMA may afford
         base = R(p0, tma=True)
         cands = [p0, R(p0, tma=not p0.tma)]
         cands += [R(base, a_block_n=128), R(base, a_block_k=128, a_stages=3), R(base, b_block_k=128),
@@ -273,6 +277,8 @@ def main() -> int:
                     help="MoE: only the launch order (MoELaunch.n_fast) and two larger column tiles in each order")
     ap.add_argument("--moe-tma", action="store_true",
                     help="MoE: the policy's tiles with and without TMA (MoELaunch.tma), and a few TMA tiles")
+    ap.add_argument("--moe-persistent", action="store_true",
+                    help="MoE: the policy's TMA tiles a program a tile against persistent programs (MoELaunch.persistent)")
     ap.add_argument("--attn-quick", action="store_true",
                     help="attention: the policy's launch and the same with every key tile masked (no sweep)")
     ap.add_argument("--attn-extra", action="store_true",
@@ -293,7 +299,7 @@ def main() -> int:
         if "router" in groups:
             router_group(S, T, dev, dt, time_fn, rows, a.smoke)
         if "moe" in groups:
-            moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order, a.moe_tma)
+            moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order, a.moe_tma, a.moe_persistent)
     if "attention" in groups and "glob" in S:
         for lens in att:
             attention_group(S, lens, dev, dt, time_fn, rows, a.smoke, a.attn_quick, a.attn_extra)
