@@ -103,7 +103,15 @@ def profile_prefill(fn, n: int, folder: str) -> dict:
                                       max_name_column_width=90)
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"prefill_{n}.txt").write_text(table)
-    res = {"wall_ms": round(1e3 * wall, 2), "gpu_busy_ms": round(busy, 2), "kernels": len(kernels)}
+    # the kernels in launch order (start from the first, duration, stream): which layer's kernel costs what, e.g.
+    # the sliding and the global layers' prefill attention apart
+    seq = sorted(kernels, key=lambda e: e.time_range.start)
+    t0 = seq[0].time_range.start if seq else 0
+    (Path(folder) / f"prefill_{n}_sequence.txt").write_text("".join(
+        f"{e.time_range.start - t0:10.1f} +{e.time_range.elapsed_us():9.2f} us  s{getattr(e, 'device_resource_id', 0)}  "
+        f"{e.name[:100]}\n" for e in seq))
+    res = {"wall_ms": round(1e3 * wall, 2), "gpu_busy_ms": round(busy, 2), "kernels": len(kernels),
+           "attention_us": [round(e.time_range.elapsed_us(), 1) for e in seq if e.name == "_prefill_kernel"]}
     print(f"prefill {n} tokens profiled: {res}", flush=True)
     return res
 

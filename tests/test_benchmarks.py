@@ -123,6 +123,8 @@ def test_latency_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
     # the prefill profile: a table per length and its wall time (no GPU here: no kernels, none busy)
     assert set(res["prefill_profile"]) == {8, 64} and res["prefill_profile"][64]["wall_ms"] > 0
     assert "aten::" in (tmp_path / "prefill_64.txt").read_text()
+    # and the kernels in launch order (none on the CPU), the attention's per layer among them
+    assert (tmp_path / "prefill_64_sequence.txt").read_text() == "" and res["prefill_profile"][64]["attention_us"] == []
     # the host side: cProfile's table names the engine's step; no device here, so no syncs to list
     assert res["host_profile"][64]["device_syncs"] == 0
     assert "compiled_llm/runtime/engine.py" in (tmp_path / "host_64.txt").read_text()
