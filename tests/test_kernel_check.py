@@ -144,3 +144,33 @@ def test_the_projection_of_a_split_decodes_output_launches_with_pdl_on_an_h200()
                              ("_skinny_kernel", False, False, 0)]
     assert launched("0") == [("_combine_kernel", False, False, 0), ("_skinny_kernel", False, False, 0),
                              ("_skinny_kernel", False, False, 0)]
+
+
+def test_parallel_builds_parse_one_kernel_source_at_a_time():
+    """Start-up's parallel build and the sm_90 check build on threads; CPython 3.11.7 can raise "AST constructor
+    recursion depth mismatch" when two threads parse at once (a clean-clone run of the check above did), so within
+    serial_ast_parse no two parses overlap, and ast.parse is itself again after."""
+    import ast
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from compiled_llm.ops.jit import serial_ast_parse
+
+    real, inside, most = ast.parse, [0], [0]
+    count = threading.Lock()
+
+    def slow_parse(*args, **kwargs):  # a parse that takes long enough for the threads to meet
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.01)
+        with count:
+            inside[0] -= 1
+        return real(*args, **kwargs)
+
+    with mock.patch.object(ast, "parse", slow_parse):
+        with serial_ast_parse(), ThreadPoolExecutor(4) as pool:
+            trees = list(pool.map(lambda i: ast.parse(f"def f{i}(): return {i}"), range(16)))
+        assert ast.parse is slow_parse
+    assert most[0] == 1 and [t.body[0].name for t in trees] == [f"f{i}" for i in range(16)]

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata, set_forward_context
-from compiled_llm.ops.jit import MONITOR, REGISTRY
+from compiled_llm.ops.jit import MONITOR, REGISTRY, serial_ast_parse
 from compiled_llm.ops.registry import OPS
 
 log = logging.getLogger("compiled_llm")
@@ -91,7 +91,7 @@ def precompile_kernels(facts: dict, device, workers: int | None = None) -> int:
         return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(workers) as pool:
+    with serial_ast_parse(), ThreadPoolExecutor(workers) as pool:
         JITFunction.run = compile_only
         try:
             with _async_compile.AsyncCompileMode(pool):  # leaving it waits for every build, files it in its cache

@@ -38,6 +38,28 @@ class JitKernel:
 REGISTRY: dict[str, JitKernel] = {}
 
 
+@contextlib.contextmanager
+def serial_ast_parse():
+    """Within: `ast.parse` runs one call at a time, for Triton builds on several threads (start-up's parallel
+    build, the sm_90 kernel check). Triton parses a kernel's source with it for every build, and CPython 3.11.7
+    keeps the recursion count it checks while building the tree's objects in per-interpreter state, so two threads
+    parsing at once can raise "SystemError: AST constructor recursion depth mismatch" (seen once in a clean-clone
+    `make test` of the kernel check, session 35). The code generation and LLVM after the parse stay parallel."""
+    import ast
+
+    real, lock = ast.parse, threading.Lock()
+
+    def parse(*args, **kwargs):
+        with lock:
+            return real(*args, **kwargs)
+
+    ast.parse = parse
+    try:
+        yield
+    finally:
+        ast.parse = real
+
+
 def register_kernel(kernel: JitKernel) -> JitKernel:
     REGISTRY[kernel.name] = kernel
     return kernel

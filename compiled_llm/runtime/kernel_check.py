@@ -206,6 +206,8 @@ def check_model(hf_config: dict, dtype: torch.dtype = torch.bfloat16, usage: boo
     every core (Triton's compiler releases the GIL: two threads halve a model's ~35 s on two cores)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from compiled_llm.ops.jit import serial_ast_parse
+
     launches = engine_launches(hf_config, dtype, block_size, max_num_batched_tokens, only=only)
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+    with serial_ast_parse(), ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         return list(pool.map(lambda lz: check_launch(lz, usage), launches))
