@@ -610,8 +610,10 @@ def _down_persistent_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc += tl.dot(Ad.load([m0, k0]), Wd.load([n0, k0]).T, input_precision=PREC)
-        w = tl.load(TopkWeights + pair, mask=rmask & ok, other=0.0).to(tl.float32)
-        tl.store(Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :], (acc * w[:, None]).to(Y.dtype.element_ty),
+        w = tl.load(TopkWeights + pair, mask=rmask, other=0.0).to(tl.float32)
+        # (a skipped block's activation rows were never written: whatever they hold, its pairs store zeros)
+        acc = tl.where(ok, acc * w[:, None], 0.0)
+        tl.store(Y + pair.to(tl.int64)[:, None] * stride_yt + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=rmask[:, None] & (cols < N)[None, :])
 
 
