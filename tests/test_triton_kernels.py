@@ -674,7 +674,10 @@ def _check_moe_tma():
         M.log.addHandler(handler)
         gpu = SimpleNamespace(is_cuda=True, device=torch.device("cuda:7"))
         try:
-            with mock.patch.dict(M._TMA_DEVICES, {torch.device("cuda:7"): True}):
+            from compiled_llm.ops.triton import _common
+
+            with mock.patch.object(_common, "_INTERPRETED", False), \
+                    mock.patch.dict(_common._SM90, {torch.device("cuda:7"): True}):
                 pol = M.moe_launch_policy(8192, 8, 128, 2816, 352)
                 for _ in range(2):
                     assert not M.tma_usable(gpu, torch.zeros(4, 704, 256), torch.zeros(4, 256, 352), pol)

@@ -66,25 +66,25 @@ class Built:
 @contextlib.contextmanager
 def recorded_launches(as_sm90: bool = False):
     """Within: Triton launches are recorded (kernel, arguments, options) into the yielded list, not run.
-    as_sm90: the wrappers' device checks answer as an H100/H200 would for CPU tensors (TMA: ops/triton/moe.py;
-    programmatic dependent launch: ops/triton/_common.py sm90)."""
+    as_sm90: the wrappers' device checks answer as an H100/H200 would for CPU tensors (ops/triton/_common.py sm90:
+    the MoE kernels' TMA, the decode projection's programmatic dependent launch)."""
     from triton.runtime.jit import JITFunction
 
-    from compiled_llm.ops.triton import _common, moe
+    from compiled_llm.ops.triton import _common
 
     launches: list[Launch] = []
-    run, has_tma, sm90 = JITFunction.run, moe.has_tma, _common.sm90
+    run, sm90 = JITFunction.run, _common.sm90
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(Launch(self, args, kwargs))
 
     JITFunction.run = record
     if as_sm90:
-        moe.has_tma = _common.sm90 = lambda device: True
+        _common.sm90 = lambda device: True
     try:
         yield launches
     finally:
-        JITFunction.run, moe.has_tma, _common.sm90 = run, has_tma, sm90
+        JITFunction.run, _common.sm90 = run, sm90
 
 
 def build_sm90(launch: Launch):

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from compiled_llm.ops.triton import _common
 from compiled_llm.ops.triton._common import _INTERPRETED, _dot, _gelu_tanh, dot_f32, dot_precision, ticket_counters
 from compiled_llm.ops.triton.skinny_gemm import num_sms
 
@@ -419,6 +420,16 @@ def _block_ids(N_FAST: tl.constexpr):
     return tl.program_id(0), tl.program_id(1)
 
 
+@triton.jit
+def _gated_act(acc_g, acc_u, SILU: tl.constexpr):
+    # the gate/up kernels' epilogue: SwiGLU (SILU) or GEGLU (tanh-approximated GELU) of the two products
+    if SILU:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:
+        act = _gelu_tanh(acc_g) * acc_u
+    return act
+
+
 @triton.jit(do_not_specialize=["num_pairs", "E"])  # E: JIT warm-up builds on fewer experts
 def _gate_up_kernel(
     X, W, SortedIds, ExpertIds, NumPadded, Act,
@@ -477,10 +488,7 @@ def _gate_up_kernel(
             a_ptr += BLOCK_K
             g_ptr += BLOCK_K
             u_ptr += BLOCK_K
-    if SILU:
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    else:
-        act = _gelu_tanh(acc_g) * acc_u
+    act = _gated_act(acc_g, acc_u, SILU)
     out_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + cols[None, :]
     tl.store(out_ptr, act.to(Act.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -576,10 +584,7 @@ def _gate_up_persistent_kernel(
                         mask=rmask[:, None] & (kk < K - k0)[None, :], other=0.0)
             acc_g += tl.dot(a, Wd.load([n0, k0]).T, input_precision=PREC)
             acc_u += tl.dot(a, Wd.load([n0 + N, k0]).T, input_precision=PREC)
-        if SILU:
-            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        else:
-            act = _gelu_tanh(acc_g) * acc_u
+        act = _gated_act(acc_g, acc_u, SILU)
         tl.store(Act + rows.to(tl.int64)[:, None] * stride_an + cols[None, :], act.to(Act.dtype.element_ty),
                  mask=rmask[:, None] & (cols < N)[None, :])
 
@@ -618,20 +623,13 @@ def _down_persistent_kernel(
 
 
 ACTIVATIONS = ("gelu_tanh", "silu")
-_TMA_DEVICES: dict[torch.device, bool] = {}
 _TMA_WARNED: set = set()
 
 
 def has_tma(device: torch.device) -> bool:
-    """The device has TMA (compute capability 9.0+), or the Triton interpreter, which emulates it.
+    """The device has TMA (compute capability 9.0+: _common.sm90), or the Triton interpreter, which emulates it.
     (runtime/kernel_check.py answers for an H100/H200 while it records launches on CPU tensors.)"""
-    if _INTERPRETED:
-        return True
-    if device.type != "cuda":
-        return False
-    if device not in _TMA_DEVICES:
-        _TMA_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return _TMA_DEVICES[device]
+    return _INTERPRETED or _common.sm90(device)
 
 
 def tma_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, pol: MoELaunch) -> bool:

@@ -48,9 +48,8 @@ def _skinny_kernel(
     # PDL (programmatic dependent launch, launched with launch_pdl; sm_90+ only; decode_mm's o_proj behind the
     # decode's combine takes 2 with PREFETCH, benchmarks/pdl_chain.py the rest): 1 waits for the previous kernel
     # before reading anything and lets the next launch once its weight stream is done; 2 also asks L2 for this
-    # program's weight slice before the wait
-    # (the weights do not depend on the previous kernel, so their first bytes arrive while it finishes); PREFETCH
-    # > 0: only the slice's first PREFETCH column steps (_common.DECODE_PDL_ENV)
+    # program's weight slice before the wait (the weights do not depend on the previous kernel, so their first
+    # bytes arrive while it finishes); PREFETCH > 0: only the slice's first PREFETCH column steps
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     s = tl.program_id(2)
