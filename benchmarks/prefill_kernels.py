@@ -121,10 +121,11 @@ def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False, tma_only=Fa
     p0 = M.moe_launch_policy(T, k, E, H, I)
     R = dataclasses.replace
     cands = [p0]
-    if persistent_only:  # MoELaunch.persistent: the policy's tiles (with TMA) as a program a tile and persistent
+    if persistent_only:  # MoELaunch.persistent: the policy's down tiles (with TMA) a program a tile and persistent
         base = R(p0, tma=True, persistent=0)
         cands = [base] + [R(base, persistent=n) for n in (1, 2)]
-        cands += [R(base, persistent=1, a_block_n=128), R(base, persistent=1, b_block_n=256, b_stages=3)]
+        cands += [R(base, persistent=1, b_block_n=384 - base.b_block_n), R(base, persistent=1, b_stages=4),
+                  R(base, persistent=1, b_block_k=128, b_stages=2)]
     elif tma_only:  # MoELaunch.tma against the same tiles without it, and larger tiles that TMA may afford
         base = R(p0, tma=True)
         cands = [p0, R(p0, tma=not p0.tma)]
@@ -278,7 +279,7 @@ def main() -> int:
     ap.add_argument("--moe-tma", action="store_true",
                     help="MoE: the policy's tiles with and without TMA (MoELaunch.tma), and a few TMA tiles")
     ap.add_argument("--moe-persistent", action="store_true",
-                    help="MoE: the policy's TMA tiles a program a tile against persistent programs (MoELaunch.persistent)")
+                    help="MoE: the policy's TMA down tiles a program a tile against persistent programs (MoELaunch.persistent)")
     ap.add_argument("--attn-quick", action="store_true",
                     help="attention: the policy's launch and the same with every key tile masked (no sweep)")
     ap.add_argument("--attn-extra", action="store_true",

@@ -339,6 +339,18 @@ def test_l2_prefetch_and_prefill_kernels_dry_runs(tmp_path):
     assert all(row["ok"] for row in rows), rows
 
 
+def test_power_cap_reports_the_rate_window_by_window():
+    """benchmarks/power_cap.py's sustained loop on the CPU: consecutive windows of at least the window's length
+    cover the requested time, each with the products' rate."""
+    from power_cap import sustained_rate
+
+    rows = sustained_rate("cpu", 64, 0.3, window=0.05)
+    ts = [r["t"] for r in rows]
+    assert len(rows) >= 4 and ts == sorted(ts) and ts[-1] >= 0.3
+    assert all(b - a >= 0.05 for a, b in zip([0.0] + ts, ts))
+    assert all(r["flops"] > 0 for r in rows)
+
+
 def test_state_kernels_dry_run(tmp_path):
     """benchmarks/state_kernels.py (Qwen3.5's conv and delta-rule decode tiles, the two in one launch, the MoE
     top-k sum's) runs its

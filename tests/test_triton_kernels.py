@@ -767,22 +767,26 @@ def check_moe():
     _check_moe_skipped(60, 4, 32, 24, 3, 4, 13)  # the same with another rank's pairs (45 an expert)
     _check_moe_tma()
     _check_moe(20, 16, 64, 32, 1, 3)
-    # MoELaunch.persistent (TMA tiers): one loop over every tile a program, K tails in both GEMMs, several column
-    # blocks an expert, fewer programs than tiles; another rank's pairs zeroed
+    # MoELaunch.persistent (TMA tiers, the down kernel): one loop over every tile a program, a K tail, several
+    # column blocks an expert, fewer programs than tiles; another rank's pairs zeroed
     from unittest import mock
 
     from compiled_llm.ops.triton import moe as M
 
     P = (32, 32, 32, 4, 2, 16, 64, 4, 2, False, False, True, True, 1)
     runs = {}
-    for kern in (M._gate_up_persistent_kernel, M._down_persistent_kernel):
+    for kern in (M._gate_up_kernel, M._down_kernel, M._down_persistent_kernel):
         def counted(*a, _real=kern.run, _name=kern.fn.__name__, **kw):
             runs[_name] = runs.get(_name, 0) + 1
             return _real(*a, **kw)
         mock.patch.object(kern, "run", counted).start()
     _check_moe(100, 4, 80, 96, 2, 12, policy=P)
     mock.patch.stopall()
-    assert runs == {"_gate_up_persistent_kernel": 1, "_down_persistent_kernel": 1}, runs
+    assert runs == {"_gate_up_kernel": 1, "_down_persistent_kernel": 1}, runs
+    # the policy's: the top tier's down kernel persistent (Gemma 4 at 8,192 tokens), not the tiers below
+    assert moe_launch_policy(8192, 8, 128, 2816, 704).persistent == 1
+    assert moe_launch_policy(4096, 8, 128, 2816, 704).persistent == 0
+    assert moe_launch_policy(1024, 8, 128, 2816, 704).persistent == 0
     _check_moe(70, 6, 64, 64, 3, 17, policy=(64, 32, 32, 4, 2, 32, 32, 4, 2, False, False, True, True, 2))
     _check_moe_skipped(60, 4, 32, 32, 3, 4, 13, policy=(16, 32, 32, 4, 2, 32, 32, 4, 2, False, False, True, True, 1))
     # decode batches up to block_m tokens: the grouped kernels rank the picked experts themselves

@@ -351,10 +351,11 @@ class MoELaunch:
     # tensor-memory accelerator (host-made TMA descriptors) instead of per-thread loads; sm_90+ only (the
     # interpreter too), and only where each column block stays inside one expert (tma_usable)
     tma: bool = False
-    # prefill tiers with TMA: both kernels persistent, this many programs an SM, each walking the (row block,
+    # prefill tiers with TMA: the down kernel persistent, this many programs an SM, each walking the (row block,
     # column block) tiles in n_fast order in one loop that Triton flattens and pipelines across tiles (the next
-    # tile's first loads overlap this one's epilogue); 0: a program a tile. An experiment (COMPILED_LLM_MOE_PERSISTENT,
-    # benchmarks/prefill_kernels.py --moe-persistent): not measured yet, off by default
+    # tile's first loads overlap this one's epilogue); 0: a program a tile. H200, session 36 (the 8,192-token
+    # prompt's 30 MoE layers in latency.py's profile): down 17.96 -> 15.37 ms; the gate/up kernel persistent the
+    # same way took 29.05 -> 54.34 ms (its gathered token rows load through the registers, not TMA) and was removed
     persistent: int = 0
 
 
@@ -371,8 +372,9 @@ N_FAST = os.environ.get(N_FAST_ENV, "1") != "0"
 TMA_ENV = "COMPILED_LLM_MOE_TMA"
 TMA = os.environ.get(TMA_ENV, "1") != "0"
 TMA_DECODE = os.environ.get(TMA_ENV, "1") == "all"
-PERSISTENT_ENV = "COMPILED_LLM_MOE_PERSISTENT"  # N: the prefill tiers' MoELaunch.persistent (programs an SM)
-PERSISTENT = int(os.environ.get(PERSISTENT_ENV, "0") or 0)
+# N: every prefill tier's MoELaunch.persistent (programs an SM; 0: none); unset: the policy's (the top tier only)
+PERSISTENT_ENV = "COMPILED_LLM_MOE_PERSISTENT"
+PERSISTENT = int(os.environ[PERSISTENT_ENV]) if os.environ.get(PERSISTENT_ENV) else None
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -397,15 +399,20 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
     # Qwen3.5 549 -> 534), 256-column down tiles at 8,192 (2,362 -> 2,285 us; 1,579 -> 1,457)
     if pairs_per_expert <= 96:
-        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT)
+        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT or 0)
     if pairs_per_expert <= 256:
         if TMA:
             # with TMA, 128-row blocks at 8 warps (H200, prefill_kernels --moe-tma): at 256 pairs an expert (session
             # 25) Gemma 4 at 4,096 tokens 1,190 -> 1,078 us, Qwen3.5 at 8,192 1,304 -> 1,252; the tier's lower end
             # (session 26, Gemma 4) at 2,048 tokens (128 pairs) 728 -> 716 us, at 3,072 (192) 967 -> 926
-            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=True, persistent=PERSISTENT)
-        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT)
-    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT)
+            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=True, persistent=PERSISTENT or 0)
+        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT or 0)
+    # the down kernel persistent here (MoELaunch.persistent), not below: H200, session 36, latency.py's 8,192-token
+    # prompt, its 30 down launches 17.96 -> 15.37 ms and 17.84 -> 16.21 (two machines); at 1,024 tokens (64-row
+    # blocks) 4.64 -> 6.49 ms; prefill_kernels.py's whole MoE at 1,024 / 2,048 / 4,096 / 8,192 tokens 473 -> 544,
+    # 619 -> 680, 1,083 -> 1,131, 1,879 -> 1,866 us
+    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, n_fast=N_FAST, tma=TMA,
+                     persistent=1 if PERSISTENT is None else PERSISTENT)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -553,51 +560,15 @@ def _down_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "E"])
-def _gate_up_persistent_kernel(
-    X, SortedIds, ExpertIds, NumPadded, Act, Wd,
-    num_pairs, N, K, E, stride_xt, stride_an,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SILU: tl.constexpr, PREC: tl.constexpr, FLATTEN: tl.constexpr = True,
-):
-    # _gate_up_kernel's aligned TMA path (MoELaunch.persistent): a program walks tiles pid, pid + programs, ...
-    # of the padded row blocks (the alignment's length) x column blocks, column blocks of a row block in turn; the
-    # loop nest has no branch (another rank's experts: rows masked, nothing stored), so Triton can flatten it
-    num_n = tl.cdiv(N, BLOCK_N)
-    tiles = tl.cdiv(tl.load(NumPadded), BLOCK_M) * num_n
-    kk = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
-        pid_m = tile // num_n
-        pid_n = tile - pid_m * num_n
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        e = tl.load(ExpertIds + pid_m).to(tl.int64)
-        ok = (e >= 0) & (e < E)
-        e = tl.where(ok, e, 0)
-        pair = tl.load(SortedIds + rows)
-        rmask = (pair < num_pairs) & ok
-        tok = (pair // TOP_K).to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n0 = (e * 2 * N + pid_n * BLOCK_N).to(tl.int32)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = tl.load(X + tok[:, None] * stride_xt + (k0 + kk)[None, :],
-                        mask=rmask[:, None] & (kk < K - k0)[None, :], other=0.0)
-            acc_g += tl.dot(a, Wd.load([n0, k0]).T, input_precision=PREC)
-            acc_u += tl.dot(a, Wd.load([n0 + N, k0]).T, input_precision=PREC)
-        act = _gated_act(acc_g, acc_u, SILU)
-        tl.store(Act + rows.to(tl.int64)[:, None] * stride_an + cols[None, :], act.to(Act.dtype.element_ty),
-                 mask=rmask[:, None] & (cols < N)[None, :])
-
-
-@triton.jit(do_not_specialize=["num_pairs", "E"])
 def _down_persistent_kernel(
     SortedIds, ExpertIds, NumPadded, TopkWeights, Y, Ad, Wd,
     num_pairs, N, K, E, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     FLATTEN: tl.constexpr = True,
 ):
-    # _down_kernel's aligned TMA path, persistent as _gate_up_persistent_kernel (another rank's experts: their
-    # pairs' rows stored as zeros, as there)
+    # _down_kernel's aligned TMA path (MoELaunch.persistent): a program walks tiles pid, pid + programs, ... of the
+    # padded row blocks (the alignment's length) x column blocks, column blocks of a row block in turn; the loop
+    # nest has no branch (another rank's experts: their pairs' rows stored as zeros), so Triton can flatten it
     num_n = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(tl.load(NumPadded), BLOCK_M) * num_n
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
@@ -732,25 +703,6 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
     def grid(n_blocks: int) -> tuple[int, int]:
         return (n_blocks, num_blocks) if n_fast else (num_blocks, n_blocks)
 
-    if pol.persistent and up_tma and not route and not pol.unsorted:
-        programs = num_sms(x.device) * pol.persistent
-
-        def gate_up() -> None:
-            _gate_up_persistent_kernel[(min(programs, num_blocks * triton.cdiv(inter, pol.a_block_n)),)](
-                x, sorted_ids, expert_ids, num_padded, act, up_tma["Wd"], num_pairs, inter, hidden, num_experts,
-                x.stride(0), act.stride(0), TOP_K=top_k, BLOCK_M=pol.block_m, BLOCK_N=pol.a_block_n,
-                BLOCK_K=pol.a_block_k, SILU=activation == "silu", PREC=dot_precision(x.dtype), num_warps=pol.a_warps,
-                num_stages=pol.a_stages)
-
-        def down() -> torch.Tensor:
-            _down_persistent_kernel[(min(programs, num_blocks * triton.cdiv(hidden, pol.b_block_n)),)](
-                sorted_ids, expert_ids, num_padded, weights, y, down_tma["Ad"], down_tma["Wd"],
-                num_pairs, hidden, inter, num_experts, y.stride(0), BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n,
-                BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype), num_warps=pol.b_warps, num_stages=pol.b_stages)
-            return y
-
-        return gate_up, down
-
     def gate_up() -> None:
         _gate_up_kernel[grid(triton.cdiv(inter, pol.a_block_n))](
             x, gate_up_proj, sorted_ids, expert_ids, num_padded, act,
@@ -762,6 +714,13 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
         )
 
     def down() -> torch.Tensor:
+        if pol.persistent and down_tma and not route and not pol.unsorted:
+            programs = num_sms(x.device) * pol.persistent
+            _down_persistent_kernel[(min(programs, num_blocks * triton.cdiv(hidden, pol.b_block_n)),)](
+                sorted_ids, expert_ids, num_padded, weights, y, down_tma["Ad"], down_tma["Wd"],
+                num_pairs, hidden, inter, num_experts, y.stride(0), BLOCK_M=pol.block_m, BLOCK_N=pol.b_block_n,
+                BLOCK_K=pol.b_block_k, PREC=dot_precision(x.dtype), num_warps=pol.b_warps, num_stages=pol.b_stages)
+            return y
         _down_kernel[grid(triton.cdiv(hidden, pol.b_block_n))](
             act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
             num_pairs, hidden, inter, num_experts,
