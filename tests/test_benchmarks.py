@@ -171,7 +171,7 @@ def test_serving_script_against_the_demo_server():
                             "--input-len", "16", "--output-len", "6"])
     finally:
         server.terminate()
-    assert res["requests"] == 8
+    assert res["requests"] == 8 and res["warmup_requests"] == 4 and len(res["ttft_ms"]) == 8
     assert res["ttft_ms_p99"] >= res["ttft_ms_p50"] > 0 and res["tpot_ms_p99"] >= res["tpot_ms_p50"] >= 0
     assert res["itl_ms_max"] >= res["itl_ms_p99"] > 0
     # both figures are rounded to 3 decimals, so a short run carries ~0.2% error per figure

@@ -123,6 +123,34 @@ def test_every_attention_op_sits_between_pieces(compiled):
     assert all(4 in p.static for p in backend.pieces)  # warm-up compiled the static size
 
 
+def test_a_compile_in_the_samplers_part_of_a_step_is_judged_too(compiled, monkeypatch):
+    """--jit-monitor covers the whole engine step, not only the compiled forward: a kernel first built while
+    sampling (the greedy argmax at a row width warm-up never saw, as on the H200 in session 36) is an error
+    under 'error'."""
+    from compiled_llm.runtime import sampler as S
+
+    llm, hf = compiled("dense")
+    engine = llm.engine
+    real = S.argmax_rows
+
+    def argmax_first_built_here(logits):
+        MONITOR.note("argmax_rows", ("a width warm-up never saw",))
+        return real(logits)
+
+    monkeypatch.setattr(S, "argmax_rows", argmax_first_built_here)
+    try:
+        engine.add_request("late", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        with pytest.raises(JitCompileAfterWarmup, match="argmax_rows"):
+            for _ in range(4):
+                engine.step()
+    finally:
+        MONITOR.late.clear()
+        MONITOR.seen.discard(("argmax_rows", ("a width warm-up never saw",)))
+        engine.abort_request("late")
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
 def test_compile_after_warmup_is_an_error_under_jit_monitor_error(compiled):
     llm, hf = compiled("dense")
     model = llm.engine.executor.runner.compiler.compiled

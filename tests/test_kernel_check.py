@@ -90,6 +90,16 @@ def test_every_kernel_start_up_builds_on_an_h200_builds_for_sm90(name):
     assert all(b.registers > 0 for b in built)  # ptxas read each one
 
 
+def test_warm_up_builds_the_samplers_argmax_at_the_vocabulary_width():
+    """The greedy sampler's argmax over a vocabulary-wide row merges 64 chunks (262,144 / 4,096): warm-up must
+    build that merge, not a narrow row's (an H200 server built it on its first request, ~0.6 s of TTFT)."""
+    from compiled_llm.runtime.kernel_check import engine_launches
+
+    launches = engine_launches(config_dict("gemma-4-26b-a4b"), only={"argmax_rows"})
+    assert {(lz.name, lz.kwargs.get("BLOCK_C")) for lz in launches} == {("_argmax_chunk_kernel", None),
+                                                                       ("_argmax_merge_kernel", 64)}
+
+
 def test_compile_cache_dry_run_kernels_prints_each_kernels_build(tmp_path, capsys):
     """`compile-cache --dry-run --kernels` from a config.json alone: the table, one row a distinct kernel build,
     and exit 0; a kernel that cannot build for sm_90 makes it exit 1 and names it."""

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from compiled_llm.config import EngineConfig
+from compiled_llm.ops.jit import MONITOR
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.runtime.async_scheduling import PLACEHOLDER, InFlight, async_scheduling_possible, needs_host_history
 from compiled_llm.runtime.context_len import check_max_model_len
@@ -112,9 +113,15 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update: the outputs of the requests that advanced. Under async scheduling the
-        outputs are those of the step launched by the previous call (see _step_async)."""
+        outputs are those of the step launched by the previous call (see _step_async). A kernel compiled
+        anywhere in the step after start-up warm-up (the forward, the logits, the sampler) is judged by
+        --jit-monitor."""
         if self._dead is not None:
             raise self._dead
+        with MONITOR.watch(self.config.jit_monitor):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self.async_scheduling and not self._sync_requests:
             return self._step_async()
         outputs = self._finish_inflight()  # back to synchronous steps: read what is still on its way first

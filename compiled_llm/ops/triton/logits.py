@@ -93,15 +93,15 @@ def argmax_rows(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK, warps: int = AR
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     rows, n = x.shape
     out = torch.empty(rows, dtype=torch.long, device=x.device)
-    MONITOR.note("argmax_rows", (x.dtype,))
+    chunks = triton.cdiv(n, chunk)
+    block_c = max(16, triton.next_power_of_2(chunks))
+    MONITOR.note("argmax_rows", (x.dtype, block_c))  # the merge's build: its chunks' power of two
     if rows == 0:
         return out
-    chunks = triton.cdiv(n, chunk)
     val = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     _argmax_chunk_kernel[(rows, chunks)](x, val, idx, n, chunks, x.stride(0), CHUNK=chunk, num_warps=warps)
-    _argmax_merge_kernel[(rows,)](val, idx, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)),
-                                  num_warps=1 if chunks <= 128 else 4)
+    _argmax_merge_kernel[(rows,)](val, idx, out, chunks, BLOCK_C=block_c, num_warps=1 if chunks <= 128 else 4)
     return out
 
 
@@ -117,11 +117,13 @@ register_kernel(JitKernel("logits_softcap", "logits_softcap", "triton", _keys, _
 
 
 def _argmax_keys(facts: dict) -> list:
-    return [(torch.float32,)] if "dtype" in facts else []
+    # the sampler's rows are the vocabulary wide: the merge kernel's build depends on it (an H200 server built it
+    # on its first request, ~0.6 s of the first TTFTs, while warm-up had built a 64-wide row's)
+    return [(torch.float32, facts.get("vocab_size", 64))] if "dtype" in facts else []
 
 
 def _argmax_compile(key, device) -> None:
-    argmax_rows(torch.zeros(2, 64, dtype=key[0], device=device))
+    argmax_rows(torch.zeros(2, key[1], dtype=key[0], device=device))
 
 
 register_kernel(JitKernel("argmax_rows", "argmax_rows", "triton", _argmax_keys, _argmax_compile))
