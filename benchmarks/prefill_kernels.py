@@ -110,7 +110,8 @@ def router_group(S, T, dev, dt, time_fn, rows, smoke):
     sweep("router", T, cands, run, check, 2.0 * T * H * E, time_fn, rows)
 
 
-def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False, tma_only=False, persistent_only=False):
+def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False, tma_only=False, persistent_only=False,
+              half_tail_only=False):
     E, H, I, k = S["E"], S["H"], S["I"], S["k"]
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(T, H, device=dev, generator=g).to(dt)
@@ -121,7 +122,10 @@ def moe_group(S, T, dev, dt, time_fn, rows, smoke, order_only=False, tma_only=Fa
     p0 = M.moe_launch_policy(T, k, E, H, I)
     R = dataclasses.replace
     cands = [p0]
-    if persistent_only:  # MoELaunch.persistent: the policy's down tiles (with TMA) a program a tile and persistent
+    if half_tail_only:  # MoELaunch.half_tail: the policy's (TMA) tiles with and without half-height tail blocks
+        base = R(p0, tma=True, half_tail=False)
+        cands = [base, R(base, half_tail=True)]
+    elif persistent_only:  # MoELaunch.persistent: the policy's down tiles (with TMA) a program a tile and persistent
         base = R(p0, tma=True, persistent=0)
         cands = [base] + [R(base, persistent=n) for n in (1, 2)]
         cands += [R(base, persistent=1, b_block_n=384 - base.b_block_n), R(base, persistent=1, b_stages=4),
@@ -280,6 +284,8 @@ def main() -> int:
                     help="MoE: the policy's tiles with and without TMA (MoELaunch.tma), and a few TMA tiles")
     ap.add_argument("--moe-persistent", action="store_true",
                     help="MoE: the policy's TMA down tiles a program a tile against persistent programs (MoELaunch.persistent)")
+    ap.add_argument("--moe-half-tail", action="store_true",
+                    help="MoE: the policy's TMA tiles against the same with half-height tail blocks (MoELaunch.half_tail)")
     ap.add_argument("--attn-quick", action="store_true",
                     help="attention: the policy's launch and the same with every key tile masked (no sweep)")
     ap.add_argument("--attn-extra", action="store_true",
@@ -300,7 +306,7 @@ def main() -> int:
         if "router" in groups:
             router_group(S, T, dev, dt, time_fn, rows, a.smoke)
         if "moe" in groups:
-            moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order, a.moe_tma, a.moe_persistent)
+            moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order, a.moe_tma, a.moe_persistent, a.moe_half_tail)
     if "attention" in groups and "glob" in S:
         for lens in att:
             attention_group(S, lens, dev, dt, time_fn, rows, a.smoke, a.attn_quick, a.attn_extra)

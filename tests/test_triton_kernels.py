@@ -630,6 +630,44 @@ def _check_moe_start(T, E, H, I, k, gemma: bool, seed: int):
         assert torch.equal(out[True], out[False]) and torch.equal(out[False], slots)
 
 
+def _check_moe_half_tail():
+    """MoELaunch.half_tail: aligned TMA blocks whose second half is all padding compute their first half only;
+    the routing below has blocks of both kinds (checked on the alignment), and the output is the reference's,
+    with the activations' unwritten half-block rows poisoned with NaN first (the down kernel must not read them
+    into a stored row)."""
+    from unittest import mock
+
+    import torch
+
+    from compiled_llm.ops.triton import moe as M
+
+    E, H, I, k, bm = 4, 64, 64, 2, 32
+    experts, router = _moe_modules(E, H, I, k, 23)
+    x = torch.randn(90, H)
+    with torch.no_grad():
+        w, ids = router(x)
+        ref = experts(x, w, ids)
+    sorted_ids, expert_ids, num_padded = M.moe_align(ids.to(torch.int32), E, bm)
+    blocks = sorted_ids[: int(num_padded.item())].view(-1, bm)
+    half = (blocks[:, bm // 2:] >= ids.numel()).all(dim=1)
+    assert half.any() and not half.all(), half
+    real_empty = torch.empty
+
+    def nan_empty(*a, **kw):  # the activation buffer (and every other one) starts as NaN
+        t = real_empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    pol = M.MoELaunch(bm, 32, 32, 4, 2, 32, 32, 4, 2, False, False, True, True, 0, True)
+    with torch.no_grad(), mock.patch.object(M.torch, "empty", nan_empty):
+        out = M.fused_geglu_moe(x, experts.gate_up_proj, experts.down_proj, w, ids, policy=pol)
+    _close(f"moe half tail ({int(half.sum())} of {len(half)} blocks)", out, ref)
+    # and with the down kernel persistent
+    pol = M.MoELaunch(bm, 32, 32, 4, 2, 32, 32, 4, 2, False, False, True, True, 1, True)
+    with torch.no_grad(), mock.patch.object(M.torch, "empty", nan_empty):
+        out = M.fused_geglu_moe(x, experts.gate_up_proj, experts.down_proj, w, ids, policy=pol)
+    _close("moe half tail, persistent down", out, ref)
+
+
 def _check_moe_tma():
     """MoELaunch.tma (prefill tiers): the weight tiles, and the down kernel's activation rows, through TMA
     descriptors (the interpreter emulates them): K tails in both GEMMs, several column blocks an expert, another
@@ -783,6 +821,7 @@ def check_moe():
     _check_moe(100, 4, 80, 96, 2, 12, policy=P)
     mock.patch.stopall()
     assert runs == {"_gate_up_kernel": 1, "_down_persistent_kernel": 1}, runs
+    _check_moe_half_tail()
     # the policy's: the top tier's down kernel persistent (Gemma 4 at 8,192 tokens), not the tiers below
     assert moe_launch_policy(8192, 8, 128, 2816, 704).persistent == 1
     assert moe_launch_policy(4096, 8, 128, 2816, 704).persistent == 0

@@ -357,6 +357,12 @@ class MoELaunch:
     # prompt's 30 MoE layers in latency.py's profile): down 17.96 -> 15.37 ms; the gate/up kernel persistent the
     # same way took 29.05 -> 54.34 ms (its gathered token rows load through the registers, not TMA) and was removed
     persistent: int = 0
+    # the aligned TMA gate/up kernel: a block whose second half is all padding (an expert's last block holding at
+    # most block_m / 2 pairs, about half of those blocks) runs on half-height tiles, so half its tensor work is not
+    # spent on padding rows (at 8,192 tokens Gemma 4's 128-row blocks are ~11% padding; under the H200's power cap
+    # the prefill is bound by energy, so work removed counts). An experiment (COMPILED_LLM_MOE_HALF_TAIL=1), off
+    # by default, not measured on a GPU yet
+    half_tail: bool = False
 
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
@@ -375,6 +381,8 @@ TMA_DECODE = os.environ.get(TMA_ENV, "1") == "all"
 # N: every prefill tier's MoELaunch.persistent (programs an SM; 0: none); unset: the policy's (the top tier only)
 PERSISTENT_ENV = "COMPILED_LLM_MOE_PERSISTENT"
 PERSISTENT = int(os.environ[PERSISTENT_ENV]) if os.environ.get(PERSISTENT_ENV) else None
+HALF_TAIL_ENV = "COMPILED_LLM_MOE_HALF_TAIL"  # 1: the prefill tiers' MoELaunch.half_tail
+HALF_TAIL = os.environ.get(HALF_TAIL_ENV, "0") == "1"
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -399,20 +407,23 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
     # Qwen3.5 549 -> 534), 256-column down tiles at 8,192 (2,362 -> 2,285 us; 1,579 -> 1,457)
     if pairs_per_expert <= 96:
-        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT or 0)
+        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT or 0,
+                         half_tail=HALF_TAIL)
     if pairs_per_expert <= 256:
         if TMA:
             # with TMA, 128-row blocks at 8 warps (H200, prefill_kernels --moe-tma): at 256 pairs an expert (session
             # 25) Gemma 4 at 4,096 tokens 1,190 -> 1,078 us, Qwen3.5 at 8,192 1,304 -> 1,252; the tier's lower end
             # (session 26, Gemma 4) at 2,048 tokens (128 pairs) 728 -> 716 us, at 3,072 (192) 967 -> 926
-            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=True, persistent=PERSISTENT or 0)
-        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT or 0)
+            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=True, persistent=PERSISTENT or 0,
+                             half_tail=HALF_TAIL)
+        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT or 0,
+                         half_tail=HALF_TAIL)
     # the down kernel persistent here (MoELaunch.persistent), not below: H200, session 36, latency.py's 8,192-token
     # prompt, its 30 down launches 17.96 -> 15.37 ms and 17.84 -> 16.21 (two machines); at 1,024 tokens (64-row
     # blocks) 4.64 -> 6.49 ms; prefill_kernels.py's whole MoE at 1,024 / 2,048 / 4,096 / 8,192 tokens 473 -> 544,
     # 619 -> 680, 1,083 -> 1,131, 1,879 -> 1,866 us
     return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, n_fast=N_FAST, tma=TMA,
-                     persistent=1 if PERSISTENT is None else PERSISTENT)
+                     persistent=1 if PERSISTENT is None else PERSISTENT, half_tail=HALF_TAIL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -437,6 +448,29 @@ def _gated_act(acc_g, acc_u, SILU: tl.constexpr):
     return act
 
 
+@triton.jit
+def _gate_up_tma_rows(X, Wd, Act, rows, pair, e, pid_n, num_pairs, N, K, stride_xt, stride_an,
+                      TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SILU: tl.constexpr, PREC: tl.constexpr):
+    # _gate_up_kernel's TMA body for BM rows of a block (all of it, or its first half) and their pairs
+    rmask = pair < num_pairs
+    tok = (pair // TOP_K).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    a_ptr = X + tok[:, None] * stride_xt + kk[None, :]
+    acc_g = tl.zeros([BM, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BM, BLOCK_N], tl.float32)
+    n0 = (e * 2 * N + pid_n * BLOCK_N).to(tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr, mask=rmask[:, None] & (kk < K - k0)[None, :], other=0.0)
+        acc_g += tl.dot(a, Wd.load([n0, k0]).T, input_precision=PREC)
+        acc_u += tl.dot(a, Wd.load([n0 + N, k0]).T, input_precision=PREC)
+        a_ptr += BLOCK_K
+    act = _gated_act(acc_g, acc_u, SILU)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(Act + rows.to(tl.int64)[:, None] * stride_an + cols[None, :], act.to(Act.dtype.element_ty),
+             mask=rmask[:, None] & (cols < N)[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs", "E"])  # E: JIT warm-up builds on fewer experts
 def _gate_up_kernel(
     X, W, SortedIds, ExpertIds, NumPadded, Act,
@@ -445,11 +479,12 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU: tl.constexpr, PREC: tl.constexpr, TopkIds=None, SELF_ROUTE: tl.constexpr = False,
     K_PAD: tl.constexpr = 8, BINS: tl.constexpr = 256, N_FAST: tl.constexpr = False,
-    Wd=None, TMA: tl.constexpr = False,
+    Wd=None, TMA: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
 ):
     # act[row] = act_fn(x @ gate[e].T) * (x @ up[e].T) for a block of rows sorted by expert
     # TMA: Wd describes W as [E * 2N, K] in [BLOCK_N, BLOCK_K] tiles (N a multiple of BLOCK_N: a tile never
-    # crosses from gate to up or into the next expert; K's tail reads as zeros)
+    # crosses from gate to up or into the next expert; K's tail reads as zeros). HALF_TAIL (MoELaunch.half_tail,
+    # aligned TMA blocks only): a block whose second half is all padding computes its first half only
     pid_m, pid_n = _block_ids(N_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if SELF_ROUTE:  # rank the picked experts; the first column block records its block for the down kernel
@@ -466,8 +501,18 @@ def _gate_up_kernel(
         e = tl.load(ExpertIds + pid_m).to(tl.int64)
         if (e < 0) | (e >= E):  # skipped pairs (another rank's experts): the down kernel zeroes their rows
             return
+        if TMA and HALF_TAIL:
+            half = pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2)
+            if tl.min(tl.load(SortedIds + half + BLOCK_M // 2)) >= num_pairs:  # the second half all padding
+                _gate_up_tma_rows(X, Wd, Act, half, tl.load(SortedIds + half), e, pid_n, num_pairs, N, K,
+                                  stride_xt, stride_an, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, SILU, PREC)
+                return
         pair = tl.load(SortedIds + rows)
         rmask = pair < num_pairs
+    if TMA:
+        _gate_up_tma_rows(X, Wd, Act, rows, pair, e, pid_n, num_pairs, N, K, stride_xt, stride_an, TOP_K, BLOCK_M,
+                          BLOCK_N, BLOCK_K, SILU, PREC)
+        return
     tok = (pair // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -475,26 +520,17 @@ def _gate_up_kernel(
     a_ptr = X + tok[:, None] * stride_xt + kk[None, :]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if TMA:
-        n0 = (e * 2 * N + pid_n * BLOCK_N).to(tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = kk < K - k0
-            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            acc_g += tl.dot(a, Wd.load([n0, k0]).T, input_precision=PREC)
-            acc_u += tl.dot(a, Wd.load([n0 + N, k0]).T, input_precision=PREC)
-            a_ptr += BLOCK_K
-    else:
-        g_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
-        u_ptr = g_ptr + N * stride_wn
-        for k0 in range(0, K, BLOCK_K):
-            kmask = kk < K - k0
-            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            bmask = kmask[:, None] & cmask[None, :]
-            acc_g += tl.dot(a, tl.load(g_ptr, mask=bmask, other=0.0), input_precision=PREC)
-            acc_u += tl.dot(a, tl.load(u_ptr, mask=bmask, other=0.0), input_precision=PREC)
-            a_ptr += BLOCK_K
-            g_ptr += BLOCK_K
-            u_ptr += BLOCK_K
+    g_ptr = W + e * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+    u_ptr = g_ptr + N * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        kmask = kk < K - k0
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bmask = kmask[:, None] & cmask[None, :]
+        acc_g += tl.dot(a, tl.load(g_ptr, mask=bmask, other=0.0), input_precision=PREC)
+        acc_u += tl.dot(a, tl.load(u_ptr, mask=bmask, other=0.0), input_precision=PREC)
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K
+        u_ptr += BLOCK_K
     act = _gated_act(acc_g, acc_u, SILU)
     out_ptr = Act + rows.to(tl.int64)[:, None] * stride_an + cols[None, :]
     tl.store(out_ptr, act.to(Act.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
@@ -697,6 +733,8 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
     if pol.tma and tma_usable(x, gate_up_proj, down_proj, pol):
         gu2, dn2 = gate_up_proj.view(-1, hidden), down_proj.view(-1, inter)
         up_tma = dict(Wd=TensorDescriptor.from_tensor(gu2, [pol.a_block_n, pol.a_block_k]), TMA=True)
+        if pol.half_tail and not route and not pol.unsorted:
+            up_tma["HALF_TAIL"] = True
         down_tma = dict(Ad=TensorDescriptor.from_tensor(act, [pol.block_m, pol.b_block_k]),
                         Wd=TensorDescriptor.from_tensor(dn2, [pol.b_block_n, pol.b_block_k]), TMA=True)
 
