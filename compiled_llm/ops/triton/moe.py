@@ -406,24 +406,24 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
         return MoELaunch(16, 64, 128, 4, 4, 128, 128, 4, 3, tma=TMA_DECODE)
     # H200 sweep (benchmarks/prefill_kernels.py, session 17): 64-row blocks at 1,024 tokens (Gemma 4 671 -> 559 us,
     # Qwen3.5 549 -> 534), 256-column down tiles at 8,192 (2,362 -> 2,285 us; 1,579 -> 1,457)
+    # every prefill tier: the launch order, the experiments' switches (the persistent down kernel is the top tier's
+    # default, below)
+    prefill = dict(n_fast=N_FAST, half_tail=HALF_TAIL, persistent=PERSISTENT or 0)
     if pairs_per_expert <= 96:
-        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT or 0,
-                         half_tail=HALF_TAIL)
+        return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, tma=TMA, **prefill)
     if pairs_per_expert <= 256:
         if TMA:
             # with TMA, 128-row blocks at 8 warps (H200, prefill_kernels --moe-tma): at 256 pairs an expert (session
             # 25) Gemma 4 at 4,096 tokens 1,190 -> 1,078 us, Qwen3.5 at 8,192 1,304 -> 1,252; the tier's lower end
             # (session 26, Gemma 4) at 2,048 tokens (128 pairs) 728 -> 716 us, at 3,072 (192) 967 -> 926
-            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=True, persistent=PERSISTENT or 0,
-                             half_tail=HALF_TAIL)
-        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, n_fast=N_FAST, tma=TMA, persistent=PERSISTENT or 0,
-                         half_tail=HALF_TAIL)
+            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, tma=True, **prefill)
+        return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, tma=TMA, **prefill)
     # the down kernel persistent here (MoELaunch.persistent), not below: H200, session 36, latency.py's 8,192-token
     # prompt, its 30 down launches 17.96 -> 15.37 ms and 17.84 -> 16.21 (two machines); at 1,024 tokens (64-row
     # blocks) 4.64 -> 6.49 ms; prefill_kernels.py's whole MoE at 1,024 / 2,048 / 4,096 / 8,192 tokens 473 -> 544,
     # 619 -> 680, 1,083 -> 1,131, 1,879 -> 1,866 us
-    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, n_fast=N_FAST, tma=TMA,
-                     persistent=1 if PERSISTENT is None else PERSISTENT, half_tail=HALF_TAIL)
+    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, tma=TMA,
+                     **dict(prefill, persistent=1 if PERSISTENT is None else PERSISTENT))
 
 
 # ----------------------------------------------------------------------------------------------------
