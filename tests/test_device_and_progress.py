@@ -205,3 +205,23 @@ def test_cpu_start_does_not_warn_about_a_missing_cuda_runtime(tmp_path):
     assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
     assert "No CUDA runtime is found" in runs[0].stderr
     assert "No CUDA runtime is found" not in runs[1].stderr
+
+
+def test_warmup_plan_ends_with_the_largest_step_on_cuda_only(monkeypatch):
+    """On CUDA warm-up runs the max_num_batched_tokens step once more after the captures, so that the first full
+    step a server runs finds the caching allocator grown (start-up's memory profile emptied it)."""
+    from compiled_llm.compiler.warmup import PEAK_STEP_ENV, warmup_plan
+
+    kw = dict(full_graph_ok=True, lone_token_bucket=True)
+    cuda = warmup_plan([1, 2, 4, 512], 8192, 4, cuda=True, **kw)
+    assert cuda == [("compile (513-token prefill, dynamic token count)", "prefill", 513),
+                    ("prefill size 512", "prefill", 512),
+                    ("batch size 4", "decode", 4), ("whole-graph decode 4", "whole", 4),
+                    ("batch size 2", "decode", 2), ("whole-graph decode 2", "whole", 2),
+                    ("batch size 1", "decode", 1), ("whole-graph decode 1", "whole", 1),
+                    ("allocator (8192-token step)", "prefill", 8192)]
+    assert warmup_plan([1, 2, 4, 512], 8192, 4, cuda=False, **kw) == cuda[:-1]
+    assert warmup_plan([1, 2, 4, 512], 513, 4, cuda=True, **kw) == [  # the compile's prefill was the largest
+        ("compile (513-token prefill, dynamic token count)", "prefill", 513)] + cuda[1:-1]
+    monkeypatch.setenv(PEAK_STEP_ENV, "0")
+    assert warmup_plan([1, 2, 4, 512], 8192, 4, cuda=True, **kw) == cuda[:-1]

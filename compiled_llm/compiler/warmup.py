@@ -2,14 +2,16 @@
 
 Work items, in order, behind one progress bar: the dynamic-token-count compile (a prefill-shaped
 forward), each static batch size (a decode-shaped forward: static compile and, on CUDA, the per-piece
-graph captures; then the whole-graph decode capture and its timing), then every key that the JIT
-kernels of the selected providers registered and no forward has launched yet. Afterwards the JIT
+graph captures; then the whole-graph decode capture and its timing), on CUDA the largest step once more (the
+caching allocator grown to its peak), then every key that the JIT kernels of the selected providers registered
+and no forward has launched yet (`warmup_plan` orders the forwards). Afterwards the JIT
 monitor (ops/jit.py) reports any compile as a key missing from the registry.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -20,6 +22,8 @@ from compiled_llm.ops.jit import MONITOR, REGISTRY, serial_ast_parse
 from compiled_llm.ops.registry import OPS
 
 log = logging.getLogger("compiled_llm")
+
+PEAK_STEP_ENV = "COMPILED_LLM_WARMUP_PEAK_STEP"  # 0: no max_num_batched_tokens step in warm-up (an A/B switch)
 
 
 def dummy_context(specs: dict, kv_caches: dict, block_size: int, num_seqs: int, tokens_per_seq: int,
@@ -67,7 +71,6 @@ def precompile_kernels(facts: dict, device, workers: int | None = None) -> int:
     launch with the same specialisation finds its kernel built. Nothing runs, so the functions' outputs are
     never read. Returns how many kernel keys it went through (0 off CUDA, without Triton's async mode, or with
     COMPILED_LLM_KERNEL_BUILD_WORKERS=0: each kernel then builds at its first launch, as before)."""
-    import os
 
     device = torch.device(device)
     workers = workers if workers is not None else int(os.environ.get("COMPILED_LLM_KERNEL_BUILD_WORKERS",
@@ -104,6 +107,32 @@ def precompile_kernels(facts: dict, device, workers: int | None = None) -> int:
     return len(keys)
 
 
+def warmup_plan(sizes, max_tokens: int, max_num_seqs: int | None, *, full_graph_ok: bool, lone_token_bucket: bool,
+                cuda: bool) -> list[tuple[str, str, int]]:
+    """Warm-up's forwards in order, as (name, kind, n): "prefill" one sequence of n new tokens, "decode" n
+    sequences of one token, "whole" the whole-graph decode capture of batch n (timed against the pieces).
+    First the dynamic-token-count compile, then every static size, largest first (later captures reuse the graph
+    pool's memory); a size above max_num_seqs can only be a prefill (or a chunked-prefill step). On CUDA, last,
+    the largest step (max_tokens) once more now that the KV cache exists: start-up's memory profile emptied
+    the caching allocator, and without it the first full step a server ran grew it (cudaMalloc) while a user
+    waited (H200, Gemma 4 26B-A4B: one 369 MB segment, the first wave of 8 x 1K prompts 6-10 ms slower)."""
+    sizes = sorted(sizes, reverse=True)
+    prefill = max(2, min(max_tokens, (sizes[0] + 1) if sizes else 16))
+    plan = [(f"compile ({prefill}-token prefill, dynamic token count)", "prefill", prefill)]
+    if not lone_token_bucket:  # no static bucket takes a lone decode token: its guard needs a compile
+        plan.append(("compile (1-token decode)", "prefill", 1))
+    for size in sizes:
+        if max_num_seqs is not None and size > max_num_seqs:
+            plan.append((f"prefill size {size}", "prefill", size))
+            continue
+        plan.append((f"batch size {size}", "decode", size))
+        if full_graph_ok:
+            plan.append((f"whole-graph decode {size}", "whole", size))
+    if cuda and max_tokens > prefill and os.environ.get(PEAK_STEP_ENV, "1") != "0":
+        plan.append((f"allocator ({max_tokens}-token step)", "prefill", max_tokens))
+    return plan
+
+
 @torch.inference_mode()
 def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: int, facts: dict, device,
             mode: str = "off", progress: bool = True, context_factory=None, timings: dict | None = None,
@@ -111,8 +140,7 @@ def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: in
     """model: a CompiledModel. context_factory(num_seqs, tokens_per_seq) -> ForwardContext, for models
     whose ops need more than the KV cache (recurrent state); default: dummy_context. Returns seconds; each
     item's seconds go into `timings` (name -> seconds) when given. stage_inputs(num_tokens): a later pipeline
-    stage's dummy inputs from the previous stage. A bucket above max_num_seqs can only be a prefill (or a
-    chunked-prefill step): it warms up as one sequence of that many tokens, with no whole-graph decode."""
+    stage's dummy inputs from the previous stage. The forwards run in `warmup_plan`'s order."""
     device = torch.device(device)
     make = context_factory or (lambda s, t: dummy_context(specs, kv_caches, block_size, s, t, device))
 
@@ -126,18 +154,10 @@ def warm_up(model, specs: dict, kv_caches: dict, block_size: int, max_tokens: in
         with set_forward_context(make(size, 1)):
             model.choose_decode_graph(size)
 
-    sizes = sorted(model.sizes, reverse=True)  # largest first: later captures reuse the graph pool's memory
-    prefill = max(2, min(max_tokens, (sizes[0] + 1) if sizes else 16))
-    items = [(f"compile ({prefill}-token prefill, dynamic token count)", lambda: forward(1, prefill))]
-    if model.bucket_for(1) is None:  # no static bucket takes a lone decode token: its guard needs a compile
-        items.append(("compile (1-token decode)", lambda: forward(1, 1)))
-    for size in sizes:
-        if max_num_seqs is not None and size > max_num_seqs:
-            items.append((f"prefill size {size}", lambda s=size: forward(1, s)))
-            continue
-        items.append((f"batch size {size}", lambda s=size: forward(s, 1)))
-        if model.full_graph_ok:
-            items.append((f"whole-graph decode {size}", lambda s=size: decode_graph(s)))
+    run = {"prefill": lambda n: forward(1, n), "decode": lambda n: forward(n, 1), "whole": decode_graph}
+    plan = warmup_plan(model.sizes, max_tokens, max_num_seqs, full_graph_ok=model.full_graph_ok,
+                       lone_token_bucket=model.bucket_for(1) is not None, cuda=device.type == "cuda")
+    items = [(name, lambda kind=kind, n=n: run[kind](n)) for name, kind, n in plan]
     keys = kernel_keys(facts)
     for kernel, key in keys:
         items.append((f"{kernel.name} {key}", lambda k=kernel, key=key: (
