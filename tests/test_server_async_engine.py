@@ -228,3 +228,50 @@ def test_one_bad_prompt_in_a_batch_rejects_the_request_and_aborts_the_rest():
         assert not engine.requests and len(engine.aborted) == 2
         ok = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3}).json()
         assert [c["index"] for c in ok["choices"]] == [0, 1] and ok["usage"]["completion_tokens"] == 6
+
+
+def test_the_engine_is_stepped_on_the_thread_that_built_it(monkeypatch):
+    """`serve` builds its engine on an EngineThread and steps it there (on the CPU, start-up on the main thread
+    and steps on another left OpenMP with two thread teams, and a tiny model's steps ran ~3-4x slower)."""
+    import uvicorn
+
+    from compiled_llm.cli import build_parser
+    from compiled_llm.runtime import engine as engine_module
+    from compiled_llm.server.cli import run_server
+
+    built = []
+
+    class Engine(FakeEngine):
+        def __init__(self, config):
+            super().__init__()
+            built.append((self, threading.get_ident()))
+
+    answers = []
+
+    def serve(self):  # instead of listening: one request through the app, then shut down
+        with TestClient(self.config.app) as client:
+            answers.append(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).json())
+        self.started = True
+
+    monkeypatch.setattr(engine_module, "LLMEngine", Engine)
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
+    assert run_server(build_parser().parse_args(["serve", "--device", "cpu"])) == 0
+    assert answers[0]["choices"][0]["finish_reason"] == "length"
+    [(engine, builder)] = built
+    assert builder != threading.get_ident()  # not the main thread
+    assert engine.thread_ids == {builder}  # the request's admission and every step: the thread that built it
+
+
+def test_engine_thread_runs_calls_in_order_and_returns_their_exceptions():
+    from compiled_llm.server.async_engine import EngineThread
+
+    thread = EngineThread()
+    assert thread.call(threading.get_ident) == thread.ident != threading.get_ident()
+    with pytest.raises(ValueError, match="invalid literal"):
+        thread.call(int, "x")
+    order = []
+    futures = [thread.submit(order.append, i) for i in range(5)]
+    last = thread.submit(order.append, "last", last=True)
+    last.result(timeout=10)
+    thread.join(timeout=10)
+    assert order == [0, 1, 2, 3, 4, "last"] and all(f.done() for f in futures) and not thread.is_alive()

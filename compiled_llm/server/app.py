@@ -62,11 +62,12 @@ class APIKeyMiddleware:
 def create_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, media_policy=None,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, engine_thread=None) -> FastAPI:
     """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does.
-    tool_call_parser: the tool-call format (server/tool_parsers/); default: the checkpoint's model type's."""
+    tool_call_parser: the tool-call format (server/tool_parsers/); default: the checkpoint's model type's.
+    engine_thread: the async_engine.EngineThread that built the engine (its steps run there too)."""
     names = list(served_model_names or [engine.model_name])
-    aengine = AsyncEngine(engine, Metrics(names[0]))
+    aengine = AsyncEngine(engine, Metrics(names[0]), engine_thread)
     template = chat_template or getattr(aengine.tokenizer, "chat_template", None)
     state = ServerState(aengine, names, chat_template=chat_template, api_key=api_key,
                         tool_parser=make_tool_parser(tool_call_parser, engine.config.resolved_model(), template))

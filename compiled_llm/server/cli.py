@@ -75,16 +75,19 @@ def run_server(args: argparse.Namespace) -> int:
 
     from compiled_llm.runtime.engine import LLMEngine
     from compiled_llm.server.app import create_app
+    from compiled_llm.server.async_engine import EngineThread
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(args.log_level.upper())
     chat_template = load_chat_template(args.chat_template)
     config = config_from_args(args)
     logger.info("loading %s", config.resolved_model())
-    engine = LLMEngine(config)
+    engine_thread = EngineThread()  # start-up and steps on one thread (EngineThread says why)
+    engine = engine_thread.call(LLMEngine, config)
     app = create_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      chat_template=chat_template, media_policy=media_policy_from_args(args),
-                     max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser)
+                     max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser,
+                     engine_thread=engine_thread)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,
