@@ -16,6 +16,10 @@ Prompt = str | dict | list[int]
 
 
 class LLM:
+    """An engine and its generate loop. Not thread safe: one thread at a time. On the CPU, call it from the thread
+    that built it: a second thread running torch's parallel ops makes OpenMP stop spinning between them, and a
+    tiny model's steps ran 3-4x slower (the server builds and steps its engine on one thread for this reason)."""
+
     def __init__(self, model: str | None = None, **kwargs):
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(kwargs) - known
