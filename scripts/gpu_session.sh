@@ -2,6 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
+# first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"])
 # kernels (check_kernels_gpu.py, KERNELS_ARGS) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
@@ -142,6 +143,33 @@ for _ in range(400):
       done
       kill $spid; wait $spid 2>/dev/null
       tail -5 "$OUT/server.log" ;;
+    first_wave)  # a fresh engine's first waves against later ones (benchmarks/first_wave.py), the server's config
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from configs import config_dict, write_checkpoint_folder, write_word_tokenizer; \
+write_word_tokenizer(write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/serve_model')), config_dict('gemma-4-26b-a4b')['vocab_size'])"
+      for v in ${FIRST_WAVE_VARIANTS:-tok_prefix tok plain}; do  # tok: --with-tokenizer, prefix: --enable-prefix-caching
+        run first_wave_$v 150 python3 benchmarks/first_wave.py --model /tmp/serve_model --max-model-len 2048 \
+          --max-num-seqs 32 --batch ${FIRST_WAVE_BATCH:-1} --thread $([[ $v == *tok* ]] && echo --with-tokenizer) \
+          $([[ $v == *prefix* ]] && echo --enable-prefix-caching) --out "$OUT/first_wave_$v.json"
+      done ;;
+    first_wave_server)  # the server's engine-thread timeline (benchmarks/server_steps.py) over three waves of 8 x 1K
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from configs import config_dict, write_checkpoint_folder, write_word_tokenizer; \
+write_word_tokenizer(write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/serve_model')), config_dict('gemma-4-26b-a4b')['vocab_size'])"
+      STEP_LOG="$OUT/server_steps.jsonl" python3 benchmarks/server_steps.py --model /tmp/serve_model --load-format dummy \
+        --max-num-seqs 32 --max-model-len 2048 --port 8011 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
+      spid=$!
+      python3 -c "import time, urllib.request as u
+for _ in range(400):
+    try: u.urlopen('http://127.0.0.1:8011/health', timeout=2); print('server up'); break
+    except Exception: time.sleep(1)"
+      for w in 1 2 3; do
+        run first_wave_server_$w 60 python3 benchmarks/serving.py --base-url http://127.0.0.1:8011/v1 --concurrency 8 \
+          --requests 8 --input-len 1024 --output-len 8 --vocab 200000 --warmup-requests 0 --seed $w \
+          --out "$OUT/first_wave_server_$w.json"
+        echo "wave $w: $(grep -c . "$OUT/server_steps.jsonl") timeline lines"
+      done
+      kill $spid; wait $spid 2>/dev/null ;;
     offline32) run offline32 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x32x256 \
                  --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
     par_modes)  # issue 16, two GPUs: eager TP2 / PP2 / TP2+EP tokens vs one GPU on a tiny model, a worker killed mid-decode
