@@ -130,6 +130,58 @@ def test_latency_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
     assert "compiled_llm/runtime/engine.py" in (tmp_path / "host_64.txt").read_text()
 
 
+def test_first_wave_script_times_each_wave_on_the_thread_asked(tiny_ckpt, tmp_path):
+    import threading
+
+    import first_wave
+
+    folder, _ = tiny_ckpt("dense")
+    threads = []
+    real = first_wave.waves
+    first_wave.waves = lambda *a: (threads.append(threading.current_thread().name), real(*a))
+    try:
+        res = first_wave.main(["--model", str(folder), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
+                               "--waves", "2", "--batch", "2", "--input-len", "8", "--output-len", "3", "--thread",
+                               "--out", str(tmp_path / "fw.json")])
+    finally:
+        first_wave.waves = real
+    assert threads == ["engine"]  # not the main thread, which built the engine
+    assert [set(w) for w in res["waves"]] == [{"ms"}, {"ms"}] and all(w["ms"] > 0 for w in res["waves"])
+    assert json.loads((tmp_path / "fw.json").read_text())["waves"] == res["waves"]
+
+
+def test_server_steps_logs_each_hand_over_and_step(tmp_path, monkeypatch):
+    import asyncio
+
+    import server_steps
+    from server_utils import FakeEngine
+
+    from compiled_llm.sampling_params import SamplingParams
+    from compiled_llm.server import async_engine
+    from compiled_llm.server.generation import Generation
+
+    for name in ("_add", "_run"):  # install() replaces them on the class: put them back afterwards
+        monkeypatch.setattr(async_engine.AsyncEngine, name, getattr(async_engine.AsyncEngine, name))
+    monkeypatch.setenv("STEP_LOG", str(tmp_path / "steps.jsonl"))
+    server_steps.install()
+
+    async def main():
+        aengine = async_engine.AsyncEngine(FakeEngine())
+        aengine.start()
+        gens = [Generation(aengine, f"r{i}", [f"prompt {i}"], SamplingParams(max_tokens=4)) for i in range(2)]
+        for g in gens:
+            await g.start()
+        await asyncio.gather(*(g.run() for g in gens))
+        await aengine.stop()
+
+    asyncio.run(main())
+    lines = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    adds, steps = [x for x in lines if x[0] == "add"], [x for x in lines if x[0] == "step"]
+    assert len(adds) == 2 and all(posted <= taken <= done for _, posted, taken, done in adds)
+    assert len(steps) >= 4 and all(start <= end for _, start, end, _ in steps)
+    assert sum(n for *_, n in steps) >= 2 * 4  # every token of both requests came out of a logged step
+
+
 def test_gc_pauses_counts_a_collection():
     import gc
 
