@@ -71,7 +71,6 @@ def precompile_kernels(facts: dict, device, workers: int | None = None) -> int:
     launch with the same specialisation finds its kernel built. Nothing runs, so the functions' outputs are
     never read. Returns how many kernel keys it went through (0 off CUDA, without Triton's async mode, or with
     COMPILED_LLM_KERNEL_BUILD_WORKERS=0: each kernel then builds at its first launch, as before)."""
-
     device = torch.device(device)
     workers = workers if workers is not None else int(os.environ.get("COMPILED_LLM_KERNEL_BUILD_WORKERS",
                                                                      min(32, os.cpu_count() or 1)))
