@@ -1,9 +1,10 @@
 """The first requests after start-up against later ones, at the engine (no server): waves of B prompts of P tokens
 with O tokens out each, one after another in a fresh engine; each wave's wall time and what the CUDA caching
 allocator did during it (cudaMalloc calls, reserved bytes). A first wave slower than the rest is a cost that
-start-up's warm-up left to the first user. --thread runs the waves on a thread of their own, as the server's engine
-thread steps the engine (start-up ran on the main thread); --max-num-seqs, --enable-prefix-caching and
---with-tokenizer bring the engine closer to a server's.
+start-up's warm-up left to the first user. --max-num-seqs, --enable-prefix-caching and --with-tokenizer bring the
+engine closer to a server's (which builds and steps its engine on one thread, as this script does by default);
+--thread runs the waves on a thread other than the one that built the engine (on the CPU, OpenMP then makes the
+steps 3-4x slower: server/async_engine.py EngineThread).
 
     python benchmarks/first_wave.py --config gemma-4-26b-a4b --waves 3 --batch 8 --input-len 1024 --output-len 8
 """

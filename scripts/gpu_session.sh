@@ -43,6 +43,19 @@ tiny_all() {  # the tiny float32 Gemma 4 with every feature, for the parallel ch
 from tiny_models import make_checkpoint; make_checkpoint(Path('/tmp/ckpt_all'), 'all')"
 }
 
+serve_model() {  # a dummy-weight checkpoint of preset $1 with a one-word-per-id tokenizer, in /tmp/serve_model
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from configs import config_dict, write_checkpoint_folder, write_word_tokenizer; \
+write_word_tokenizer(write_checkpoint_folder('$1', Path('/tmp/serve_model')), config_dict('$1')['vocab_size'])"
+}
+
+wait_healthy() {  # until the server on port 8011 answers /health (at most ~400 s)
+  python3 -c "import time, urllib.request as u
+for _ in range(400):
+    try: u.urlopen('http://127.0.0.1:8011/health', timeout=2); print('server up'); break
+    except Exception: time.sleep(1)"
+}
+
 for step in $steps; do
   case $step in
     kernel_check) run kernel_check 200 python3 scripts/kernel_check_gpu.py --config ${KCHECK_CONFIG:-gemma-4-26b-a4b} \
@@ -126,16 +139,11 @@ for step in $steps; do
     serving)  # issue 14: the OpenAI server under load (1K in / 256 out, 64 requests at concurrency 8 and 32)
               # against the offline engine at the same batch; needs the server's wheels in .whl (carry [".whl"])
       model=${SERVE_MODEL:-gemma-4-26b-a4b}
-      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
-from configs import config_dict, write_checkpoint_folder, write_word_tokenizer; \
-write_word_tokenizer(write_checkpoint_folder('$model', Path('/tmp/serve_model')), config_dict('$model')['vocab_size'])"
+      serve_model $model
       python3 -m compiled_llm serve --model /tmp/serve_model --load-format dummy --max-num-seqs 32 \
         --max-model-len 2048 --port 8011 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
       spid=$!
-      python3 -c "import time, urllib.request as u
-for _ in range(400):
-    try: u.urlopen('http://127.0.0.1:8011/health', timeout=2); print('server up'); break
-    except Exception: time.sleep(1)"
+      wait_healthy
       for c in 8 32; do
         run serving_c$c 240 python3 benchmarks/serving.py --base-url http://127.0.0.1:8011/v1 --concurrency $c \
           --requests ${SERVE_REQUESTS:-64} --input-len ${SERVE_IN:-1024} --output-len ${SERVE_OUTPUT:-256} \
@@ -144,25 +152,18 @@ for _ in range(400):
       kill $spid; wait $spid 2>/dev/null
       tail -5 "$OUT/server.log" ;;
     first_wave)  # a fresh engine's first waves against later ones (benchmarks/first_wave.py), the server's config
-      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
-from configs import config_dict, write_checkpoint_folder, write_word_tokenizer; \
-write_word_tokenizer(write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/serve_model')), config_dict('gemma-4-26b-a4b')['vocab_size'])"
+      serve_model gemma-4-26b-a4b
       for v in ${FIRST_WAVE_VARIANTS:-tok_prefix tok plain}; do  # tok: --with-tokenizer, prefix: --enable-prefix-caching
         run first_wave_$v 150 python3 benchmarks/first_wave.py --model /tmp/serve_model --max-model-len 2048 \
-          --max-num-seqs 32 --batch ${FIRST_WAVE_BATCH:-1} --thread $([[ $v == *tok* ]] && echo --with-tokenizer) \
+          --max-num-seqs 32 --batch ${FIRST_WAVE_BATCH:-1} $([[ $v == *tok* ]] && echo --with-tokenizer) \
           $([[ $v == *prefix* ]] && echo --enable-prefix-caching) --out "$OUT/first_wave_$v.json"
       done ;;
     first_wave_server)  # the server's engine-thread timeline (benchmarks/server_steps.py) over three waves of 8 x 1K
-      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
-from configs import config_dict, write_checkpoint_folder, write_word_tokenizer; \
-write_word_tokenizer(write_checkpoint_folder('gemma-4-26b-a4b', Path('/tmp/serve_model')), config_dict('gemma-4-26b-a4b')['vocab_size'])"
+      serve_model gemma-4-26b-a4b
       STEP_LOG="$OUT/server_steps.jsonl" python3 benchmarks/server_steps.py --model /tmp/serve_model --load-format dummy \
         --max-num-seqs 32 --max-model-len 2048 --port 8011 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
       spid=$!
-      python3 -c "import time, urllib.request as u
-for _ in range(400):
-    try: u.urlopen('http://127.0.0.1:8011/health', timeout=2); print('server up'); break
-    except Exception: time.sleep(1)"
+      wait_healthy
       for w in 1 2 3; do
         run first_wave_server_$w 60 python3 benchmarks/serving.py --base-url http://127.0.0.1:8011/v1 --concurrency 8 \
           --requests 8 --input-len 1024 --output-len 8 --vocab 200000 --warmup-requests 0 --seed $w \
