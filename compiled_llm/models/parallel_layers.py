@@ -22,7 +22,9 @@ check). At tensor-parallel size 1 each layer is exactly the plain PyTorch layer 
 
 from __future__ import annotations
 
+import inspect
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +44,19 @@ def divide(n: int, parts: int, what: str) -> int:
 def _parameter(shape: tuple[int, ...], full_shape: tuple[int, ...], loader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape))
     p.full_shape = tuple(full_shape)
-    p.weight_loader = loader
+    p.weight_loader = _weakly(loader)
     return p
+
+
+def _weakly(loader):
+    """A layer's own method, held without holding the layer. A parameter that held it strongly closed a cycle
+    (parameter -> method -> layer -> parameter) that Python's collector never frees once anything else holds a
+    view of the parameter (torch then treats the tensor as owned from C++), so a deleted engine kept those
+    weights: its embedding, every row-parallel projection and the experts."""
+    if not inspect.ismethod(loader):
+        return loader
+    method = weakref.WeakMethod(loader)
+    return lambda *args, **kwargs: method()(*args, **kwargs)
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor) -> int:
