@@ -232,3 +232,38 @@ def test_a_deleted_engine_frees_its_weights_and_cache(kind, eager, tiny_ckpt, qw
         assert [name for name, ref in refs if ref() is not None] == []
     finally:
         gc.unfreeze()
+
+
+def test_a_cpu_engine_stepped_off_its_builder_thread_warns_once(tiny_ckpt, caplog):
+    """On the CPU an engine stepped on a thread other than the one that built it runs several times slower
+    (OpenMP's thread teams exceed the cores): a warning says so once, and says nothing on the builder thread or
+    when torch runs one thread."""
+    import logging
+    import threading
+
+    folder, _ = tiny_ckpt("dense")
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    def run_on_another_thread(llm):
+        thread = threading.Thread(target=llm.generate, args=([[5, 6, 7]], params))
+        thread.start()
+        thread.join()
+
+    warned = lambda: [r for r in caplog.records if "stepped on another" in r.getMessage()]  # noqa: E731
+    torch.set_num_threads(2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="compiled_llm"):
+            same = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=32)
+            same.generate([[5, 6, 7]], params)
+            run_on_another_thread(same)  # the first step's thread is the one checked
+            assert warned() == []
+            other = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=32)
+            run_on_another_thread(other)
+            run_on_another_thread(other)
+            assert len(warned()) == 1
+            torch.set_num_threads(1)
+            one = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=32)
+            run_on_another_thread(one)
+            assert len(warned()) == 1
+    finally:
+        torch.set_num_threads(1)

@@ -232,7 +232,10 @@ def test_one_bad_prompt_in_a_batch_rejects_the_request_and_aborts_the_rest():
 
 def test_the_engine_is_stepped_on_the_thread_that_built_it(monkeypatch):
     """`serve` builds its engine on an EngineThread and steps it there (on the CPU, start-up on the main thread
-    and steps on another left OpenMP with two thread teams, and a tiny model's steps ran ~3-4x slower)."""
+    and steps on another left OpenMP with two thread teams, and a tiny model's steps ran ~3-4x slower); threads
+    started after it (preprocessing, media) run torch's parallel ops on one thread while the engine thread keeps
+    its team (async_engine.one_thread_elsewhere)."""
+    import torch
     import uvicorn
 
     from compiled_llm.cli import build_parser
@@ -245,21 +248,30 @@ def test_the_engine_is_stepped_on_the_thread_that_built_it(monkeypatch):
         def __init__(self, config):
             super().__init__()
             built.append((self, threading.get_ident()))
+            self.num_threads = torch.get_num_threads()
 
-    answers = []
+    answers, later = [], []
 
     def serve(self):  # instead of listening: one request through the app, then shut down
         with TestClient(self.config.app) as client:
             answers.append(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).json())
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
         self.started = True
 
     monkeypatch.setattr(engine_module, "LLMEngine", Engine)
     monkeypatch.setattr(uvicorn.Server, "run", serve)
-    assert run_server(build_parser().parse_args(["serve", "--device", "cpu"])) == 0
+    torch.set_num_threads(2)  # torch's default on these machines (the suite runs on one)
+    try:
+        assert run_server(build_parser().parse_args(["serve", "--device", "cpu"])) == 0
+    finally:
+        torch.set_num_threads(1)
     assert answers[0]["choices"][0]["finish_reason"] == "length"
     [(engine, builder)] = built
     assert builder != threading.get_ident()  # not the main thread
     assert engine.thread_ids == {builder}  # the request's admission and every step: the thread that built it
+    assert engine.num_threads == 2 and later == [1]
 
 
 def test_engine_thread_runs_calls_in_order_and_returns_their_exceptions():

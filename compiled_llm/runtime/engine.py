@@ -9,6 +9,7 @@ requests in flight and says when a sequence's blocks go back (the scheduler free
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self._dead: EngineDeadError | None = None
+        self._builder_thread: int | None = threading.get_ident()  # None once a step's thread was checked
         self.executor: Executor | None = None
         check_max_model_len(config)  # before any weight is loaded
         self.executor = make_executor(config)
@@ -118,8 +120,26 @@ class LLMEngine:
         --jit-monitor."""
         if self._dead is not None:
             raise self._dead
+        if self._builder_thread is not None:
+            self._check_step_thread()
         with MONITOR.watch(self.config.jit_monitor):
             return self._step()
+
+    def _check_step_thread(self) -> None:
+        """Warns, once, when a CPU engine is stepped on a thread other than the one that built it: OpenMP then
+        keeps a thread team for each, and once the teams hold more threads than there are cores libgomp stops
+        spinning between parallel regions, so every small op of a step waits for a worker to wake (2 cores, a
+        tiny Gemma 4: steps ~3-4x slower). The server builds its engine on the thread that steps it
+        (server/async_engine.py EngineThread)."""
+        import torch
+
+        here, builder = threading.get_ident(), self._builder_thread
+        self._builder_thread = None
+        if here != builder and self.executor.device.type == "cpu" and torch.get_num_threads() > 1:
+            log.warning("this CPU engine was built on one thread and is stepped on another: with %d torch "
+                        "threads, OpenMP's thread teams then exceed the cores and every step runs several times "
+                        "slower; build and step the engine on one thread, or call torch.set_num_threads(1) "
+                        "in the stepping thread", torch.get_num_threads())
 
     def _step(self) -> list[RequestOutput]:
         if self.async_scheduling and not self._sync_requests:

@@ -75,7 +75,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from compiled_llm.runtime.engine import LLMEngine
     from compiled_llm.server.app import create_app
-    from compiled_llm.server.async_engine import EngineThread
+    from compiled_llm.server.async_engine import EngineThread, one_thread_elsewhere
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(args.log_level.upper())
@@ -84,6 +84,7 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("loading %s", config.resolved_model())
     engine_thread = EngineThread()  # start-up and steps on one thread (EngineThread says why)
     engine = engine_thread.call(LLMEngine, config)
+    one_thread_elsewhere()
     app = create_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      chat_template=chat_template, media_policy=media_policy_from_args(args),
                      max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser,
