@@ -160,7 +160,7 @@ for step in $steps; do
       done ;;
     first_wave_server)  # the server's engine-thread timeline (benchmarks/server_steps.py) over three waves of 8 x 1K
       serve_model gemma-4-26b-a4b
-      STEP_LOG="$OUT/server_steps.jsonl" python3 benchmarks/server_steps.py --model /tmp/serve_model --load-format dummy \
+      STEP_LOG="$OUT/server_steps.jsonl" STEP_PROFILE=2 python3 benchmarks/server_steps.py --model /tmp/serve_model --load-format dummy \
         --max-num-seqs 32 --max-model-len 2048 --port 8011 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
       spid=$!
       wait_healthy
@@ -170,7 +170,11 @@ for step in $steps; do
           --out "$OUT/first_wave_server_$w.json"
         echo "wave $w: $(grep -c . "$OUT/server_steps.jsonl") timeline lines"
       done
-      kill $spid; wait $spid 2>/dev/null ;;
+      kill $spid; wait $spid 2>/dev/null
+      for i in 1 2; do  # what the first wave's first steps did that the second's did not (own time, ms)
+        python3 benchmarks/server_steps.py diff "$OUT/server_steps.jsonl.wave1.step$i.prof" \
+          "$OUT/server_steps.jsonl.wave2.step$i.prof" | tee "$OUT/server_steps_diff_step$i.txt" | head -14
+      done ;;
     offline32) run offline32 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x32x256 \
                  --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
     par_modes)  # issue 16, two GPUs: eager TP2 / PP2 / TP2+EP tokens vs one GPU on a tiny model, a worker killed mid-decode

@@ -162,24 +162,36 @@ def test_server_steps_logs_each_hand_over_and_step(tmp_path, monkeypatch):
 
     for name in ("_add", "_run"):  # install() replaces them on the class: put them back afterwards
         monkeypatch.setattr(async_engine.AsyncEngine, name, getattr(async_engine.AsyncEngine, name))
-    monkeypatch.setenv("STEP_LOG", str(tmp_path / "steps.jsonl"))
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("STEP_LOG", str(log))
+    monkeypatch.setenv("STEP_PROFILE", "1")  # each wave's first step under cProfile
+    monkeypatch.setattr(server_steps, "IDLE_S", 0.05)
     server_steps.install()
 
     async def main():
         aengine = async_engine.AsyncEngine(FakeEngine())
         aengine.start()
-        gens = [Generation(aengine, f"r{i}", [f"prompt {i}"], SamplingParams(max_tokens=4)) for i in range(2)]
-        for g in gens:
-            await g.start()
-        await asyncio.gather(*(g.run() for g in gens))
+        for wave in range(2):
+            gens = [Generation(aengine, f"r{wave}{i}", [f"prompt {i}"], SamplingParams(max_tokens=4))
+                    for i in range(2)]
+            for g in gens:
+                await g.start()
+            await asyncio.gather(*(g.run() for g in gens))
+            await asyncio.sleep(0.15)  # idle: the next step starts wave 2
         await aengine.stop()
 
     asyncio.run(main())
-    lines = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
     adds, steps = [x for x in lines if x[0] == "add"], [x for x in lines if x[0] == "step"]
-    assert len(adds) == 2 and all(posted <= taken <= done for _, posted, taken, done in adds)
-    assert len(steps) >= 4 and all(start <= end for _, start, end, _ in steps)
-    assert sum(n for *_, n in steps) >= 2 * 4  # every token of both requests came out of a logged step
+    assert len(adds) == 4 and all(posted <= taken <= done for _, posted, taken, done in adds)
+    assert len(steps) >= 8 and all(start <= end for _, start, end, _ in steps)
+    assert sum(n for *_, n in steps) >= 4 * 4  # every token of every request came out of a logged step
+    profiles = sorted(p.name for p in tmp_path.glob("steps.jsonl.wave*.prof"))
+    assert profiles == ["steps.jsonl.wave1.step1.prof", "steps.jsonl.wave2.step1.prof"]
+    first, second = (str(tmp_path / p) for p in profiles)
+    rows = server_steps.diff(first, second)
+    assert rows and any("step" in name for *_, name in rows)  # FakeEngine.step's own frame is in both
+    assert all(d == 0 for d, *_ in server_steps.diff(first, first))
 
 
 def test_gc_pauses_counts_a_collection():
