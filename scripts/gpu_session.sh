@@ -2,7 +2,7 @@
 # GPU checks and timings for a session, in steps (see benchmarks/NOTES.md).
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
-# first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"])
+# first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"]) rebuild (two 26B-A4B engines in one process)
 # kernels (check_kernels_gpu.py, KERNELS_ARGS) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
@@ -175,6 +175,7 @@ for step in $steps; do
         python3 benchmarks/server_steps.py diff "$OUT/server_steps.jsonl.wave1.step$i.prof" \
           "$OUT/server_steps.jsonl.wave2.step$i.prof" | tee "$OUT/server_steps_diff_step$i.txt" | head -14
       done ;;
+    rebuild) run rebuild 300 python3 benchmarks/rebuild.py --config gemma-4-26b-a4b --builds 2 --out "$OUT/rebuild.json" ;;
     offline32) run offline32 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x32x256 \
                  --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
     par_modes)  # issue 16, two GPUs: eager TP2 / PP2 / TP2+EP tokens vs one GPU on a tiny model, a worker killed mid-decode

@@ -150,6 +150,18 @@ def test_first_wave_script_times_each_wave_on_the_thread_asked(tiny_ckpt, tmp_pa
     assert json.loads((tmp_path / "fw.json").read_text())["waves"] == res["waves"]
 
 
+def test_rebuild_script_builds_engines_one_after_another(tiny_ckpt, tmp_path):
+    import rebuild
+
+    folder, _ = tiny_ckpt("moe")
+    res = rebuild.main(["--model", str(folder), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
+                        "--builds", "2", "--max-model-len", "32", "--enforce-eager", "--out", str(tmp_path / "r.json")])
+    first, second = res["builds"]
+    assert first["kv_blocks"] == second["kv_blocks"] > 0 and first["tokens"] == second["tokens"]
+    assert all(b["built_bytes"] > 0 and b["after_delete_bytes"] > 0 for b in res["builds"])
+    assert json.loads((tmp_path / "r.json").read_text())["builds"] == res["builds"]
+
+
 def test_server_steps_logs_each_hand_over_and_step(tmp_path, monkeypatch):
     import asyncio
 
