@@ -11,9 +11,13 @@ Milliseconds since this process started. Used to find where a cold server's firs
     STEP_LOG=/tmp/steps.jsonl python benchmarks/server_steps.py --model DIR --port 8011 ...
 
 With STEP_PROFILE=N, the first N steps of each wave (a step after the engine thread sat idle for 0.2 s or more)
-run under cProfile, written to STEP_LOG.wave{W}.step{I}.prof; `python benchmarks/server_steps.py diff A B`
-prints the functions whose own time differs most between two such files (the first wave's first step against
-the second's, to name what a cold server does once).
+run under cProfile, written to STEP_LOG.wave{W}.step{I}.prof, and the event loop's thread runs under cProfile
+throughout, one file a wave (STEP_LOG.wave{W}.loop.prof, cut when the server has been idle for 0.2 s). `python
+benchmarks/server_steps.py diff A B` prints the functions whose own time differs most between two such files
+(the first wave's against the second's, to name what a cold server does once). On the CPU the loop's first
+wave imported anyio's asyncio backend (~35 ms, holding the GIL the engine thread needs between its ops); the
+app now loads it at start-up (server/app.py warm_streaming). A C function's own time includes its wait for the
+GIL, so small differences in those are noise.
 """
 
 from __future__ import annotations
@@ -40,19 +44,60 @@ def _log(entry: list) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
+class LoopProfiles:
+    """cProfile on the event loop's thread, one file a wave: a watcher thread asks the loop to cut the current
+    profile once nothing has happened (no hand-over, no step) for IDLE_S."""
+
+    def __init__(self, loop, prefix: str):
+        self.loop, self.prefix, self.wave = loop, prefix, 0
+        self.profile: cProfile.Profile | None = None
+        self.active = self.cut_at = time.monotonic()
+        self.loop.call_soon_threadsafe(self._next)
+        threading.Thread(target=self._watch, name="loop-profiles", daemon=True).start()
+
+    def touch(self) -> None:
+        self.active = time.monotonic()
+
+    def _next(self) -> None:  # on the loop's thread
+        if self.profile is not None:
+            self.profile.disable()
+            self.profile.dump_stats(f"{self.prefix}.wave{self.wave}.loop.prof")
+        self.wave += 1
+        self.profile = cProfile.Profile()
+        self.profile.enable()
+
+    def _watch(self) -> None:
+        while not self.loop.is_closed():
+            time.sleep(IDLE_S / 4)
+            if self.active > self.cut_at and time.monotonic() - self.active >= IDLE_S:
+                self.cut_at = time.monotonic()
+                try:
+                    self.loop.call_soon_threadsafe(self._next)
+                except RuntimeError:  # the loop closed meanwhile
+                    return
+
+
 def install() -> None:
     from compiled_llm.server import async_engine as ae
 
-    add, run = ae.AsyncEngine._add, ae.AsyncEngine._run
+    add, run, start = ae.AsyncEngine._add, ae.AsyncEngine._run, ae.AsyncEngine.start
+    profiled = int(os.environ.get("STEP_PROFILE", "0"))
+    loop_profiles: list[LoopProfiles] = []
+    touch = lambda: loop_profiles and loop_profiles[0].touch()  # noqa: E731
+
+    def _start(self):
+        start(self)
+        if profiled:
+            loop_profiles.append(LoopProfiles(self._loop, os.environ.get("STEP_LOG", "/tmp/steps.jsonl")))
 
     def _add(self, cmd):
         taken = _ms()
         add(self, cmd)
+        touch()
         _log(["add", _ms(cmd.arrival), taken, _ms()])
 
     def _run(self):
         step = self.engine.step
-        profiled = int(os.environ.get("STEP_PROFILE", "0"))
         wave = {"n": 0, "index": 0, "last": None}
 
         def timed_step():
@@ -68,13 +113,14 @@ def install() -> None:
             else:
                 out = step()
             wave["last"] = _ms()
+            touch()
             _log(["step", start, wave["last"], len(out)])
             return out
 
         self.engine.step = timed_step
         run(self)
 
-    ae.AsyncEngine._add, ae.AsyncEngine._run = _add, _run
+    ae.AsyncEngine._add, ae.AsyncEngine._run, ae.AsyncEngine.start = _add, _run, _start
 
 
 def diff(a: str, b: str, top: int = 25) -> list[tuple[float, float, float, str]]:

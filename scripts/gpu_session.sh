@@ -171,9 +171,9 @@ for step in $steps; do
         echo "wave $w: $(grep -c . "$OUT/server_steps.jsonl") timeline lines"
       done
       kill $spid; wait $spid 2>/dev/null
-      for i in 1 2; do  # what the first wave's first steps did that the second's did not (own time, ms)
-        python3 benchmarks/server_steps.py diff "$OUT/server_steps.jsonl.wave1.step$i.prof" \
-          "$OUT/server_steps.jsonl.wave2.step$i.prof" | tee "$OUT/server_steps_diff_step$i.txt" | head -14
+      for p in step1 step2 loop; do  # what the first wave's first steps and event loop did that the second's did not
+        python3 benchmarks/server_steps.py diff "$OUT/server_steps.jsonl.wave1.$p.prof" \
+          "$OUT/server_steps.jsonl.wave2.$p.prof" | tee "$OUT/server_steps_diff_$p.txt" | head -14
       done ;;
     rebuild) run rebuild 300 python3 benchmarks/rebuild.py --config gemma-4-26b-a4b --builds 2 --out "$OUT/rebuild.json" ;;
     offline32) run offline32 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x32x256 \

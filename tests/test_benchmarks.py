@@ -164,6 +164,7 @@ def test_rebuild_script_builds_engines_one_after_another(tiny_ckpt, tmp_path):
 
 def test_server_steps_logs_each_hand_over_and_step(tmp_path, monkeypatch):
     import asyncio
+    import pstats
 
     import server_steps
     from server_utils import FakeEngine
@@ -172,7 +173,7 @@ def test_server_steps_logs_each_hand_over_and_step(tmp_path, monkeypatch):
     from compiled_llm.server import async_engine
     from compiled_llm.server.generation import Generation
 
-    for name in ("_add", "_run"):  # install() replaces them on the class: put them back afterwards
+    for name in ("_add", "_run", "start"):  # install() replaces them on the class: put them back afterwards
         monkeypatch.setattr(async_engine.AsyncEngine, name, getattr(async_engine.AsyncEngine, name))
     log = tmp_path / "steps.jsonl"
     monkeypatch.setenv("STEP_LOG", str(log))
@@ -183,6 +184,7 @@ def test_server_steps_logs_each_hand_over_and_step(tmp_path, monkeypatch):
     async def main():
         aengine = async_engine.AsyncEngine(FakeEngine())
         aengine.start()
+        await asyncio.sleep(0.01)  # as a server's lifespan starts it before any request
         for wave in range(2):
             gens = [Generation(aengine, f"r{wave}{i}", [f"prompt {i}"], SamplingParams(max_tokens=4))
                     for i in range(2)]
@@ -199,8 +201,11 @@ def test_server_steps_logs_each_hand_over_and_step(tmp_path, monkeypatch):
     assert len(steps) >= 8 and all(start <= end for _, start, end, _ in steps)
     assert sum(n for *_, n in steps) >= 4 * 4  # every token of every request came out of a logged step
     profiles = sorted(p.name for p in tmp_path.glob("steps.jsonl.wave*.prof"))
-    assert profiles == ["steps.jsonl.wave1.step1.prof", "steps.jsonl.wave2.step1.prof"]
-    first, second = (str(tmp_path / p) for p in profiles)
+    assert profiles[:4] == ["steps.jsonl.wave1.loop.prof", "steps.jsonl.wave1.step1.prof",
+                            "steps.jsonl.wave2.loop.prof", "steps.jsonl.wave2.step1.prof"]
+    loop_first = pstats.Stats(str(tmp_path / profiles[0])).stats  # the event loop's thread: the requests' side
+    assert any(name == "start" and "generation.py" in file for file, _, name in loop_first)
+    first, second = (str(tmp_path / p) for p in profiles[1:4:2])
     rows = server_steps.diff(first, second)
     assert rows and any("step" in name for *_, name in rows)  # FakeEngine.step's own frame is in both
     assert all(d == 0 for d, *_ in server_steps.diff(first, first))

@@ -287,3 +287,48 @@ def test_engine_thread_runs_calls_in_order_and_returns_their_exceptions():
     last.result(timeout=10)
     thread.join(timeout=10)
     assert order == [0, 1, 2, 3, 4, "last"] and all(f.done() for f in futures) and not thread.is_alive()
+
+
+def test_the_app_loads_what_the_first_requests_need_before_serving(monkeypatch):
+    """The app's start-up imports anyio's asyncio backend, which starlette's streamed responses would otherwise
+    import in the first wave, on the event loop, holding the GIL while the engine runs the first step (session
+    38: ~35 ms of a 2-core CPU's first wave; checked in a fresh process, where nothing imported it before), and
+    renders the chat template once (its compile would fall in the first chat request)."""
+    import subprocess
+    import sys
+
+    from compiled_llm.server import app as app_module
+
+    code = ("import asyncio, sys\n"
+            "from compiled_llm.server.app import warm_streaming\n"
+            "assert 'anyio._backends._asyncio' not in sys.modules\n"
+            "asyncio.run(warm_streaming())\n"
+            "assert 'anyio._backends._asyncio' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    calls = []
+    real = app_module.warm_streaming
+
+    async def counted():
+        calls.append(1)
+        await real()
+
+    monkeypatch.setattr(app_module, "warm_streaming", counted)
+    rendered = []
+    engine = FakeEngine()
+    make_inputs = engine.new_input_processor
+
+    def new_input_processor():
+        inputs = make_inputs()
+        render = inputs.apply_chat_template
+        inputs.apply_chat_template = lambda m, g=True, t=None, tools=None: (rendered.append((m, t)), render(m, g, t))[1]
+        return inputs
+
+    engine.new_input_processor = new_input_processor
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    with TestClient(create_app(engine, chat_template=template)) as client:
+        assert calls == [1]  # in the lifespan, before the first request
+        assert rendered == [([{"role": "user", "content": "hi"}], template)]  # the template compiled once
+        assert client.get("/health").status_code == 200
+    refusing = "{{ raise_exception('a system turn first') }}"
+    with TestClient(create_app(FakeEngine(), chat_template=refusing)) as client:  # left to its first request
+        assert client.get("/health").status_code == 200
