@@ -253,17 +253,17 @@ def test_a_cpu_engine_stepped_off_its_builder_thread_warns_once(tiny_ckpt, caplo
     torch.set_num_threads(2)
     try:
         with caplog.at_level(logging.WARNING, logger="compiled_llm"):
-            same = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=32)
-            same.generate([[5, 6, 7]], params)
-            run_on_another_thread(same)  # the first step's thread is the one checked
+            llm = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=32)
+            llm.generate([[5, 6, 7]], params)
+            run_on_another_thread(llm)  # the first step's thread is the one checked
             assert warned() == []
-            other = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=32)
-            run_on_another_thread(other)
-            run_on_another_thread(other)
+            llm.engine._builder_thread = threading.get_ident()  # as if built here: check the next step again
+            run_on_another_thread(llm)
+            run_on_another_thread(llm)
             assert len(warned()) == 1
             torch.set_num_threads(1)
-            one = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=32)
-            run_on_another_thread(one)
+            llm.engine._builder_thread = threading.get_ident()
+            run_on_another_thread(llm)  # a thread started now runs one OpenMP thread: nothing to say
             assert len(warned()) == 1
     finally:
         torch.set_num_threads(1)
