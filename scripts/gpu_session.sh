@@ -138,9 +138,16 @@ for step in $steps; do
         --shape 1024x8x256 --out "$OUT/big26_serial" ;;
     serving)  # issue 14: the OpenAI server under load (1K in / 256 out, 64 requests at concurrency 8 and 32)
               # against the offline engine at the same batch; needs the server's wheels in .whl (carry [".whl"])
+      # SERVE_SWITCH_MS: Python's GIL switch interval in the server (default 5 ms), through a sitecustomize: the
+      # engine thread waits up to that long for the GIL after each op whenever the event loop holds it
       model=${SERVE_MODEL:-gemma-4-26b-a4b}
       serve_model $model
-      python3 -m compiled_llm serve --model /tmp/serve_model --load-format dummy --max-num-seqs 32 \
+      site=""
+      if [ -n "${SERVE_SWITCH_MS:-}" ]; then
+        mkdir -p /tmp/switch && echo "import sys; sys.setswitchinterval(${SERVE_SWITCH_MS} / 1000)" > /tmp/switch/sitecustomize.py
+        site=/tmp/switch:
+      fi
+      PYTHONPATH=$site$PYTHONPATH python3 -m compiled_llm serve --model /tmp/serve_model --load-format dummy --max-num-seqs 32 \
         --max-model-len 2048 --port 8011 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
       spid=$!
       wait_healthy
