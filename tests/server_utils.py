@@ -167,6 +167,10 @@ class FakeEngine:
         self.batch_sizes: list[int] = []
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
+        self.prepared: list[tuple[dict, int]] = []  # (structured_output spec, the thread that compiled it)
+
+    def prepare_structured_output(self, spec):
+        self.prepared.append((spec, threading.get_ident()))
 
     def _touch(self):
         self.thread_ids.add(threading.get_ident())

@@ -83,6 +83,9 @@ def test_structured_output_reaches_the_engine(fake, oai):
                          text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}})
     seen.append({"json": {"type": "object"}})
     assert [p.structured_output for p in fake.params[-3:]] == seen
+    # each grammar was compiled before the hand-over, on a thread other than the engine's
+    assert [spec for spec, _ in fake.prepared[-3:]] == seen
+    assert not {thread for _, thread in fake.prepared[-3:]} & fake.thread_ids
 
 
 def test_structured_output_is_refused_without_the_grammar_library(oai, monkeypatch):

@@ -143,6 +143,39 @@ def test_invalid_schema_and_missing_library(llm, monkeypatch):
         backend.compile({"json": SIZE})
 
 
+def test_prepared_grammar_is_a_cache_hit_and_lookups_never_wait_for_a_compile(llm, monkeypatch):
+    """The server compiles a request's grammar in a worker thread (LLMEngine.prepare_structured_output); the
+    engine thread's admission then hits the cache, and a lookup does not wait for another schema's compile."""
+    import threading
+
+    engine = llm.engine
+    engine.prepare_structured_output({"json": SIZE})
+    hits = engine.grammars.hits
+    out = llm.generate("hi", greedy(structured_output={"json": SIZE}))
+    assert engine.grammars.hits == hits + 1 and check_json(out[0].outputs[0].text, SIZE)
+    compiler = engine.grammars._get_compiler()
+    started, release = threading.Event(), threading.Event()
+
+    class Slow:  # a compile that holds until released
+        def compile_json_schema(self, text, **kw):
+            started.set()
+            release.wait(10)
+            return compiler.compile_json_schema(text, **kw)
+
+    monkeypatch.setattr(engine.grammars, "_get_compiler", lambda: Slow())
+    fresh = {"type": "object", "properties": {"only_in_this_test": {"type": "integer"}}}  # not in the cache
+    worker = threading.Thread(target=engine.prepare_structured_output, args=({"json": fresh},))
+    worker.start()
+    try:
+        assert started.wait(10)
+        out = llm.generate("hi", greedy(structured_output={"json": SIZE}))  # meanwhile: served from the cache
+        assert check_json(out[0].outputs[0].text, SIZE) and worker.is_alive()
+    finally:
+        release.set()
+        worker.join(10)
+    assert engine.grammars.compile({"json": fresh}) is engine.grammars.compile({"json": fresh})  # compiled once
+
+
 def test_async_scheduling_steps_constrained_requests_synchronously(ckpt, llm):
     fast = LLM(ckpt, **engine_kw(async_scheduling=True))
     params = [greedy(ignore_eos=True, max_tokens=10), greedy(structured_output={"json": SCHEMA})]

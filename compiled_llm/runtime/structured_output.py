@@ -60,7 +60,10 @@ def grammar_key(spec: dict) -> tuple[str, str]:
 
 
 class GrammarBackend:
-    """The engine's grammar compiler and compiled-grammar cache (for one tokenizer and vocabulary size)."""
+    """The engine's grammar compiler and compiled-grammar cache (for one tokenizer and vocabulary size). Safe to
+    use from several threads: the server compiles a request's grammar in a worker thread
+    (`LLMEngine.prepare_structured_output`), and the engine thread's admission then finds it in the cache. The
+    compile runs outside the cache's lock, so a lookup never waits for another request's compile."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256):
         self.tokenizer = tokenizer
@@ -69,19 +72,21 @@ class GrammarBackend:
         self.cache_size = cache_size
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and its counters
+        self._compiler_lock = threading.Lock()  # building the compiler, once
         self.hits = self.misses = 0
 
     def _get_compiler(self):
-        if self._compiler is None:
-            xgr = _xgr()
-            if self.tokenizer is None:
-                raise StructuredOutputError("structured output needs a tokenizer; this engine was started "
-                                            "without one")
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                xgr = _xgr()
+                if self.tokenizer is None:
+                    raise StructuredOutputError("structured output needs a tokenizer; this engine was started "
+                                                "without one")
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
 
     def compile(self, spec: dict):
         """The compiled grammar of a structured_output spec ({"json": schema} or {"json_object": True})."""
@@ -92,20 +97,21 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return hit
-            compiler = self._get_compiler()
-            kind, text = key
-            try:
-                if kind == "json":
-                    grammar = compiler.compile_json_schema(text, **JSON_LAYOUT)
-                else:  # any JSON object
-                    grammar = compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **JSON_LAYOUT)
-            except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError for schemas it cannot take
-                raise StructuredOutputError(f"invalid JSON schema: {_reason(e)}") from e
+        compiler = self._get_compiler()
+        kind, text = key
+        try:
+            if kind == "json":
+                grammar = compiler.compile_json_schema(text, **JSON_LAYOUT)
+            else:  # any JSON object
+                grammar = compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **JSON_LAYOUT)
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError for schemas it cannot take
+            raise StructuredOutputError(f"invalid JSON schema: {_reason(e)}") from e
+        with self._lock:
             self.misses += 1
             self._cache[key] = grammar
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-            return grammar
+        return grammar
 
     def new_state(self, grammar) -> GrammarState:
         return GrammarState(_xgr().GrammarMatcher(grammar))

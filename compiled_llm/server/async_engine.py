@@ -8,7 +8,8 @@ All running requests share each step (continuous batching).
 Chat templates, tokenization and media placeholder expansion run in worker threads (server/preprocess.py),
 each with an input processor of its own (`engine.new_input_processor()`); the event loop keeps one more for
 token texts. Of the engine itself the loop reads only `is_healthy()` (flags) and the config, which does
-not change after start-up.
+not change after start-up, and a worker thread compiles constrained requests' grammars into its cache
+(`prepare_structured_output`, locked) before they are handed over.
 """
 
 from __future__ import annotations
@@ -189,6 +190,11 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
+
+    async def prepare_structured_output(self, spec: dict) -> None:
+        """Compiles a structured_output spec's grammar in a worker thread (LLMEngine.prepare_structured_output,
+        safe off the engine thread), so the engine thread's admission finds it compiled."""
+        await asyncio.to_thread(self.engine.prepare_structured_output, spec)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op once finished); safe to call from finally blocks."""

@@ -57,7 +57,14 @@ class Generation:
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
 
     async def start(self) -> None:
-        """Submit every prompt at once; if one is rejected abort the others and raise APIError."""
+        """Submit every prompt at once; if one is rejected abort the others and raise APIError. A constrained
+        request's grammar is compiled first, in a worker thread, never on the engine thread."""
+        if self.params.structured_output is not None:
+            try:
+                await self.aengine.prepare_structured_output(self.params.structured_output)
+            except StructuredOutputError as e:
+                param, where = self.structured_param
+                raise APIError(400, f"{where}: {e}", param=param) from e
         self._unfinished.update(self.rids)
         try:
             results = await asyncio.gather(
