@@ -292,12 +292,16 @@ def test_engine_thread_runs_calls_in_order_and_returns_their_exceptions():
 def test_the_app_loads_what_the_first_requests_need_before_serving(monkeypatch):
     """The app's start-up imports anyio's asyncio backend, which starlette's streamed responses would otherwise
     import in the first wave, on the event loop, holding the GIL while the engine runs the first step (session
-    38: ~35 ms of a 2-core CPU's first wave; checked in a fresh process, where nothing imported it before), and
-    renders the chat template once (its compile would fall in the first chat request)."""
+    38: ~35 ms of a 2-core CPU's first wave; checked in a fresh process, where nothing imported it before),
+    renders the chat template once (its compile would fall in the first chat request) and builds the grammar
+    compiler (~0.7 s at a 262K vocabulary)."""
     import subprocess
     import sys
 
+    from compiled_llm.runtime.errors import StructuredOutputError
     from compiled_llm.server import app as app_module
+
+    pytest.importorskip("xgrammar")
 
     code = ("import asyncio, sys\n"
             "from compiled_llm.server.app import warm_streaming\n"
@@ -328,7 +332,14 @@ def test_the_app_loads_what_the_first_requests_need_before_serving(monkeypatch):
     with TestClient(create_app(engine, chat_template=template)) as client:
         assert calls == [1]  # in the lifespan, before the first request
         assert rendered == [([{"role": "user", "content": "hi"}], template)]  # the template compiled once
+        assert [spec for spec, _ in engine.prepared] == [{"json_object": True}]  # xgrammar's tables built
         assert client.get("/health").status_code == 200
     refusing = "{{ raise_exception('a system turn first') }}"
-    with TestClient(create_app(FakeEngine(), chat_template=refusing)) as client:  # left to its first request
+    unprepared = FakeEngine()
+
+    def no_tokenizer(spec):
+        raise StructuredOutputError("structured output needs a tokenizer")
+
+    unprepared.prepare_structured_output = no_tokenizer
+    with TestClient(create_app(unprepared, chat_template=refusing)) as client:  # both left to their first request
         assert client.get("/health").status_code == 200

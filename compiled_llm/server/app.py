@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
@@ -32,7 +33,10 @@ from compiled_llm.server.protocol import (
 )
 from compiled_llm.server.responses import create_response
 from compiled_llm.server.state import ServerState
+from compiled_llm.server.structured_output import grammar_library_installed
 from compiled_llm.server.tools import make_tool_parser, template_tools
+
+logger = logging.getLogger(__name__)
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
@@ -85,6 +89,19 @@ def warm_chat_template(inputs, chat_template: str | None) -> None:
         pass
 
 
+async def warm_structured_output(aengine: AsyncEngine) -> None:
+    """Builds the grammar compiler (xgrammar's tables of the vocabulary) and the any-JSON-object grammar at
+    start-up when xgrammar is installed, so that the first constrained request does not: ~0.7 s at 262,144
+    tokens on a 2-core CPU, mostly Python work holding the GIL that the engine thread needs. An engine that
+    cannot (started without a tokenizer) says so to its first constrained request, as before."""
+    if not grammar_library_installed():
+        return
+    try:
+        await aengine.prepare_structured_output({"json_object": True})
+    except Exception as e:  # noqa: BLE001 - a warm-up: the first constrained request reports the error
+        logger.info("structured output not prepared at start-up: %s", e)
+
+
 def create_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, media_policy=None,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -104,6 +121,7 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
     async def lifespan(app: FastAPI):
         await warm_streaming()
         warm_chat_template(aengine.inputs, chat_template)
+        await warm_structured_output(aengine)
         aengine.start()
         try:
             yield
