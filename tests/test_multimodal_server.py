@@ -240,3 +240,27 @@ def test_tokenize_bad_media_is_the_chat_400(mm_server, case):
     assert r.status_code == chat.status_code == 400, r.text
     assert r.json()["error"]["message"] == chat.json()["error"]["message"]
     assert r.json()["error"]["type"] == chat.json()["error"]["type"]
+
+
+def test_the_media_processor_runs_off_the_engine_thread(mm_server, client, monkeypatch):
+    """A media chat goes through the checkpoint's processor in a preprocessing thread (a ProcessedPrompt), so
+    resizing and hashing the media never holds up the engine thread's steps; the prompt's expanded length is
+    then known before admission, and a completion that would not fit is the context 400."""
+    import threading
+
+    from compiled_llm.runtime import input_processor
+
+    names, real = [], input_processor.process_multimodal_prompt
+
+    def recorded(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(input_processor, "process_multimodal_prompt", recorded)
+    msgs = user(TEXT, {"type": "image_url", "image_url": {"url": png_url(image(2))}})
+    out = client.chat.completions.create(model="mm", messages=msgs, max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
+    assert names and all(name.startswith("preprocess") for name in names)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="mm", messages=msgs, max_tokens=400 - out.usage.prompt_tokens + 1)
+    assert "maximum context length is 400 tokens" in err.value.message and err.value.body["param"] == "max_tokens"

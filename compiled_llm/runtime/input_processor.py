@@ -8,13 +8,16 @@ raises ValueError saying what is wrong. The chat template is rendered here too.
 Threads: the engine's processor is used by the engine's thread only. Another thread (the server's event
 loop) asks the engine for a copy (`LLMEngine.new_input_processor()`): a tokenizer and a media processor of
 its own, and otherwise only what does not change after start-up (the config, the vocabulary size, the
-model's media contract). A copy's media processor is locked, so worker threads may share it.
+model's media contract). A copy's media processor is locked, so worker threads may share it. A copy can run a
+media prompt through the processor ahead of admission (`prepare_media_prompt` -> `ProcessedPrompt`, which
+admission takes as it is), so the server keeps that work off the engine thread.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +29,17 @@ from compiled_llm.runtime.sequence import Request, Sequence
 from compiled_llm.sampling_params import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class ProcessedPrompt:
+    """A media prompt already through the checkpoint's processor (`InputProcessor.prepare_media_prompt`, on any
+    thread with its own input processor): the text, the token ids with every placeholder expanded, and the media
+    inputs. Admission takes it as it is, so the processor's work (decoding, resizing and normalizing the media,
+    hashing the pixels) does not run on the engine thread, where every running request would wait for it."""
+    text: str
+    token_ids: list[int]
+    mm: object  # multimodal.inputs.MultiModalInputs, or None for a prompt without media items
 
 
 def load_tokenizer(path: str):
@@ -98,6 +112,10 @@ class InputProcessor:
             return process_multimodal_prompt(prompt, self.model, self._processor, self.tokenize,
                                              cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else None)
 
+    def prepare_media_prompt(self, prompt: dict) -> ProcessedPrompt:
+        """A media prompt through the processor now, for admission later (ValueError on bad input)."""
+        return ProcessedPrompt(*self.process_media_prompt(prompt))
+
     def _processor(self):
         """The checkpoint's processor, loaded on first use (the caller holds the lock)."""
         if self._media_processor is None:
@@ -131,7 +149,9 @@ class InputProcessor:
             seqs.append(seq)
         return Request(request_id, text, ids, seqs, arrival_time, mm)
 
-    def _prompt_ids(self, prompt: str | list[int] | dict):
+    def _prompt_ids(self, prompt: str | list[int] | dict | ProcessedPrompt):
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt.text, list(prompt.token_ids), prompt.mm
         if isinstance(prompt, dict):  # {"prompt": text, "multi_modal_data": {...}} (docs/multimodal.md)
             return self.process_media_prompt(prompt)
         if isinstance(prompt, str):

@@ -8,7 +8,7 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import chat_engine_prompt, check_context, sampling_params
+from compiled_llm.server.inputs import chat_engine_prompt, check_context, engine_prompt_length, sampling_params
 from compiled_llm.server.logprobs import chat_entries
 from compiled_llm.server.protocol import (
     AssistantMessage,
@@ -40,11 +40,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              structured_output=constraint,
                              **(tools.sampling_overrides(req.stop) if tools else {}))
-    prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a dict
+    prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a ProcessedPrompt
                                       tools=tools.tools if tools else None, prefix=tools.prefix if tools else "")
-    if isinstance(prompt, list):  # a media prompt's length is known only once admission expanded it
-        check_context(len(prompt), max_tokens, state.max_model_len,
-                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    check_context(engine_prompt_length(prompt), max_tokens, state.max_model_len,
+                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     rid = new_id("chatcmpl-")
     gen = Generation(state.aengine, rid, [prompt], params, RESPONSE_FORMAT_PARAM)
     await gen.start()

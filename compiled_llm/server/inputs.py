@@ -6,7 +6,7 @@ import asyncio
 
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.errors import APIError
-from compiled_llm.server.multimodal import expanded_token_ids, is_media_part, media_prompt, placeholder_for
+from compiled_llm.server.multimodal import is_media_part, media_prompt, placeholder_for, processed_media_prompt
 from compiled_llm.server.protocol import ChatMessage, InputMessage
 from compiled_llm.server.tools import message_tool_fields
 
@@ -130,28 +130,33 @@ def _chat_ids(inputs, api_messages, instructions, add_generation_prompt, chat_te
 
 async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
                              instructions: str | None = None, tools: list[dict] | None = None,
-                             prefix: str = "") -> list[int] | dict:
-    """Token ids of a text-only chat; for a chat with media parts, a multimodal prompt dict: the rendered
-    template (placeholders in it) and the media, fetched and decoded in a thread (400 for bad or too many
-    media). `tools` go to the template, `prefix` after it (server/tools.py). Templates and tokenization run in
-    the preprocessing threads (server/preprocess.py), never on the event loop."""
+                             prefix: str = "", add_special_tokens: bool = False):
+    """Token ids of a text-only chat; for a chat with media parts, a ProcessedPrompt (runtime/input_processor.py):
+    the rendered template (placeholders in it) with the media fetched and decoded in a thread (400 for bad or
+    too many media), then through the checkpoint's processor in a preprocessing thread. `tools` go to the
+    template, `prefix` after it (server/tools.py). Templates, tokenization and the media processor run in the
+    preprocessing threads (server/preprocess.py), never on the event loop or the engine thread."""
     args = (api_messages, instructions, add_generation_prompt, state.chat_template, tools, prefix)
     if not has_media(api_messages):
-        return await state.preprocess.run(_chat_ids, *args)
+        return await state.preprocess.run(_chat_ids, *args, add_special_tokens)
     text, media = await state.preprocess.run(_media_chat_text, *args)
-    return await asyncio.to_thread(media_prompt, text, media, state.media_policy)  # may fetch URLs: own thread
+    prompt = await asyncio.to_thread(media_prompt, text, media, state.media_policy)  # may fetch URLs: own thread
+    prompt["add_special_tokens"] = add_special_tokens
+    return await state.preprocess.run(processed_media_prompt, prompt)
+
+
+def engine_prompt_length(prompt) -> int:
+    """Tokens of what chat_engine_prompt returned."""
+    return len(prompt) if isinstance(prompt, list) else len(prompt.token_ids)
 
 
 async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
                          add_special_tokens: bool, tools: list[dict] | None = None) -> list[int]:
     """/tokenize of chat messages: the template's tokens; with media parts, the ids after the processor expanded
     the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
-    if not has_media(api_messages):
-        return await state.preprocess.run(_chat_ids, api_messages, None, add_generation_prompt, state.chat_template,
-                                          tools, "", add_special_tokens)
-    prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt, tools=tools)
-    prompt["add_special_tokens"] = add_special_tokens
-    return await state.preprocess.run(expanded_token_ids, prompt)
+    prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt, tools=tools,
+                                      add_special_tokens=add_special_tokens)
+    return prompt if isinstance(prompt, list) else prompt.token_ids
 
 
 def _tokenize_all(inputs, prompts: list) -> list:

@@ -52,12 +52,12 @@ def media_prompt(text: str, parts: list, policy: MediaPolicy) -> dict:
     return {"prompt": text, "multi_modal_data": data, "add_special_tokens": False}
 
 
-def expanded_token_ids(inputs, prompt: dict) -> list[int]:
-    """The token ids the model sees for a media prompt: placeholders expanded by the checkpoint's processor
-    (/tokenize). Runs a preprocessing thread's input processor (server/preprocess.py), never the engine's;
-    400 for what admission refuses."""
+def processed_media_prompt(inputs, prompt: dict):
+    """A media prompt through the checkpoint's processor (runtime/input_processor.py ProcessedPrompt: the text,
+    the token ids with the placeholders expanded, the media inputs), for a generation or for /tokenize. Runs a
+    preprocessing thread's input processor (server/preprocess.py), never the engine's, so that the processor's
+    work does not hold up the engine thread; 400 for what admission refuses."""
     try:
-        _, ids, _ = inputs.process_media_prompt(prompt)
+        return inputs.prepare_media_prompt(prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    return ids
