@@ -8,7 +8,7 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import chat_engine_prompt, check_context, engine_prompt_length, sampling_params
+from compiled_llm.server.inputs import chat_engine_prompt, check_context, engine_prompt_ids, sampling_params
 from compiled_llm.server.logprobs import chat_entries
 from compiled_llm.server.protocol import (
     AssistantMessage,
@@ -42,7 +42,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                              **(tools.sampling_overrides(req.stop) if tools else {}))
     prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a ProcessedPrompt
                                       tools=tools.tools if tools else None, prefix=tools.prefix if tools else "")
-    check_context(engine_prompt_length(prompt), max_tokens, state.max_model_len,
+    check_context(len(engine_prompt_ids(prompt)), max_tokens, state.max_model_len,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     rid = new_id("chatcmpl-")
     gen = Generation(state.aengine, rid, [prompt], params, RESPONSE_FORMAT_PARAM)

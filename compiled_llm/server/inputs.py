@@ -145,9 +145,9 @@ async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessag
     return await state.preprocess.run(processed_media_prompt, prompt)
 
 
-def engine_prompt_length(prompt) -> int:
-    """Tokens of what chat_engine_prompt returned."""
-    return len(prompt) if isinstance(prompt, list) else len(prompt.token_ids)
+def engine_prompt_ids(prompt) -> list[int]:
+    """The token ids of what chat_engine_prompt returned."""
+    return prompt if isinstance(prompt, list) else prompt.token_ids
 
 
 async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
@@ -156,7 +156,7 @@ async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_
     the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
     prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt, tools=tools,
                                       add_special_tokens=add_special_tokens)
-    return prompt if isinstance(prompt, list) else prompt.token_ids
+    return engine_prompt_ids(prompt)
 
 
 def _tokenize_all(inputs, prompts: list) -> list:

@@ -8,7 +8,7 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import chat_engine_prompt, check_context, engine_prompt_length, sampling_params
+from compiled_llm.server.inputs import chat_engine_prompt, check_context, engine_prompt_ids, sampling_params
 from compiled_llm.server.logprobs import responses_entries
 from compiled_llm.server.protocol import (
     IncompleteDetails,
@@ -40,7 +40,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, request: Re
     params = sampling_params(req, max_tokens=req.max_output_tokens, vocab_size=state.vocab_size,
                              logprobs=(req.top_logprobs or 0) if want_lps else None, structured_output=constraint)
     prompt = await chat_engine_prompt(state, items, True, req.instructions)  # media: a ProcessedPrompt
-    check_context(engine_prompt_length(prompt), req.max_output_tokens, state.max_model_len, "max_output_tokens",
+    check_context(len(engine_prompt_ids(prompt)), req.max_output_tokens, state.max_model_len, "max_output_tokens",
                   "input")
     builder = _Builder(state, req, model, want_lps)
     gen = Generation(state.aengine, builder.id, [prompt], params, ("text", "text.format.schema"))
