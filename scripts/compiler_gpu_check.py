@@ -1,7 +1,7 @@
 """The compiler on a GPU: Triton providers against the references, compiled (CUDA graphs, whole-graph
 decode where faster) against eager on the tiny models, the compile cache round trip, and decode speed.
 
-    python scripts/compiler_gpu_check.py [--sections kernels,models,cache,speed] [--out DIR]
+    python scripts/compiler_gpu_check.py [--sections kernels,models,cache,speed,structured] [--out DIR]
 
 Prints one line per check and a final PASS/FAIL; writes results.json to --out when given.
 """
@@ -148,6 +148,46 @@ def speed() -> bool:
             del llm
     RESULTS["speed_ms_per_step"] = out
     return True
+
+
+def structured(device: str = "cuda", eager: bool = False) -> bool:
+    """Structured output on a compiled engine with --jit-monitor error: JSON-constrained rows beside free ones,
+    all rows constrained, one row alone. xgrammar's mask kernel is Triton on CUDA; warm-up builds its variants
+    (runtime/structured_output.py), so none may build inside a step (that would raise here)."""
+    import json as jsonlib
+
+    from compiled_llm import LLM, SamplingParams
+    from tiny_models import make_checkpoint
+
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        print("structured: xgrammar is not installed here (carry its wheel: ../shared/gpu/wheels.sh xgrammar)")
+        RESULTS["structured"] = "no xgrammar"
+        return False
+    root = Path(tempfile.mkdtemp())
+    make_checkpoint(root / "dense", "dense")
+    llm = LLM(str(root / "dense"), device=device, enforce_eager=eager, jit_monitor="error", block_size=16,
+              max_model_len=128, max_num_seqs=20)
+    schema = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}},
+              "additionalProperties": False}
+    free = SamplingParams(temperature=0, max_tokens=24)
+    constrained = [SamplingParams(temperature=0, max_tokens=40, structured_output=spec)
+                   for spec in ({"json": schema}, {"json_object": True})]
+    ok = True
+    for rows in ([constrained[0], free, constrained[1]], constrained, constrained[:1], [constrained[0]] * 17 + [free]):
+        outs = llm.generate([[5, 6, 7, 8 + i] for i in range(len(rows))], rows)
+        for out, params in zip(outs, rows):
+            if params.structured_output is not None:
+                try:
+                    ok &= isinstance(jsonlib.loads(out.outputs[0].text), dict)
+                except ValueError:
+                    ok = False
+    from compiled_llm.ops.jit import MONITOR
+
+    RESULTS["structured"] = {"ok": ok, "late_compiles": list(MONITOR.late)}
+    print(f"structured output, compiled, jit-monitor error: {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
 
 
 def main() -> int:

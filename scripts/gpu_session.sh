@@ -3,6 +3,7 @@
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
 # first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"]) rebuild (two 26B-A4B engines in one process)
+# structured (compiled, --jit-monitor error; carry [".whl"] with xgrammar's wheels in .whl/structured/)
 # kernels (check_kernels_gpu.py, KERNELS_ARGS) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
@@ -62,6 +63,11 @@ for step in $steps; do
                     --out "$OUT/kernel_check_${KCHECK_CONFIG:-gemma-4-26b-a4b}.json" ;;  # CPU-recorded builds = the GPU's?
     kernels) run kernels 180 python3 scripts/check_kernels_gpu.py ${KERNELS_ARGS:---only decode,logits --no-time} ;;
     correctness) run correctness 240 python3 scripts/gpu_check.py --compiled --names ${CHECK_NAMES:-all,moe,k_eq_v} ;;
+    structured)  # xgrammar and its tvm_ffi from .whl/structured/, for this step only (other steps' start-ups unchanged)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_x \
+        .whl/structured/*.whl
+      PYTHONPATH=/tmp/site_x:$PYTHONPATH run structured 240 python3 scripts/compiler_gpu_check.py --sections structured \
+        --out "$OUT" ;;
     compiler) run compiler 240 python3 scripts/compiler_gpu_check.py --sections kernels,models --names dense32,moe32,all32 --out "$OUT" ;;
     throughput) run throughput 420 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
                   --shapes 1024x8x256,4096x8x512,8192x4x512 --out "$OUT" ;;

@@ -573,3 +573,14 @@ def test_moe_routing_counts_the_experts_of_each_decode_step(tmp_path):
         _, ids = qwen3_5.ref_softmax_router_topk(x, w, 2)
         qwen3_5.ref_softmax_router_topk(x[:2], w, 2)  # not a 3-row call: not counted
     assert counter.counts == [len(set(ids.flatten().tolist()))]
+
+
+def test_compiler_gpu_check_structured_section_on_the_cpu():
+    """scripts/compiler_gpu_check.py's structured-output section (run compiled on the H200 with --jit-monitor
+    error), here eager on the CPU: constrained rows beside free ones, all constrained, one alone, 17 by index."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import compiler_gpu_check
+
+    pytest.importorskip("xgrammar")
+    assert compiler_gpu_check.structured("cpu", eager=True)
+    assert compiler_gpu_check.RESULTS["structured"]["ok"]

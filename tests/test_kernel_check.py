@@ -100,6 +100,32 @@ def test_warm_up_builds_the_samplers_argmax_at_the_vocabulary_width():
                                                                        ("_argmax_merge_kernel", 64)}
 
 
+def test_warm_up_builds_xgrammars_bitmask_kernel_where_the_sampler_runs_triton(monkeypatch):
+    """xgrammar's grammar-mask kernel is Triton on CUDA and built on its first launch: warm-up launches it for each
+    specialisation the sampler can reach (rows 1, 2 and a multiple of 16; all rows or some by index), at the
+    vocabulary width, so that a server's first constrained request builds nothing inside a step."""
+    pytest.importorskip("xgrammar")
+    from compiled_llm.compiler.warmup import kernel_keys
+    from compiled_llm.runtime import structured_output as so
+    from compiled_llm.runtime.kernel_check import h100_facts
+
+    with h100_facts(config_dict("gemma-4-26b-a4b")) as facts:
+        keys = [key for kernel, key in kernel_keys(facts) if kernel.name == "grammar_bitmask"]
+    assert sorted(keys) == [(262144, rows, indexed) for rows in (1, 2, 16) for indexed in (False, True)]
+    import xgrammar
+
+    calls = []
+
+    def launch(logits, mask, vocab_size, indices):
+        calls.append((logits.shape, mask.shape, vocab_size, indices))
+
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", launch)
+    so._bitmask_compile((1000, 2, True), torch.device("cpu"))
+    assert calls == [((3, 1000), (3, 32), 1000, [0, 1])]  # two rows of three masked, by index
+    monkeypatch.setattr(so, "xgrammar_available", lambda: False)
+    assert so._bitmask_keys(facts) == []
+
+
 def test_compile_cache_dry_run_kernels_prints_each_kernels_build(tmp_path, capsys):
     """`compile-cache --dry-run --kernels` from a config.json alone: the table, one row a distinct kernel build,
     and exit 0; a kernel that cannot build for sm_90 makes it exit 1 and names it."""

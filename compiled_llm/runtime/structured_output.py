@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import torch
 
+from compiled_llm.ops.jit import JitKernel, register_kernel
 from compiled_llm.runtime.errors import StructuredOutputError
 
 log = logging.getLogger("compiled_llm")
@@ -173,3 +174,29 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).view(B, -1)[:, :V].bool()
     return logits.masked_fill_(~allowed, float("-inf"))
+
+
+# xgrammar's bitmask kernel is Triton on CUDA, built on its first launch: without a warm-up the first constrained
+# request built it inside an engine step (every running request waiting, and a "JIT compile after warm-up" that
+# --jit-monitor error turns into a failed request). It runs where the sampler's greedy argmax runs on Triton, so
+# it rides on that op's provider. Triton specializes the launch on its row count (1, a multiple of 16, other) and
+# on whether the rows come as indices (some rows of the batch constrained), so warm-up builds those six.
+BITMASK_ROWS = (1, 2, 16)
+
+
+def _bitmask_keys(facts: dict) -> list:
+    if "dtype" not in facts or not xgrammar_available():
+        return []
+    return [(facts.get("vocab_size", 64), rows, indexed) for rows in BITMASK_ROWS for indexed in (False, True)]
+
+
+def _bitmask_compile(key, device) -> None:
+    vocab, rows, indexed = key
+    xgr = _xgr()
+    batch = rows + 1 if indexed else rows  # indexed: the last row is unconstrained
+    logits = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+    bitmask = xgr.allocate_token_bitmask(batch, vocab).to(device)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=list(range(rows)) if indexed else None)
+
+
+register_kernel(JitKernel("grammar_bitmask", "argmax_rows", "triton", _bitmask_keys, _bitmask_compile))
