@@ -490,3 +490,30 @@ def test_sigterm_finishes_in_flight_and_exits_zero(server):
     assert server.proc.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=2)
+
+
+def test_the_first_requests_import_nothing(monkeypatch):
+    """After start-up, one request of each kind (streamed and whole completions, chats, JSON mode, the Responses
+    API, /tokenize, a bad request) imports no module: session 38 found anyio's asyncio backend imported by the
+    first streamed response on the event loop, and xgrammar with its vocabulary tables built by the first
+    constrained request on the engine thread, both while the first requests ran."""
+    pytest.importorskip("xgrammar")
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # every import, on stderr (the server's log)
+    srv = ServerProcess("--served-model-name", "demo", *ENGINE_ARGS)
+    try:
+        mark = len(srv.output().splitlines())
+        chat = {"model": "demo", "messages": CHAT[:2], "max_tokens": 3}
+        for path, body in (("/v1/completions", {"model": "demo", "prompt": "a list", "max_tokens": 3, "stream": True}),
+                           ("/v1/completions", {"model": "demo", "prompt": [5, 6], "max_tokens": 3, "logprobs": 2}),
+                           ("/v1/chat/completions", dict(chat, stream=True)),
+                           ("/v1/chat/completions", dict(chat, response_format={"type": "json_object"})),
+                           ("/v1/responses", {"model": "demo", "input": "a dict", "max_output_tokens": 3}),
+                           ("/tokenize", {"model": "demo", "prompt": "a set"}),
+                           ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": -1})):
+            r = post(srv, path, body, key=None)
+            assert r.status_code == (400 if body.get("max_tokens") == -1 else 200), r.text
+        imports = [line for line in srv.output().splitlines()[mark:] if line.startswith("import time:")]
+        # xgrammar's CPU mask kernel module (0.5 ms; on CUDA warm-up launches its Triton kernel)
+        assert [line for line in imports if "xgrammar.kernels" not in line] == []
+    finally:
+        assert srv.terminate() == 0, srv.output()
