@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 _ROPE = {
@@ -85,6 +86,20 @@ def write_config_folder(cfg: dict, folder: Path) -> Path:
 
 def write_checkpoint_folder(name: str, folder: Path) -> Path:
     return write_config_folder(config_dict(name), folder)
+
+
+def add_model_args(ap, device: str = "cuda") -> None:
+    """The engine-building scripts' model arguments: a preset config with dummy weights, or a checkpoint folder."""
+    ap.add_argument("--config", choices=sorted(PRESETS), default="gemma-4-26b-a4b")
+    ap.add_argument("--model", default=None, help="a checkpoint folder instead of a preset config")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default=device)
+
+
+def model_folder(args) -> str:
+    """--model, or a fresh folder holding --config's config.json."""
+    return args.model or str(write_checkpoint_folder(args.config, Path(tempfile.mkdtemp()) / args.config))
 
 
 def write_word_tokenizer(folder: Path, vocab_size: int) -> Path:

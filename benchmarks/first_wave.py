@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from configs import PRESETS, write_checkpoint_folder  # noqa: E402
+from configs import add_model_args, model_folder  # noqa: E402
 from throughput import random_prompts  # noqa: E402
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
@@ -36,11 +35,7 @@ def allocator() -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=sorted(PRESETS), default="gemma-4-26b-a4b")
-    ap.add_argument("--model", default=None, help="a checkpoint folder instead of a preset config")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda")
+    add_model_args(ap)
     ap.add_argument("--waves", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=1024)
@@ -52,7 +47,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--thread", action="store_true", help="the waves on one thread other than the main one")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    folder = args.model or str(write_checkpoint_folder(args.config, Path(tempfile.mkdtemp()) / args.config))
+    folder = model_folder(args)
     t0 = time.perf_counter()
     llm = LLM(folder, device=args.device, dtype=args.dtype, load_format=args.load_format,
               skip_tokenizer_init=not args.with_tokenizer, enable_prefix_caching=args.enable_prefix_caching,

@@ -14,12 +14,11 @@ import argparse
 import gc
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from configs import PRESETS, write_checkpoint_folder  # noqa: E402
+from configs import add_model_args, model_folder  # noqa: E402
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
 
@@ -36,17 +35,13 @@ def memory_in_use(device: str) -> int:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=sorted(PRESETS), default="gemma-4-26b-a4b")
-    ap.add_argument("--model", default=None, help="a checkpoint folder instead of a preset config")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda")
+    add_model_args(ap)
     ap.add_argument("--builds", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    folder = args.model or str(write_checkpoint_folder(args.config, Path(tempfile.mkdtemp()) / args.config))
+    folder = model_folder(args)
     result = {"config": args.model or args.config, "device": args.device,
               "before_bytes": memory_in_use(args.device), "builds": []}
     for _ in range(args.builds):
