@@ -50,9 +50,9 @@ def _parameter(shape: tuple[int, ...], full_shape: tuple[int, ...], loader) -> n
 
 def _weakly(loader):
     """A layer's own method, held without holding the layer. A parameter that held it strongly closed a cycle
-    (parameter -> method -> layer -> parameter) that Python's collector never frees once anything else holds a
-    view of the parameter (torch then treats the tensor as owned from C++), so a deleted engine kept those
-    weights: its embedding, every row-parallel projection and the experts."""
+    (parameter -> method -> layer -> parameter), and the engine freezes the heap after start-up (gc.freeze,
+    runtime/heap.py), so the collector never freed it: a deleted engine kept those weights, its embedding, every
+    row-parallel projection and the experts. Without the cycle, reference counting frees them."""
     if not inspect.ismethod(loader):
         return loader
     method = weakref.WeakMethod(loader)

@@ -177,8 +177,8 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 
 # xgrammar's bitmask kernel is Triton on CUDA, built on its first launch: without a warm-up the first constrained
-# request built it inside an engine step (every running request waiting, and a "JIT compile after warm-up" that
-# --jit-monitor error turns into a failed request). It runs where the sampler's greedy argmax runs on Triton, so
+# request would build it inside an engine step (every running request waiting, and a "JIT compile after warm-up"
+# that --jit-monitor error turns into a failed request; read from xgrammar 0.2.9, not yet seen on a GPU). It runs where the sampler's greedy argmax runs on Triton, so
 # it rides on that op's provider. Triton specializes the launch on its row count (1, a multiple of 16, other) and
 # on whether the rows come as indices (some rows of the batch constrained), so warm-up builds those six.
 BITMASK_ROWS = (1, 2, 16)

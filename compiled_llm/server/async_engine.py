@@ -74,8 +74,8 @@ class EngineThread(threading.Thread):
 
 def one_thread_elsewhere() -> None:
     """Called once the engine is built on its EngineThread: every thread that runs a torch parallel region from
-    now on (the preprocessing pool's, whose media processors expand /tokenize's placeholders with torch ops) runs
-    it on one thread, while the engine thread keeps the team it made at start-up (torch reads its process-wide
+    now on (the preprocessing pool's, whose media processors run torch ops on every media prompt) runs it on one
+    thread, while the engine thread keeps the team it made at start-up (torch reads its process-wide
     thread count when a thread first runs a parallel region). The reason is EngineThread's: each such thread's
     OpenMP team counts against the cores, and past them libgomp stops spinning between regions. 2 cores, a
     standalone check: once two pool threads had run one image-sized op, the engine thread's small ops (a 64 x 64

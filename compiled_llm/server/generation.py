@@ -63,8 +63,7 @@ class Generation:
             try:
                 await self.aengine.prepare_structured_output(self.params.structured_output)
             except StructuredOutputError as e:
-                param, where = self.structured_param
-                raise APIError(400, f"{where}: {e}", param=param) from e
+                raise self._refused_constraint(e) from e
         self._unfinished.update(self.rids)
         try:
             results = await asyncio.gather(
@@ -79,11 +78,15 @@ class Generation:
                 if isinstance(res, RuntimeEngineDead):  # the server's, or a worker that died at admission
                     raise APIError(503, str(res), code="engine_dead") from res
                 if isinstance(res, StructuredOutputError):
-                    param, where = self.structured_param
-                    raise APIError(400, f"{where}: {res}", param=param) from res
+                    raise self._refused_constraint(res) from res
                 if isinstance(res, (ValueError, TypeError, OverflowError)):  # the request's own input
                     raise APIError(400, str(res), param="prompt" if len(self.rids) == 1 else f"prompt.{i}") from res
                 raise res
+
+    def _refused_constraint(self, e: StructuredOutputError) -> APIError:
+        """The 400 for a constraint that does not compile, naming the request field it came from."""
+        param, where = self.structured_param
+        return APIError(400, f"{where}: {e}", param=param)
 
     def close(self) -> None:
         """Abort what has not finished (client gone, error, shutdown)."""
