@@ -42,6 +42,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Structured output: {"json": <JSON schema, a dict or its JSON text>} or {"json_object": True} (any JSON
     # object); enforced while decoding (runtime/structured_output.py). A schema given as text is parsed here.
+    # Optional "after_token_id": N: the output is free until token N is generated (a thinking model's end of
+    # reasoning, `</think>`), and the grammar holds from the token after it.
     structured_output: dict | None = None
 
     def __post_init__(self) -> None:
@@ -71,9 +73,14 @@ class SamplingParams:
         so = self.structured_output
         if so is None:
             return
-        usage = "structured_output must be {'json': <JSON schema>} or {'json_object': True}"
-        if not isinstance(so, dict) or len(so) != 1 or next(iter(so)) not in ("json", "json_object"):
+        usage = ("structured_output must be {'json': <JSON schema>} or {'json_object': True}, with an optional "
+                 "'after_token_id': <token id>")
+        after = {"after_token_id": so["after_token_id"]} if isinstance(so, dict) and "after_token_id" in so else {}
+        kinds = [k for k in so if k != "after_token_id"] if isinstance(so, dict) else []
+        if not isinstance(so, dict) or len(kinds) != 1 or kinds[0] not in ("json", "json_object"):
             raise ValueError(f"{usage}, got {so!r}")
+        if after and not (_is_int(after["after_token_id"]) and after["after_token_id"] >= 0):
+            raise ValueError(f"structured_output: after_token_id must be a token id, got {after['after_token_id']!r}")
         if "json_object" in so:
             if so["json_object"] is not True:
                 raise ValueError(f"{usage}, got {so!r}")
@@ -86,7 +93,7 @@ class SamplingParams:
                 raise ValueError(f"structured_output: the JSON schema is not valid JSON ({e})") from None
         if not isinstance(schema, dict):
             raise ValueError(f"structured_output: the JSON schema must be a JSON object, got {schema!r}")
-        self.structured_output = {"json": schema}
+        self.structured_output = {"json": schema, **after}
 
     # --- validation --------------------------------------------------------
     def _verify(self) -> None:

@@ -128,13 +128,17 @@ class FakeInputProcessor:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None, tools=None):
+    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None, tools=None,
+                            template_kwargs=None):
+        if set(template_kwargs or {}) & {"tools", "messages", "add_generation_prompt"}:
+            raise ValueError("chat_template_kwargs may not set them")
         if chat_template:  # a real Jinja template, rendered as transformers does
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             return env.from_string(chat_template).render(messages=messages, tools=tools, bos_token="",
-                                                         add_generation_prompt=add_generation_prompt)
+                                                         add_generation_prompt=add_generation_prompt,
+                                                         **(template_kwargs or {}))
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
@@ -257,3 +261,27 @@ class FakeEngine:
 
     def new_input_processor(self):
         return FakeInputProcessor(FakeTokenizer())
+
+
+class FakeServers:
+    """Apps on fake engines, each with the official OpenAI client on a TestClient (no socket); `close()` ends
+    them. `make(**create_app_kwargs)` -> (engine, client); the engine's `scripts` say what "the model" writes."""
+
+    def __init__(self):
+        self._clients = []
+
+    def make(self, **app_kw):
+        import openai
+        from fastapi.testclient import TestClient
+
+        from compiled_llm.server.app import create_app
+
+        engine = FakeEngine(max_model_len=4096, step_delay=0)
+        client = TestClient(create_app(engine, **app_kw))
+        client.__enter__()
+        self._clients.append(client)
+        return engine, openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.__exit__(None, None, None)

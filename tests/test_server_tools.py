@@ -8,12 +8,13 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.server.app import create_app
 from compiled_llm.server.tool_parsers import CallEvent, ContentEvent, ToolCallStream
 from compiled_llm.server.tool_parsers.gemma4 import Gemma4ToolParser, parse_gemma_value
 from compiled_llm.server.tool_parsers.qwen import QwenToolParser
-from server_utils import FakeEngine
-from tool_templates import GEMMA4, QWEN_XML
+from server_utils import FakeServers
+from tool_templates import GEMMA4, QWEN_THINKING, QWEN_XML
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,18 +96,9 @@ def test_forced_prefix_is_prompt_not_content():
 # ------------------------------------------------------------------ the API, fake engine with scripted answers
 @pytest.fixture()
 def served():
-    def make(template=QWEN_XML, parser="qwen"):
-        engine = FakeEngine(max_model_len=4096, step_delay=0)
-        client = TestClient(create_app(engine, chat_template=template, tool_call_parser=parser))
-        client.__enter__()
-        made.append(client)
-        oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
-        return engine, oai
-
-    made = []
-    yield make
-    for c in made:
-        c.__exit__(None, None, None)
+    servers = FakeServers()
+    yield lambda template=QWEN_XML, parser="qwen": servers.make(chat_template=template, tool_call_parser=parser)
+    servers.close()
 
 
 def test_round_trip_with_the_official_client(served):
@@ -226,3 +218,9 @@ def test_real_checkpoint_renders_tools_and_the_forced_call():
         # a random model does not finish the call in 8 tokens: the text comes back as content, not a call
         assert out.choices[0].finish_reason == "length" and out.choices[0].message.tool_calls is None
         assert out.choices[0].message.content.startswith("<|tool_call>call:get_weather{")
+    # chat_template_kwargs reach the real tokenizer's template (LLM.chat as in vLLM); its own arguments are refused
+    off = llm.chat(ASK, SamplingParams(max_tokens=1), chat_template=QWEN_THINKING,
+                   chat_template_kwargs={"enable_thinking": False})
+    assert eng.tokenizer.decode(off[0].prompt_token_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tools"):
+        llm.chat(ASK, chat_template=QWEN_THINKING, chat_template_kwargs={"tools": []})

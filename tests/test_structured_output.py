@@ -102,6 +102,20 @@ def test_constrained_batched_with_unconstrained(llm):
     assert again[0].outputs[0].text == outs[0].outputs[0].text and llm.engine.grammars.misses == misses
 
 
+def test_grammar_waits_for_its_after_token(llm):
+    """after_token_id (a thinking model's end of reasoning): the tokens up to that one are the free model's, and
+    the grammar holds from the next one."""
+    assert SamplingParams(structured_output={"json_object": True, "after_token_id": 5}).structured_output == {
+        "json_object": True, "after_token_id": 5}
+    with pytest.raises(ValueError, match="after_token_id"):
+        SamplingParams(structured_output={"json_object": True, "after_token_id": -1})
+    free = llm.generate(PROMPTS[0], greedy(ignore_eos=True, max_tokens=6))[0].outputs[0].token_ids
+    k = free.index(free[-1])  # the trigger's first place in the free output
+    out = llm.generate(PROMPTS[0], greedy(structured_output={"json": SCHEMA, "after_token_id": free[-1]}))[0].outputs[0]
+    assert k > 0 and out.token_ids[:k + 1] == free[:k + 1] and out.finish_reason == "stop"
+    check_json(llm.engine.tokenizer.decode(out.token_ids[k + 1:], skip_special_tokens=True), SCHEMA)
+
+
 def test_mask_applied_on_the_logits_device_in_one_call(llm, monkeypatch):
     """The fast path: each step fills one packed bitmask for the batch and xgrammar's kernel applies it to the
     logits where they are, for the constrained rows only; the torch fallback is not used."""

@@ -54,3 +54,35 @@ GEMMA4 = """{{ bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}<|turn>model
 {% endif %}"""
+
+# The thinking parts of the Qwen3.5 and Gemma 4 templates: Qwen3.5 opens `<think>` in the generation prompt unless
+# enable_thinking is false (then an empty block), and renders an earlier answer's reasoning_content; Gemma 4 asks
+# for thinking with `<|think|>` in a system turn when enable_thinking is true.
+QWEN_THINKING = """{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{% if m.reasoning_content is string %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content or '' }}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+
+GEMMA4_THINKING = """{{ bos_token }}
+{%- if enable_thinking is defined and enable_thinking %}<|turn>system
+<|think|><turn|>
+{% endif %}
+{%- for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}
+{{ m.content }}<turn|>
+{% endfor %}
+{%- if add_generation_prompt %}<|turn>model
+{% endif %}"""

@@ -84,7 +84,7 @@ class LLMEngine:
         req = self.input_processor.process(request_id, prompt, params, arrival_time or time.time())
         if grammar is not None:
             for seq in req.seqs:
-                seq.grammar = self.grammars.new_state(grammar)
+                seq.grammar = self.grammars.new_state(grammar, params.structured_output.get("after_token_id"))
         if req.has_media:  # parallel engines: every rank gets the media once
             self._guarded(self.executor.register_media, request_id, req.mm)
         self.requests[request_id] = req
@@ -301,8 +301,9 @@ class LLMEngine:
         return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt, chat_template)
+                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, chat_template,
+                                                        template_kwargs=template_kwargs)
 
     def new_input_processor(self) -> InputProcessor:
         """An input processor for another thread (the server's event loop and its helper threads): its own

@@ -48,6 +48,12 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+# apply_chat_template's own arguments: template kwargs may not set them
+TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "return_dict",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, model, vocab_size: int, device: torch.device):
         """model: the one whose media towers admission asks about (rank 0's shard); device: where the
@@ -74,13 +80,19 @@ class InputProcessor:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> str:
+        """The rendered template. template_kwargs: extra variables for the template (vLLM's chat_template_kwargs,
+        e.g. {"enable_thinking": False}); one that names an argument of this call is a ValueError."""
         if not messages:
             raise ValueError("messages is empty")
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
                 raise ValueError(f"unknown message role {m.get('role') if isinstance(m, dict) else m!r}")
-        kwargs = {"chat_template": chat_template} if chat_template else {}
+        clash = sorted(set(template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        kwargs = {**(template_kwargs or {}), **({"chat_template": chat_template} if chat_template else {})}
         if tools:  # OpenAI-style function specs; the template renders them (tool calling)
             kwargs["tools"] = tools
         if not chat_template and not getattr(self.tokenizer, "chat_template", None):

@@ -114,8 +114,8 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return grammar
 
-    def new_state(self, grammar) -> GrammarState:
-        return GrammarState(_xgr().GrammarMatcher(grammar))
+    def new_state(self, grammar, after_token_id: int | None = None) -> GrammarState:
+        return GrammarState(_xgr().GrammarMatcher(grammar), after_token_id)
 
 
 def _reason(e: Exception) -> str:
@@ -125,16 +125,26 @@ def _reason(e: Exception) -> str:
 
 
 class GrammarState:
-    """One sequence's matcher."""
+    """One sequence's matcher. With `after_token_id` (a thinking model's end of reasoning) the matcher waits: every
+    token is allowed until that one is generated, and the grammar holds from the next."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, after_token_id: int | None = None):
         self.matcher = matcher
+        self.waiting_for = after_token_id
+
+    @property
+    def active(self) -> bool:
+        return self.waiting_for is None
 
     def accept(self, token_id: int) -> bool:
+        if self.waiting_for is not None:
+            if token_id == self.waiting_for:
+                self.waiting_for = None
+            return True
         return self.matcher.accept_token(token_id)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.waiting_for is None and self.matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -145,7 +155,8 @@ _kernel_broken: set[str] = set()  # device types where xgrammar's kernel failed 
 
 def apply_grammar_masks(logits: torch.Tensor, rows) -> torch.Tensor:
     """-inf, in place, on the logits [B, V] of the tokens each constrained row's grammar does not allow now."""
-    idx = [i for i, r in enumerate(rows) if r.grammar is not None and not r.grammar.is_terminated()]
+    idx = [i for i, r in enumerate(rows)
+           if r.grammar is not None and r.grammar.active and not r.grammar.is_terminated()]
     if not idx:
         return logits
     xgr = _xgr()

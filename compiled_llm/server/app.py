@@ -34,6 +34,7 @@ from compiled_llm.server.protocol import (
 from compiled_llm.server.responses import create_response
 from compiled_llm.server.state import ServerState
 from compiled_llm.server.structured_output import grammar_library_installed
+from compiled_llm.server.reasoning import reasoning_parser as get_reasoning_parser
 from compiled_llm.server.tools import make_tool_parser, template_tools
 
 logger = logging.getLogger(__name__)
@@ -105,15 +106,18 @@ async def warm_structured_output(aengine: AsyncEngine) -> None:
 def create_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, media_policy=None,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               tool_call_parser: str | None = None, engine_thread=None) -> FastAPI:
+               tool_call_parser: str | None = None, engine_thread=None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does.
     tool_call_parser: the tool-call format (server/tool_parsers/); default: the checkpoint's model type's.
+    reasoning_parser: qwen3 or gemma4 (server/reasoning.py): the output's reasoning split from its content.
     engine_thread: the async_engine.EngineThread that built the engine (its steps run there too)."""
     names = list(served_model_names or [engine.model_name])
     aengine = AsyncEngine(engine, Metrics(names[0]), engine_thread)
     template = chat_template or getattr(aengine.tokenizer, "chat_template", None)
     state = ServerState(aengine, names, chat_template=chat_template, api_key=api_key,
-                        tool_parser=make_tool_parser(tool_call_parser, engine.config.resolved_model(), template))
+                        tool_parser=make_tool_parser(tool_call_parser, engine.config.resolved_model(), template),
+                        reasoning_parser=get_reasoning_parser(reasoning_parser))
     if media_policy is not None:  # multimodal.media.MediaPolicy (--allowed-media-domains, ...)
         state.media_policy = media_policy
 
@@ -178,7 +182,7 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
         if req.messages is not None:
             tools = template_tools(req.tools) if req.tools else None
             ids = await chat_token_ids(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens),
-                                       tools)
+                                       tools, req.chat_template_kwargs)
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await state.preprocess.run(lambda inputs: list(inputs.tokenize(req.prompt, add_special_tokens=add)))

@@ -8,7 +8,12 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import chat_engine_prompt, check_context, engine_prompt_ids, sampling_params
+from compiled_llm.server.inputs import (
+    chat_engine_prompt,
+    check_context,
+    engine_prompt_ids,
+    sampling_params,
+)
 from compiled_llm.server.logprobs import chat_entries
 from compiled_llm.server.protocol import (
     AssistantMessage,
@@ -16,8 +21,16 @@ from compiled_llm.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
+    CompletionTokensDetails,
     FunctionCall,
     ToolCall,
+    Usage,
+)
+from compiled_llm.server.reasoning import (
+    ReasoningSetup,
+    grammar_after_reasoning,
+    reasoning_overrides,
+    reasoning_setup,
 )
 from compiled_llm.server.state import ServerState, new_id
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
@@ -36,14 +49,18 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise APIError(400, f"response_format type `{req.response_format.type}` together with tools is not "
                             "supported: the grammar would forbid the tool calls", param="response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    overrides = {**(tools.sampling_overrides(req.stop) if tools else {}), **reasoning_overrides(state)}
     params = sampling_params(req, max_tokens=max_tokens, vocab_size=state.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             structured_output=constraint,
-                             **(tools.sampling_overrides(req.stop) if tools else {}))
+                             structured_output=constraint, **overrides)
     prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a ProcessedPrompt
-                                      tools=tools.tools if tools else None, prefix=tools.prefix if tools else "")
-    check_context(len(engine_prompt_ids(prompt)), max_tokens, state.max_model_len,
+                                      tools=tools.tools if tools else None, prefix=tools.prefix if tools else "",
+                                      template_kwargs=req.chat_template_kwargs)
+    prompt_ids = engine_prompt_ids(prompt)
+    check_context(len(prompt_ids), max_tokens, state.max_model_len,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    reasoning = reasoning_setup(state, prompt_ids, req.include_reasoning)
+    params = grammar_after_reasoning(reasoning, params, "response_format")
     rid = new_id("chatcmpl-")
     gen = Generation(state.aengine, rid, [prompt], params, RESPONSE_FORMAT_PARAM)
     await gen.start()
@@ -52,7 +69,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return stream(gen, _chunks(state, gen, rid, created, model, top_n, include_usage, tools),
+        return stream(gen, _chunks(state, gen, rid, created, model, top_n, include_usage, tools, reasoning),
                       on_error=state.error_observer(request.url.path))
 
     try:
@@ -64,15 +81,64 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         lps = None
         if top_n is not None:
             lps = ChoiceLogprobs(content=chat_entries(c.token_ids, c.logprobs, top_n, state.token_text))
-        message, reason = AssistantMessage(content=c.text), c.finish_reason
+        content, thought = c.text, None
+        if reasoning is not None:
+            split = reasoning.split(c.text)
+            content, thought = split.content, split.reasoning if reasoning.include else None
+        message = AssistantMessage(content=content, reasoning=thought, reasoning_content=thought)
+        reason = c.finish_reason
         if tools is not None:
-            out = parse_output(tools, c.text)
+            out = parse_output(tools, content or "")
             calls = [ToolCall(id=e.id, function=FunctionCall(name=e.name, arguments=e.arguments)) for e in out.calls]
-            message = AssistantMessage(content=out.content, tool_calls=calls or None)
+            message.content, message.tool_calls = out.content, calls or None
             reason = finish_reason(c.finish_reason, len(calls))
         choices.append(ChatChoice(index=c.index, message=message, logprobs=lps, finish_reason=reason,
                                   stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=_usage(state, gen, reasoning))
+
+
+def _usage(state: ServerState, gen: Generation, reasoning: ReasoningSetup | None) -> Usage:
+    """The request's usage; with a reasoning parser, completion_tokens_details.reasoning_tokens too."""
+    usage = gen.usage()
+    if reasoning is not None:
+        def encode(text):
+            return state.tokenizer.encode(text, add_special_tokens=False)
+
+        n = sum(reasoning.count_tokens(c.token_ids, c.text, reasoning.split(c.text), encode) for c in gen.choices)
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=n)
+    return usage
+
+
+class _ChoiceStream:
+    """One streamed choice's text -> delta dicts: reasoning (with a reasoning parser), then content and whole tool
+    calls (with tools), as each becomes known."""
+
+    def __init__(self, tools: ToolSetup | None, reasoning: ReasoningSetup | None):
+        self.tools = tools.stream() if tools is not None else None
+        self.parallel = tools.parallel if tools is not None else True
+        self.reasoning = reasoning.stream() if reasoning is not None else None
+        self.include_reasoning = reasoning is None or reasoning.include
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.tools.calls) if self.tools is not None else 0
+
+    def feed(self, text: str, finished: bool) -> list[dict]:
+        out, content = [], text
+        if self.reasoning is not None:
+            pieces = self.reasoning.feed(text) if text else []
+            if finished:
+                pieces += self.reasoning.finish()
+            content = "".join(t for kind, t in pieces if kind == "content")
+            if self.include_reasoning:
+                out += [{"reasoning": t, "reasoning_content": t} for kind, t in pieces if kind == "reasoning"]
+        if self.tools is None:
+            return out + ([{"content": content}] if content else [])
+        events = self.tools.feed(content) if content else []
+        if finished:
+            events += self.tools.finish()
+        return out + _tool_deltas(events, self.parallel)
 
 
 def _tool_deltas(events: list, parallel: bool) -> list[dict]:
@@ -87,11 +153,11 @@ def _tool_deltas(events: list, parallel: bool) -> list[dict]:
 
 
 async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, model: str, top_n: int | None,
-                  include_usage: bool, tools: ToolSetup | None):
+                  include_usage: bool, tools: ToolSetup | None, reasoning: ReasoningSetup | None):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     if include_usage:
         base["usage"] = None
-    streams = {c.index: tools.stream() for c in gen.choices} if tools is not None else {}
+    streams = {c.index: _ChoiceStream(tools, reasoning) for c in gen.choices}
 
     def chunk(choice: dict) -> str:
         return sse({**base, "choices": [choice]})
@@ -102,13 +168,7 @@ async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, m
     async for deltas in gen.deltas():
         for d in deltas:
             i = d.choice.index
-            if tools is None:
-                pieces = [{"content": d.text}] if d.text else []
-            else:  # content and whole tool calls, as the extractor finds them
-                events = streams[i].feed(d.text) if d.text else []
-                if d.finished:
-                    events += streams[i].finish()
-                pieces = _tool_deltas(events, tools.parallel)
+            pieces = streams[i].feed(d.text, d.finished)
             if not pieces and not d.finished and top_n is None:
                 continue
             pieces = pieces or [{}]
@@ -117,10 +177,9 @@ async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, m
                 if k == 0 and top_n is not None:
                     choice["logprobs"] = {"content": chat_entries(d.token_ids, d.logprobs, top_n, state.token_text)}
                 if d.finished and k == len(pieces) - 1:
-                    calls = len(streams[i].calls) if tools is not None else 0
-                    choice["finish_reason"] = finish_reason(d.choice.finish_reason, calls)
+                    choice["finish_reason"] = finish_reason(d.choice.finish_reason, streams[i].num_calls)
                     choice["stop_reason"] = d.choice.stop_reason
                 yield chunk(choice)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": gen.usage().model_dump()})
+        yield sse({**base, "choices": [], "usage": _usage(state, gen, reasoning).model_dump()})
     yield sse("[DONE]")

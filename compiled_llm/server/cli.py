@@ -36,6 +36,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=["gemma4", "qwen"],
                    help="tool-call format of the model's output (default: the one of the checkpoint's model type: "
                         "gemma4 for Gemma 4, qwen for Qwen3.5)")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "gemma4"],
+                   help="split a thinking model's output into `reasoning` and `content`: qwen3 (<think>...</think>, "
+                        "Qwen3 and Qwen3.5) or gemma4 (<|channel>thought...<channel|>) (default: off, the reasoning "
+                        "stays in the content)")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted "
                         "(default: 30)")
@@ -88,7 +92,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = create_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      chat_template=chat_template, media_policy=media_policy_from_args(args),
                      max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser,
-                     engine_thread=engine_thread)
+                     engine_thread=engine_thread, reasoning_parser=args.reasoning_parser)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,

@@ -81,27 +81,39 @@ def chat_messages(messages: list[ChatMessage | InputMessage], instructions: str 
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         out.append({"role": role, "content": _content(m.content, media, placeholders),
-                    **message_tool_fields(m, calls)})
+                    **message_tool_fields(m, calls), **_reasoning_field(m)})
     return out
 
 
+def _reasoning_field(message) -> dict:
+    """An assistant message's earlier reasoning (`reasoning` or `reasoning_content`, as this server returned it),
+    under both names for the template (Qwen's templates read `reasoning_content`)."""
+    text = getattr(message, "reasoning", None)
+    text = text if text is not None else getattr(message, "reasoning_content", None)
+    return {} if text is None else {"reasoning_content": text, "reasoning": text}
+
+
 def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                tools: list[dict] | None = None, prefix: str = "") -> str:
+                tools: list[dict] | None = None, prefix: str = "", template_kwargs: dict | None = None) -> str:
     """The chat template rendered with the server's input processor (400 for template errors), then `prefix`
-    (a forced tool-call opening, server/tools.py)."""
+    (a forced tool-call opening, server/tools.py). template_kwargs: the request's chat_template_kwargs."""
     kw = {"tools": tools} if tools else {}
+    if template_kwargs:
+        kw["template_kwargs"] = template_kwargs
     try:
         text = inputs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                           chat_template=chat_template, **kw)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        param = "chat_template_kwargs" if template_kwargs and "chat_template_kwargs" in str(exc) else "messages"
+        raise APIError(400, f"cannot apply the chat template: {exc}", param=param) from exc
     return text + prefix
 
 
 def chat_prompt(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                add_special_tokens: bool = False, tools: list[dict] | None = None, prefix: str = "") -> list[int]:
+                add_special_tokens: bool = False, tools: list[dict] | None = None, prefix: str = "",
+                template_kwargs: dict | None = None) -> list[int]:
     """Render the chat template and tokenize it (the template already has the special tokens)."""
-    text = render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix)
+    text = render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix, template_kwargs)
     return list(inputs.tokenize(text, add_special_tokens=add_special_tokens))
 
 
@@ -115,28 +127,32 @@ def completion_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _media_chat_text(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix):
+def _media_chat_text(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix,
+                     template_kwargs):
     """A media chat's rendered template (the processor's placeholders in it) and its media parts."""
     media: list = []
     messages = chat_messages(api_messages, instructions, media, inputs.media_placeholders())
-    return render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix), media
+    return render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix, template_kwargs), media
 
 
 def _chat_ids(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix,
-              add_special_tokens=False) -> list[int]:
+              template_kwargs, add_special_tokens=False) -> list[int]:
     return chat_prompt(inputs, chat_messages(api_messages, instructions), add_generation_prompt, chat_template,
-                       add_special_tokens=add_special_tokens, tools=tools, prefix=prefix)
+                       add_special_tokens=add_special_tokens, tools=tools, prefix=prefix,
+                       template_kwargs=template_kwargs)
 
 
 async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
                              instructions: str | None = None, tools: list[dict] | None = None,
-                             prefix: str = "", add_special_tokens: bool = False):
+                             prefix: str = "", add_special_tokens: bool = False,
+                             template_kwargs: dict | None = None):
     """Token ids of a text-only chat; for a chat with media parts, a ProcessedPrompt (runtime/input_processor.py):
     the rendered template (placeholders in it) with the media fetched and decoded in a thread (400 for bad or
-    too many media), then through the checkpoint's processor in a preprocessing thread. `tools` go to the
-    template, `prefix` after it (server/tools.py). Templates, tokenization and the media processor run in the
-    preprocessing threads (server/preprocess.py), never on the event loop or the engine thread."""
-    args = (api_messages, instructions, add_generation_prompt, state.chat_template, tools, prefix)
+    too many media), then through the checkpoint's processor in a preprocessing thread. `tools` and
+    `template_kwargs` (chat_template_kwargs) go to the template, `prefix` after it (server/tools.py). Templates,
+    tokenization and the media processor run in the preprocessing threads (server/preprocess.py), never on the
+    event loop or the engine thread."""
+    args = (api_messages, instructions, add_generation_prompt, state.chat_template, tools, prefix, template_kwargs)
     if not has_media(api_messages):
         return await state.preprocess.run(_chat_ids, *args, add_special_tokens)
     text, media = await state.preprocess.run(_media_chat_text, *args)
@@ -151,11 +167,12 @@ def engine_prompt_ids(prompt) -> list[int]:
 
 
 async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
-                         add_special_tokens: bool, tools: list[dict] | None = None) -> list[int]:
+                         add_special_tokens: bool, tools: list[dict] | None = None,
+                         template_kwargs: dict | None = None) -> list[int]:
     """/tokenize of chat messages: the template's tokens; with media parts, the ids after the processor expanded
     the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
     prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt, tools=tools,
-                                      add_special_tokens=add_special_tokens)
+                                      add_special_tokens=add_special_tokens, template_kwargs=template_kwargs)
     return engine_prompt_ids(prompt)
 
 

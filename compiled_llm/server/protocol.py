@@ -127,6 +127,8 @@ class ChatMessage(RequestModel):
     name: Str | None = None  # accepted, ignored
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: Str | None = None  # tool: the call this message answers
+    reasoning: Str | None = None  # assistant: its reasoning, as returned (--reasoning-parser)
+    reasoning_content: Str | None = None  # the same, under vLLM's older / SGLang's name
 
 
 # ---------------------------------------------------------------- tools
@@ -177,6 +179,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: Bool = True
+    chat_template_kwargs: dict[Str, Any] | None = None  # extra template variables ({"enable_thinking": false})
+    include_reasoning: Bool = True  # false: a reasoning parser's reasoning is left out of the answer
 
 
 class TopLogprob(APIModel):
@@ -208,6 +212,8 @@ class AssistantMessage(APIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # --reasoning-parser: the chain of thought
+    reasoning_content: str | None = None  # the same text under vLLM's older / SGLang's name
 
 
 class ChatChoice(APIModel):
@@ -222,11 +228,16 @@ class PromptTokensDetails(APIModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(APIModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(APIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
 
 
 class ChatCompletionResponse(APIModel):
@@ -353,6 +364,21 @@ class OutputMessage(APIModel):
     content: list[OutputText]
 
 
+class ReasoningText(APIModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(APIModel):
+    """The chain of thought of a thinking model (--reasoning-parser), before the message."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class InputTokensDetails(APIModel):
     cached_tokens: int = 0
 
@@ -382,7 +408,7 @@ class ResponseObject(APIModel):
     error: ErrorInfo | None = None
     model: str
     instructions: str | None = None
-    output: list[OutputMessage]
+    output: list[Annotated[ReasoningItem | OutputMessage, Field(discriminator="type")]]
     parallel_tool_calls: bool = False
     tool_choice: str = "none"
     tools: list[Any] = []
@@ -420,6 +446,7 @@ class TokenizeRequest(RequestModel):
     tools: list[Tool] | None = None  # with messages: rendered by the chat template, as for a chat completion
     add_special_tokens: Bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: Bool = True
+    chat_template_kwargs: dict[Str, Any] | None = None  # with messages
     return_token_strs: Bool = False
 
 

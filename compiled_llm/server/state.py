@@ -10,6 +10,7 @@ from compiled_llm.multimodal.media import MediaPolicy
 from compiled_llm.server.async_engine import AsyncEngine
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.logprobs import TokenText
+from compiled_llm.server.reasoning import ReasoningParser, single_token_id
 from compiled_llm.server.tool_parsers import ToolParser
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
@@ -23,11 +24,14 @@ class ServerState:
     api_key: str | None = None
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)  # media URLs, files, limits (multimodal)
     tool_parser: ToolParser | None = None  # the checkpoint's tool-call format (server/tools.py)
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (server/reasoning.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
         self.token_text = TokenText(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
+        self.reasoning_end_id = (single_token_id(self.tokenizer, self.reasoning_parser.end)
+                                 if self.reasoning_parser is not None else None)
 
     @property
     def engine(self):

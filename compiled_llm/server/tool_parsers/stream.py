@@ -27,7 +27,7 @@ class CallEvent:
     arguments: str  # JSON text, as the API carries it
 
 
-def _partial_marker(text: str, marker: str) -> int:
+def partial_marker(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker`."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
@@ -62,7 +62,7 @@ class ToolCallStream:
                     self._held_ws, self._pending_ws = self._pending_ws, ""  # dropped unless the call fails
                     self.buf, self.in_call = self.buf[i + len(p.start):], True
                     continue
-                keep = 0 if final else _partial_marker(self.buf, p.start)
+                keep = 0 if final else partial_marker(self.buf, p.start)
                 out += self._content(self.buf[:len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
                 return out
