@@ -54,3 +54,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing comes before it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

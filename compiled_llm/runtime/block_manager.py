@@ -76,7 +76,7 @@ class BlockManager:
 
     # ---- prefix cache ----------------------------------------------------------------------
     def plan_prefix(self, seq: Sequence) -> PrefixPlan:
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:  # every prompt token is computed
             return PrefixPlan()
         self.update_hashes(seq)
         limit = min(len(seq.block_hashes), (len(seq.token_ids) - 1) // self.block_size)

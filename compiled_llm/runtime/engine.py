@@ -17,6 +17,7 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.ops.jit import MONITOR
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.runtime.async_scheduling import PLACEHOLDER, InFlight, async_scheduling_possible, needs_host_history
+from compiled_llm.runtime import prompt_logprobs
 from compiled_llm.runtime.context_len import check_max_model_len
 from compiled_llm.runtime.errors import EngineDeadError
 from compiled_llm.runtime.executor import Executor, make_executor
@@ -156,7 +157,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
+        spans = prompt_logprobs.spans(batch)  # rows the runner adds after the sampled ones
         logits = self._guarded(self.executor.execute, batch)
+        if spans:
+            n = sum(span[2] for span in spans)
+            prompt_logprobs.record(batch, spans, logits[logits.shape[0] - n:], self.output_processor.decode_token)
+            logits = logits[:logits.shape[0] - n]
         self.sync_steps += 1
         return outputs + self._update(batch, logits)
 

@@ -25,6 +25,7 @@ from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, alloca
 from compiled_llm.ops.upload import to_device_packed
 from compiled_llm.runtime.host_memory import MappedHost
 from compiled_llm.runtime.kv_plan import KVCachePlanner, mark_rot_keys
+from compiled_llm.runtime import prompt_logprobs
 from compiled_llm.runtime.memory import gib
 from compiled_llm.runtime.sampler import PendingTokens, fill_pending
 from compiled_llm.runtime.scheduler import ScheduledSeq
@@ -238,6 +239,9 @@ class ModelRunner(KVCachePlanner):
             for g in groups:
                 table = seq.block_tables[g]
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        for i, lo, n in prompt_logprobs.spans(batch):  # after the sampled rows (runtime/prompt_logprobs.py)
+            first = qsl[i] + lo - batch[i].seq.num_computed_tokens
+            logit_rows.extend(range(first, first + n))
         width = max(len(item.seq.block_tables[g]) for item in batch for g in groups)
         tables = {}
         for g in groups:  # through numpy: torch.tensor of the nested lists took 5 ms at 16 x 64K tokens a group

@@ -57,9 +57,9 @@ class OutputProcessor:
         if seq.first_token_time is None:
             seq.first_token_time = now
         if p.logprobs is not None:
-            entry = {token: Logprob(res.logprob, res.rank, self._decode_one(token))}
+            entry = {token: Logprob(res.logprob, res.rank, self.decode_token(token))}
             for rank, (tid, lp) in enumerate(res.top_logprobs, start=1):
-                entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
+                entry.setdefault(tid, Logprob(lp, rank, self.decode_token(tid)))
             seq.logprobs.append(entry)
             seq.cumulative_logprob += res.logprob
         n_out = seq.num_output_tokens
@@ -87,7 +87,7 @@ class OutputProcessor:
             return _finish(seq, "length", None)
         return False
 
-    def _decode_one(self, token: int) -> str | None:
+    def decode_token(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def output(self, req: Request) -> RequestOutput:
@@ -105,8 +105,10 @@ class OutputProcessor:
         if self.sparse:
             req.metrics.sparse_attended_tokens = sum(s.sparse_attended_tokens for s in req.seqs)
             req.metrics.sparse_cached_tokens = sum(s.sparse_cached_tokens for s in req.seqs)
+        lead = req.seqs[0]
+        prompt_lps = list(lead.prompt_logprobs) if lead.params.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics,
-                             num_cached_tokens=req.metrics.num_cached_tokens)
+                             num_cached_tokens=req.metrics.num_cached_tokens, prompt_logprobs=prompt_lps)
 
 
 def _finish(seq: Sequence, reason: str, stop_reason) -> bool:

@@ -51,6 +51,8 @@ class Sequence:
         self.sparse_attended_tokens = 0
         self.sparse_cached_tokens = 0
         self.logprobs: list[dict[int, Logprob]] = []
+        # params.prompt_logprobs: one entry per prompt token (None for the first), filled as its chunks run
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -103,6 +103,8 @@ class Update:
     num_cached_tokens: int
     seqs: list[SeqUpdate]
     finished: bool
+    # SamplingParams.prompt_logprobs: the prompt's entries, in the first update after the prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -116,6 +118,7 @@ class _Tracked:
     first_token: dict[int, float] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     counted_prompt: bool = False
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -306,7 +309,11 @@ class AsyncEngine:
                     m.observe_tpot((now - t.first_token[co.index]) / (num - 1))
             seqs.append(SeqUpdate(co.index, co.text, new_ids, new_lps, num, co.finish_reason, co.stop_reason))
         cached = ro.num_cached_tokens or (ro.metrics.num_cached_tokens if ro.metrics else 0)
-        return Update(ro.request_id, len(ro.prompt_token_ids), cached, seqs, ro.finished)
+        prompt_lps = None
+        if ro.prompt_logprobs is not None and not t.sent_prompt_logprobs and (
+                len(ro.prompt_logprobs) == len(ro.prompt_token_ids) or ro.finished):
+            t.sent_prompt_logprobs, prompt_lps = True, list(ro.prompt_logprobs)
+        return Update(ro.request_id, len(ro.prompt_token_ids), cached, seqs, ro.finished, prompt_lps)
 
     def _refresh_stats(self) -> None:
         try:

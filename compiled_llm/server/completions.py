@@ -9,7 +9,7 @@ from fastapi import Request
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
 from compiled_llm.server.inputs import check_context, completion_prompts, sampling_params, tokenize_prompts
-from compiled_llm.server.logprobs import completion_entries
+from compiled_llm.server.logprobs import completion_entries, vllm_prompt_logprobs
 from compiled_llm.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from compiled_llm.server.state import ServerState, new_id
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
@@ -20,12 +20,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     model = state.model_name(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not supported with stream (echo with logprobs is)",
+                       param="prompt_logprobs")
     constraint = response_format_output(req.response_format)
     prompts = completion_prompts(req.prompt)
+    echo_lps = req.logprobs if req.echo else None  # echo + logprobs: the prompt's tokens are scored too
+    wanted = [n for n in (echo_lps, req.prompt_logprobs) if n is not None]
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, vocab_size=state.vocab_size,
-                             structured_output=constraint)
+                             structured_output=constraint, prompt_logprobs=max(wanted) if wanted else None)
     # Text prompts are tokenized here, not on the engine thread, and checked against the context.
     ids = await tokenize_prompts(state, prompts)
     for p in ids:
@@ -39,7 +42,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return stream(gen, _chunks(state, gen, rid, created, model, params.logprobs, echoes, include_usage),
+        return stream(gen, _chunks(state, gen, rid, created, model, params.logprobs, echoes, include_usage,
+                                   echo_lps is not None),
                       on_error=state.error_observer(request.url.path))
 
     try:
@@ -48,35 +52,78 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         return client_gone_response()
     choices = []
     for c in gen.choices:
-        lps = None
+        p = c.index // params.n
+        lps = prompt_lps = None
         if params.logprobs is not None:
-            lps = CompletionLogprobs(**completion_entries(c.token_ids, c.logprobs, params.logprobs,
-                                                          state.token_text, 0))
-        choices.append(CompletionChoice(index=c.index, text=echoes[c.index // params.n] + c.text, logprobs=lps,
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            entries = _echo_entries(state, gen, p, params.logprobs) if echo_lps is not None else None
+            offset = len(echoes[p]) if entries is None else sum(len(t) for t in entries["tokens"])
+            gen_entries = completion_entries(c.token_ids, c.logprobs, params.logprobs, state.token_text, offset)
+            lps = CompletionLogprobs(**_joined(entries, gen_entries))
+        if req.prompt_logprobs is not None and gen.prompt_logprobs[p] is not None:
+            prompt_lps = vllm_prompt_logprobs(_top_n(gen.prompt_logprobs[p], req.prompt_logprobs))
+        choices.append(CompletionChoice(index=c.index, text=echoes[p] + c.text, logprobs=lps,
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                        prompt_logprobs=prompt_lps))
     return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
+
+
+def _echo_entries(state: ServerState, gen: Generation, p: int, top_n: int) -> dict | None:
+    """The completions logprobs of prompt p's own tokens (echo with logprobs); None before they are known."""
+    entries = gen.prompt_logprobs[p]
+    if entries is None:
+        return None
+    return completion_entries(gen.prompts[p], entries, top_n, state.token_text, 0)
+
+
+def _joined(first: dict | None, second: dict) -> dict:
+    return second if first is None else {k: first[k] + second[k] for k in second}
+
+
+def _top_n(entries: list, n: int) -> list:
+    """Each entry cut to its prompt token and the n best (the engine computed the larger of two requests' n)."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        items = list(e.items())
+        own = items[0]  # the prompt token comes first, then the top-N by rank
+        keep = dict(sorted(items[1:], key=lambda kv: kv[1].rank or 0)[:n])
+        keep.setdefault(own[0], own[1])
+        out.append(keep)
+    return out
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt)
 
 
-async def _chunks(state, gen: Generation, rid, created, model, top_n, echoes, include_usage):
+async def _chunks(state, gen: Generation, rid, created, model, top_n, echoes, include_usage, echo_scored: bool):
+    """echo_scored (echo with logprobs): each choice's echo waits for its prompt's logprobs, which come with the
+    first generated token."""
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if include_usage:
         base["usage"] = None
     offsets = [0] * len(gen.choices)
+    n = gen.params.n
 
     def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> str:
         return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish_reason, "stop_reason": stop_reason}]})
 
+    waiting = {c.index for c in gen.choices if echoes[c.index // n]} if echo_scored else set()
     for c in gen.choices:
-        if echoes[c.index // gen.params.n]:
-            yield chunk(c.index, echoes[c.index // gen.params.n])
+        if echoes[c.index // n] and not echo_scored:
+            yield chunk(c.index, echoes[c.index // n])
     async for deltas in gen.deltas():
         for d in deltas:
             i = d.choice.index
+            if i in waiting:
+                waiting.discard(i)
+                entries = _echo_entries(state, gen, i // n, top_n)
+                if entries is not None:
+                    offsets[i] = sum(len(t) for t in entries["tokens"])
+                yield chunk(i, echoes[i // n], entries)
             lps = None
             if top_n is not None:
                 lps = completion_entries(d.token_ids, d.logprobs, top_n, state.token_text, offsets[i])

@@ -50,6 +50,8 @@ class Generation:
         self.choices = [Choice(i) for i in range(len(prompts) * params.n)]
         self.prompt_tokens = [0] * len(prompts)
         self.cached_tokens = [0] * len(prompts)
+        # params.prompt_logprobs: each prompt's token ids and entries, once the engine has computed it
+        self.prompt_logprobs: list[tuple[list[int], list] | None] = [None] * len(prompts)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unfinished: set[str] = set()
         # A stop string can complete in a later step and cut text off; hold back enough to never
@@ -113,6 +115,8 @@ class Generation:
         p = self._prompt_index[upd.request_id]
         self.prompt_tokens[p] = upd.num_prompt_tokens
         self.cached_tokens[p] = upd.num_cached_tokens
+        if upd.prompt_logprobs is not None:
+            self.prompt_logprobs[p] = upd.prompt_logprobs
         out = []
         for s in upd.seqs:
             c = self.choices[p * self.params.n + s.index]

@@ -62,15 +62,27 @@ def responses_entries(token_ids, lps, top_n, text: TokenText) -> list[dict]:
 
 
 def completion_entries(token_ids, lps, top_n: int, text: TokenText, offset: int) -> dict:
-    """Completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}."""
+    """Completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}. An entry of None (the
+    first prompt token under echo: nothing comes before it) gives null logprobs."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, lps):
-        tok = text(tid, entry.get(tid))
+        tok = text(tid, entry.get(tid) if entry else None)
         out["tokens"].append(tok)
+        out["text_offset"].append(offset)
+        offset += len(tok)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
         out["token_logprobs"].append(_value(entry.get(tid)))
         top = {text(i, lp): _value(lp) for i, lp in _top(entry, top_n)}
         top.setdefault(tok, _value(entry.get(tid)))
         out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(tok)
     return out
+
+
+def vllm_prompt_logprobs(entries: list) -> list[dict | None]:
+    """The `prompt_logprobs` field (vLLM's shape): per prompt token None or {token id: {logprob, rank,
+    decoded_token}}."""
+    return [None if e is None else {str(t): {"logprob": _value(lp), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]

@@ -259,7 +259,8 @@ class CompletionRequest(SamplingFields):
     )
     max_tokens: Int | None = 16
     logprobs: Int | None = None
-    echo: Bool = False
+    echo: Bool = False  # with logprobs: the prompt's tokens and their logprobs come first (scoring a text)
+    prompt_logprobs: Int | None = None  # vLLM: each prompt token's logprob and top-N, in choices[].prompt_logprobs
     suffix: Str | None = None
     response_format: ResponseFormat | None = None  # structured output, as in chat (a vLLM extension here)
 
@@ -277,6 +278,7 @@ class CompletionChoice(APIModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(APIModel):
