@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from server_utils import FakeServers
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.runtime import scheduler
@@ -81,7 +82,7 @@ def test_async_scheduling_engine_gives_the_same_entries(model, tiny_ckpt):
 
 def test_completions_echo_with_logprobs(model):
     llm, _ = model
-    with TestClient(create_app(llm.engine)) as client:
+    with TestClient(create_app(llm.engine, tokenizer_info_endpoint=True)) as client:
         oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
         name = llm.engine.model_name
         want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
@@ -105,7 +106,10 @@ def test_completions_echo_with_logprobs(model):
                 streamed["token_logprobs"] += c.logprobs.token_logprobs
         assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text": out.choices[0].text}
 
-        # lm-evaluation-harness's local-completions log-likelihood request, parsed as it parses it
+        # lm-evaluation-harness's remote-tokenizer probe, then its log-likelihood request, parsed as it parses it
+        info = client.get("/tokenizer_info").json()
+        assert info["eos_token"] == llm.engine.tokenizer.eos_token and info["chat_template"]
+        assert client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"]
         ctx, cont = ids[:10], ids[10:14]
         body = client.post("/v1/completions", json={"model": name, "prompt": [ctx + cont, ids[:6]], "temperature": 0,
                                                      "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True})
@@ -125,3 +129,12 @@ def test_completions_echo_with_logprobs(model):
         with pytest.raises(openai.BadRequestError) as err:
             oai.completions.create(model=name, prompt=PROMPT, stream=True, extra_body={"prompt_logprobs": 1})
         assert err.value.body["param"] == "prompt_logprobs"
+
+
+def test_tokenizer_info_is_opt_in():
+    servers = FakeServers()
+    try:
+        _, oai = servers.make()
+        assert oai._client.get("http://testserver/tokenizer_info").status_code == 404
+    finally:
+        servers.close()

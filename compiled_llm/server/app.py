@@ -107,10 +107,11 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
                chat_template: str | None = None, media_policy=None,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                tool_call_parser: str | None = None, engine_thread=None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, tokenizer_info_endpoint: bool = False) -> FastAPI:
     """App serving ``engine`` (an LLMEngine); the engine thread runs while the app's lifespan does.
     tool_call_parser: the tool-call format (server/tool_parsers/); default: the checkpoint's model type's.
     reasoning_parser: qwen3 or gemma4 (server/reasoning.py): the output's reasoning split from its content.
+    tokenizer_info_endpoint: serve GET /tokenizer_info (vLLM's; it shows the chat template, so it is opt-in).
     engine_thread: the async_engine.EngineThread that built the engine (its steps run there too)."""
     names = list(served_model_names or [engine.model_name])
     aengine = AsyncEngine(engine, Metrics(names[0]), engine_thread)
@@ -190,6 +191,20 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
         if req.return_token_strs:
             strs = await state.preprocess.run(lambda inputs: list(inputs.tokenizer.convert_ids_to_tokens(ids)))
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+    if tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            """What a client needs to tokenize as the server does (lm-evaluation-harness's remote tokenizer reads
+            it, then calls /tokenize and /detokenize)."""
+            tok = state.tokenizer
+            info = {"tokenizer_class": type(tok).__name__, "vocab_size": state.vocab_size,
+                    "model_max_length": state.max_model_len,
+                    "chat_template": state.chat_template or getattr(tok, "chat_template", None)}
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                value = getattr(tok, name, None)
+                info[name] = None if value is None else str(value)
+            return JSONResponse(info)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(req: DetokenizeRequest):

@@ -40,6 +40,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="split a thinking model's output into `reasoning` and `content`: qwen3 (<think>...</think>, "
                         "Qwen3 and Qwen3.5) or gemma4 (<|channel>thought...<channel|>) (default: off, the reasoning "
                         "stays in the content)")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's special tokens, class and chat template), which "
+                        "lm-evaluation-harness's remote tokenizer reads (default: off, as in vLLM)")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted "
                         "(default: 30)")
@@ -92,7 +95,8 @@ def run_server(args: argparse.Namespace) -> int:
     app = create_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                      chat_template=chat_template, media_policy=media_policy_from_args(args),
                      max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser,
-                     engine_thread=engine_thread, reasoning_parser=args.reasoning_parser)
+                     engine_thread=engine_thread, reasoning_parser=args.reasoning_parser,
+                     tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,
