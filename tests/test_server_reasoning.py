@@ -176,6 +176,16 @@ def test_responses_api_reasoning_item(served):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output[0].type == "reasoning"
 
+    # nothing is stored: a client replays the output items as input, and the reasoning reaches the template
+    engine.scripts = ["Checked.\n</think>\n\nYes."]
+    history = [{"role": "user", "content": "What is 2 + 2?"}, *[i.model_dump(exclude_none=True) for i in resp.output],
+               {"role": "user", "content": "Sure?"}]
+    again = oai.responses.create(model="fake-model", input=history)
+    assert again.output_text == "Yes."
+    assert f"<|im_start|>assistant\n<think>\n{THOUGHT}\n</think>\n\nIt is 4.<|im_end|>" in engine.prompts[-1]
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model="fake-model", input=[i.model_dump(exclude_none=True) for i in resp.output[:1]])
+
 
 def test_bad_template_kwargs_and_structured_output_after_reasoning(served):
     engine, oai = served()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, Strict
 
 from compiled_llm.server.unicode import valid_unicode
 
@@ -294,6 +294,8 @@ class CompletionResponse(APIModel):
 class InputText(RequestModel):
     type: Literal["input_text", "output_text", "text"]
     text: Str
+    annotations: list[Any] | None = None  # accepted, ignored: an output_text part of an earlier response
+    logprobs: list[Any] | None = None  # accepted, ignored: the same
 
 
 class InputImage(RequestModel):
@@ -314,6 +316,29 @@ class InputMessage(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: Str | list[InputPart]
+    id: Str | None = None  # accepted, ignored: an earlier response's output message fed back
+    status: Str | None = None  # accepted, ignored: the same
+    _reasoning: str | None = PrivateAttr(None)  # the reasoning item before it (responses.py)
+
+    @property
+    def reasoning(self) -> str | None:
+        return self._reasoning
+
+
+class ReasoningTextIn(RequestModel):
+    type: Literal["reasoning_text"]
+    text: Str
+
+
+class ReasoningInput(RequestModel):
+    """An earlier response's reasoning item fed back: its text goes to the assistant message after it."""
+
+    type: Literal["reasoning"]
+    id: Str | None = None
+    summary: list[Any] = []
+    content: list[ReasoningTextIn] | None = None
+    encrypted_content: Str | None = None
+    status: Str | None = None
 
 
 class ResponseTextFormat(RequestModel):
@@ -330,7 +355,7 @@ class ResponseTextConfig(RequestModel):
 
 class ResponsesRequest(RequestModel):
     model: Str | None = None
-    input: Str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: Str | Annotated[list[InputMessage | ReasoningInput], Field(min_length=1)]
     instructions: Str | None = None
     max_output_tokens: Int | None = None
     temperature: Float | None = None

@@ -17,6 +17,7 @@ from compiled_llm.server.protocol import (
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    ReasoningInput,
     ReasoningItem,
     ReasoningText,
     ResponseObject,
@@ -43,7 +44,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, request: Re
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id is not supported: responses are not stored",
                        param="previous_response_id")
-    items = [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    items = [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else _messages(req.input)
     want_lps = req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or [])
     params = sampling_params(req, max_tokens=req.max_output_tokens, vocab_size=state.vocab_size,
                              logprobs=(req.top_logprobs or 0) if want_lps else None, structured_output=constraint,
@@ -65,6 +66,23 @@ async def create_response(state: ServerState, req: ResponsesRequest, request: Re
     except ClientGone:
         return client_gone_response()
     return builder.response(gen, done=True)
+
+
+def _messages(items: list) -> list[InputMessage]:
+    """Input items -> messages: a reasoning item (an earlier response's, fed back) becomes the reasoning of the
+    assistant message after it, which the chat template may render (Qwen's reads reasoning_content)."""
+    out, thought = [], None
+    for item in items:
+        if isinstance(item, ReasoningInput):
+            thought = "".join(p.text for p in item.content or [])
+            continue
+        if item.role == "assistant" and thought:
+            item._reasoning = thought
+        thought = None
+        out.append(item)
+    if not out:
+        raise APIError(400, "input has no message", param="input")
+    return out
 
 
 class _Builder:
