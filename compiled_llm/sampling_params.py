@@ -37,6 +37,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N; 0 = only the sampled token's logprob
+    # added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, 100 forces)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     # the prompt's tokens too: each one's logprob given the ones before it, plus the top-N (0: only its own);
     # RequestOutput.prompt_logprobs (runtime/prompt_logprobs.py)
     prompt_logprobs: int | None = None
@@ -130,6 +133,22 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain only integers >= 0, got {t!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                self._check_float("logit_bias", b, lo=-100.0, hi=100.0)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            self.allowed_token_ids = list(ids)
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id these params name (stop, bias, allowed), for the engine's vocabulary check."""
+        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ())]
 
     @staticmethod
     def _check_float(name, value, lo=None, hi=None, lo_open=False, rng=None) -> None:

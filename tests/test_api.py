@@ -102,6 +102,8 @@ def test_max_model_len_caps_generation(llm):
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(min_p=2.0), "min_p"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(logprobs=-1), "logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(logit_bias={5: 101.0}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
 ])
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -116,6 +118,9 @@ def test_bad_prompts_leave_the_engine_serving(llm):
     for bad in ["", [], list(range(200)), [10 ** 9]]:
         with pytest.raises(ValueError):
             eng.add_request("bad", bad, good)
+    for named in (dict(logit_bias={10 ** 6: 1.0}), dict(allowed_token_ids=[3, 10 ** 6])):
+        with pytest.raises(ValueError, match="out of the vocabulary"):
+            eng.add_request("bad", "fine prompt", SamplingParams(**named))
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request("other", "x", good)
     with pytest.raises(ValueError, match="max_model_len"):

@@ -308,3 +308,18 @@ def test_empty_batch_and_row_mismatch():
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 5), [row()])
 
+
+
+def test_logit_bias_and_allowed_token_ids():
+    torch.manual_seed(4)
+    logits = torch.randn(5, 50)
+    best, second = logits[1].topk(2).indices.tolist()
+    allowed = [3, 9]
+    rows = [row(temperature=0.0, logit_bias={7: 100.0}), row(temperature=0.0, logit_bias={best: -100.0}),
+            row(temperature=0.0, allowed_token_ids=allowed), row(temperature=0.0),
+            row(temperature=1.0, allowed_token_ids=allowed, generator=gen(0))]
+    res = [r.token_id for r in Sampler()(logits, rows)]
+    assert res[:4] == [7, second, max(allowed, key=lambda t: logits[2, t]), logits[3].argmax().item()]
+    draws = {Sampler()(logits[4:], [row(temperature=1.0, allowed_token_ids=allowed, generator=gen(s))])[0].token_id
+             for s in range(40)}
+    assert draws == set(allowed) and res[4] in allowed

@@ -31,7 +31,7 @@ def oai(client):
 
 
 UNKNOWN = [
-    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": HI, "prediction": {"type": "content", "content": "x"}}, "prediction"),
     ("/v1/chat/completions", {"messages": HI, "frobnicate": True}, "frobnicate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages.0.colour"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
@@ -103,3 +103,16 @@ def test_structured_output_is_refused_without_the_grammar_library(oai, monkeypat
         oai.responses.create(model="fake-model", input="hi", max_output_tokens=2,
                              text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}})
     assert err.value.body["param"] == "text" and "structured output" in err.value.message
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_engine(fake, client, oai):
+    oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, logit_bias={"70": 5, "71": -100},
+                                extra_body={"allowed_token_ids": [70, 72]})
+    assert (fake.params[-1].logit_bias, fake.params[-1].allowed_token_ids) == ({70: 5.0, 71: -100.0}, [70, 72])
+    oai.completions.create(model="fake-model", prompt="hi", max_tokens=2, logit_bias={"70": 1.5})
+    assert fake.params[-1].logit_bias == {70: 1.5}
+    for body, param in (({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"99999": 1}}, "logit_bias"),
+                        ({"logit_bias": {"70": 101}}, "logit_bias"), ({"allowed_token_ids": [99999]},
+                                                                       "allowed_token_ids")):
+        r = client.post("/v1/chat/completions", json={"messages": HI, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.json())

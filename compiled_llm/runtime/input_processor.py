@@ -143,6 +143,10 @@ class InputProcessor:
             raise ValueError("the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        named = [t for t in params.token_ids_named() if t >= self.vocab_size]
+        if named:
+            raise ValueError(f"token id {named[0]} (stop_token_ids, logit_bias or allowed_token_ids) is out of the "
+                             f"vocabulary [0, {self.vocab_size})")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {limit}, which must leave room "

@@ -5,7 +5,8 @@ Order of operations for each step (all rows processed together with tensor ops):
 1. raw logits -> log_softmax (only when some row asked for logprobs; these are the returned logprobs)
 2. repetition penalty (HF/vLLM: tokens in prompt + output; positive logits divided, negative multiplied)
 3. frequency / presence penalties (OpenAI: output tokens only; logit -= f * count + p * (count > 0))
-4. min_tokens: the row's stop_token_ids are set to -inf while len(output) < min_tokens
+4. logit_bias added; outside allowed_token_ids -inf
+   min_tokens: the row's stop_token_ids are set to -inf while len(output) < min_tokens
    structured output: the tokens a row's grammar does not allow now are set to -inf (one packed bitmask for the
    batch, applied on the logits' device: runtime/structured_output.py)
 5. greedy rows: argmax of the penalised logits
@@ -52,10 +53,11 @@ def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
 
 
 def _edits_logits(r: SamplingRow) -> bool:
-    """Whether steps 2-4 may change this row's logits (penalties, min_tokens, a grammar)."""
+    """Whether steps 2-4 may change this row's logits (penalties, bias, allowed ids, min_tokens, a grammar)."""
     p = r.params
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            or len(r.output_token_ids) < p.min_tokens or r.grammar is not None)
+            or p.logit_bias or p.allowed_token_ids or len(r.output_token_ids) < p.min_tokens
+            or r.grammar is not None)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -92,6 +94,33 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         freq_t = torch.tensor(freq, dtype=logits.dtype, device=dev).unsqueeze(1)
         pres_t = torch.tensor(pres, dtype=logits.dtype, device=dev).unsqueeze(1)
         logits = logits - freq_t * counts - pres_t * out_mask.to(logits.dtype)
+    return logits
+
+
+def apply_bias_and_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logit_bias added and every token outside allowed_token_ids set to -inf, in place, for the rows that have
+    them (one indexed update each for the whole batch)."""
+    bias_rows, bias_ids, bias_vals, allow_rows, allow_ids = [], [], [], [], []
+    for i, r in enumerate(rows):
+        for t, b in (r.params.logit_bias or {}).items():
+            bias_rows.append(i)
+            bias_ids.append(t)
+            bias_vals.append(float(b))
+        if r.params.allowed_token_ids:
+            allow_rows += [i] * len(r.params.allowed_token_ids)
+            allow_ids += r.params.allowed_token_ids
+    dev = logits.device
+    if bias_rows:
+        logits.index_put_((to_device(bias_rows, torch.long, dev), to_device(bias_ids, torch.long, dev)),
+                          to_device(bias_vals, torch.float32, dev).to(logits.dtype), accumulate=True)
+    if allow_rows:
+        rows_t = sorted(set(allow_rows))
+        blocked = torch.ones(len(rows_t), logits.shape[1], dtype=torch.bool, device=dev)
+        where = {row: k for k, row in enumerate(rows_t)}
+        at = to_device([where[i] for i in allow_rows], torch.long, dev)
+        blocked[at, to_device(allow_ids, torch.long, dev)] = False
+        idx = to_device(rows_t, torch.long, dev)
+        logits[idx] = logits[idx].masked_fill(blocked, float("-inf"))
     return logits
 
 
@@ -229,6 +258,7 @@ class Sampler:
         if any(_edits_logits(r) for r in rows):
             logits = logits.clone()
         logits = apply_penalties(logits, rows)
+        logits = apply_bias_and_allowed(logits, rows)
         logits = apply_min_tokens(logits, rows)
         if any(r.grammar is not None for r in rows):
             from compiled_llm.runtime.structured_output import apply_grammar_masks

@@ -13,7 +13,7 @@ from compiled_llm.server.tools import message_tool_fields
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty")
 _PASSTHROUGH = ("n", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-                "skip_special_tokens", "spaces_between_special_tokens")
+                "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids")
 
 
 def sampling_params(req, *, max_tokens: int | None, logprobs: int | None, vocab_size: int,
@@ -22,13 +22,28 @@ def sampling_params(req, *, max_tokens: int | None, logprobs: int | None, vocab_
     kw = {name: getattr(req, name) for name in _PASSTHROUGH if hasattr(req, name)}
     kw.update({name: getattr(req, name) for name in _OPTIONAL if getattr(req, name, None) is not None})
     kw.update(max_tokens=max_tokens, logprobs=logprobs, **overrides)
-    if kw.get("stop_token_ids"):
-        check_token_ids(kw["stop_token_ids"], vocab_size, "stop_token_ids")
+    if getattr(req, "logit_bias", None):
+        kw["logit_bias"] = _logit_bias(req.logit_bias, vocab_size)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if kw.get(name):
+            check_token_ids(kw[name], vocab_size, name)
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as exc:
         first = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=first if first in kw else None) from exc
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) -> {token id: bias}; a key that is not a token id of the
+    vocabulary is a 400."""
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    check_token_ids(list(out), vocab_size, "logit_bias")
+    return out
 
 
 def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str,

@@ -64,6 +64,8 @@ class SamplingFields(RequestModel):
     repetition_penalty: Float | None = None
     stop: Str | list[Str] | None = None
     stop_token_ids: list[Int] | None = None
+    logit_bias: dict[Str, Float] | None = None  # token id (as text, OpenAI's shape) -> bias in [-100, 100]
+    allowed_token_ids: list[Int] | None = None  # vLLM: only these may be sampled
     ignore_eos: Bool = False
     min_tokens: Int = 0
     include_stop_str_in_output: Bool = False
