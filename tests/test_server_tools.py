@@ -140,7 +140,46 @@ def test_streamed_tool_calls_add_up_to_the_answer(served):
     assert len(one.choices[0].message.tool_calls) == 1
 
 
-def test_tool_choice(served):
+def test_forced_calls_under_a_grammar(served):
+    """tool_choice "required" or a named function, with xgrammar: the answer is JSON under the schema's grammar
+    (the named function's arguments, or a list of {name, parameters}), streamed or not."""
+    engine, oai = served()
+    engine.scripts = ['{"city": "Rome"}', '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", '
+                      '"parameters": {"city": "Oslo"}}]', '{"city": "Rome"}', '{"city": "Ro']
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = oai.chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER, TIME], tool_choice=named)
+    assert engine.prompts[0].endswith("<|im_start|>assistant\n")  # nothing appended: the grammar forces the call
+    assert engine.params[0].structured_output == {"json": WEATHER["function"]["parameters"]}
+    (call,) = out.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+    assert out.choices[0].message.content is None and out.choices[0].finish_reason == "tool_calls"
+
+    req = oai.chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
+    schema = engine.params[1].structured_output["json"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [b["properties"]["name"]["const"] for b in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in req.choices[0].message.tool_calls] == [
+        ("get_time", {}), ("get_weather", {"city": "Oslo"})]
+
+    calls = []
+    for chunk in oai.chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER], tool_choice=named,
+                                             stream=True):
+        calls += chunk.choices[0].delta.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
+    # cut by max_tokens before the JSON closed: given back as content, never dropped
+    cut = oai.chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER], tool_choice=named,
+                                      max_tokens=8)
+    assert cut.choices[0].message.content == '{"city":' and cut.choices[0].finish_reason == "length"
+    oai.chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                parallel_tool_calls=False)
+    assert engine.params[-1].structured_output["json"]["maxItems"] == 1
+
+
+def test_tool_choice_without_the_grammar_library(served, monkeypatch):
+    """Without xgrammar a forced call is the format's opening appended to the prompt."""
+    from compiled_llm.server import tools
+
+    monkeypatch.setattr(tools, "grammar_library_installed", lambda: False)
     engine, oai = served()
     engine.scripts = ["<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>", "plain answer",
                       "get_time>\n</function>\n</tool_call>"]
@@ -210,14 +249,22 @@ def test_real_checkpoint_renders_tools_and_the_forced_call():
         ids = eng.tokenize(rendered, add_special_tokens=False)
         tok = client.post("/tokenize", json={"messages": ASK, "tools": [WEATHER]}).json()
         assert tok["tokens"] == ids
-        out = oai.chat.completions.create(model=eng.model_name, messages=ASK, tools=[WEATHER], max_tokens=8,
+        # a forced call on the real engine: the random model's answer is held to the arguments' grammar (a schema
+        # of enums, so it ends within a few tokens), and comes back as a call whose arguments follow it
+        unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+            "type": "object", "properties": {"unit": {"enum": ["celsius", "kelvin"]}, "fast": {"type": "boolean"}},
+            "required": ["unit", "fast"], "additionalProperties": False}}}
+        out = oai.chat.completions.create(model=eng.model_name, messages=ASK, tools=[WEATHER, unit], max_tokens=40,
                                           temperature=0,
-                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
-        forced = eng.tokenize(rendered + "<|tool_call>call:get_weather{", add_special_tokens=False)
-        assert out.usage.prompt_tokens == len(forced)
-        # a random model does not finish the call in 8 tokens: the text comes back as content, not a call
-        assert out.choices[0].finish_reason == "length" and out.choices[0].message.tool_calls is None
-        assert out.choices[0].message.content.startswith("<|tool_call>call:get_weather{")
+                                          tool_choice={"type": "function", "function": {"name": "set_unit"}})
+        assert out.usage.prompt_tokens == len(eng.tokenize(
+            eng.input_processor.apply_chat_template(ASK, chat_template=GEMMA4, tools=[WEATHER, unit]),
+            add_special_tokens=False))
+        (call,) = out.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "set_unit" and args["unit"] in ("celsius", "kelvin")
+        assert set(args) == {"unit", "fast"}
+        assert out.choices[0].finish_reason == "tool_calls"
     # chat_template_kwargs reach the real tokenizer's template (LLM.chat as in vLLM); its own arguments are refused
     off = llm.chat(ASK, SamplingParams(max_tokens=1), chat_template=QWEN_THINKING,
                    chat_template_kwargs={"enable_thinking": False})

@@ -50,9 +50,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                             "supported: the grammar would forbid the tool calls", param="response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     overrides = {**(tools.sampling_overrides(req.stop) if tools else {}), **reasoning_overrides(state)}
+    forced = tools.constraint() if tools else None  # a forced call's grammar (server/tools.py)
     params = sampling_params(req, max_tokens=max_tokens, vocab_size=state.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             structured_output=constraint, **overrides)
+                             structured_output=constraint or forced, **overrides)
     prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a ProcessedPrompt
                                       tools=tools.tools if tools else None, prefix=tools.prefix if tools else "",
                                       template_kwargs=req.chat_template_kwargs)
@@ -60,9 +61,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_context(len(prompt_ids), max_tokens, state.max_model_len,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     reasoning = reasoning_setup(state, prompt_ids, req.include_reasoning)
-    params = grammar_after_reasoning(reasoning, params, "response_format")
+    params = grammar_after_reasoning(reasoning, params, "tools" if forced and not constraint else "response_format")
     rid = new_id("chatcmpl-")
-    gen = Generation(state.aengine, rid, [prompt], params, RESPONSE_FORMAT_PARAM)
+    gen = Generation(state.aengine, rid, [prompt], params,
+                     ("tools", "tools.function.parameters") if forced else RESPONSE_FORMAT_PARAM)
     await gen.start()
     created = int(time.time())
     top_n = params.logprobs

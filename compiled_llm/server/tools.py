@@ -3,17 +3,22 @@ tool_choice turn into (the template's `tools`, a forced call prefix, extra sampl
 assistant/tool messages fed back through the template.
 
 tool_choice: "none" renders no tools and parses nothing; "auto" (the default with tools) renders them and parses
-what the model writes; "required" and a named function also append the format's opening of a call after the
-generation prompt (there is no grammar backend to force the rest, so a model can still write a malformed
-call: it then comes back as content)."""
+what the model writes in its own call format. "required" and a named function force a call: with xgrammar (a
+declared dependency) the answer is JSON under a grammar, as vLLM does it: the named function's arguments
+(its parameters schema), or for "required" a list of {"name", "parameters"} objects, one of the given tools each
+(`JsonCallStream`); so the call always parses and its arguments follow the schema. Without xgrammar the format's
+opening of a call is appended after the generation prompt instead and nothing forces the rest (a call that does
+not parse then comes back as content)."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from compiled_llm.server.errors import APIError
+from compiled_llm.server.structured_output import grammar_library_installed
 from compiled_llm.server.tool_parsers import CallEvent, ContentEvent, ToolCallStream, ToolParser, parser_for
 from compiled_llm.server.unicode import find_invalid_unicode
 
@@ -39,12 +44,29 @@ class ToolSetup:
     tools: list[dict]  # the template's `tools`
     prefix: str  # forced opening of a call ("" for auto)
     parallel: bool
+    forced: str | None = None  # a call forced under a grammar: the named function, or "" for "required"
 
-    def stream(self) -> ToolCallStream:
+    def stream(self) -> ToolCallStream | JsonCallStream:
+        if self.forced is not None:
+            return JsonCallStream(self.forced, self.parallel)
         return ToolCallStream(self.parser, self.tools, self.prefix)
+
+    def constraint(self) -> dict | None:
+        """SamplingParams.structured_output of a forced call (None when the model's own format is parsed)."""
+        if self.forced is None:
+            return None
+        if self.forced:
+            return {"json": _parameters(self.tools, self.forced)}
+        one_of = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                    "parameters": _parameters(self.tools, t["function"]["name"])},
+                   "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+        return {"json": {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                         "items": {"anyOf": one_of}}}
 
     def sampling_overrides(self, stop: list[str] | str | None) -> dict:
         over = {}
+        if self.forced is not None:
+            return over
         if self.parser.keep_special_tokens:
             over["skip_special_tokens"] = False
         if self.parser.stop:
@@ -81,8 +103,49 @@ def tool_setup(state, req) -> ToolSetup | None:
     if named is not None and named not in names:
         raise APIError(400, f"tool_choice names `{named}`, which is not among the tools ({', '.join(names)})",
                        param="tool_choice")
-    prefix = parser.forced_prefix(named) if (choice == "required" or named) else ""
-    return ToolSetup(parser, template_tools(req.tools), prefix, req.parallel_tool_calls is not False)
+    forcing = choice == "required" or named is not None
+    parallel = req.parallel_tool_calls is not False
+    if forcing and grammar_library_installed():
+        return ToolSetup(parser, template_tools(req.tools), "", parallel, forced=named or "")
+    return ToolSetup(parser, template_tools(req.tools), parser.forced_prefix(named) if forcing else "", parallel)
+
+
+def _parameters(tools: list[dict], name: str) -> dict:
+    for t in tools:
+        if t["function"]["name"] == name:
+            return t["function"].get("parameters") or {"type": "object"}
+    return {"type": "object"}
+
+
+class JsonCallStream:
+    """A forced call's output (JSON under a grammar, ToolSetup.constraint) -> call events, once it is complete:
+    `forced` names the function whose arguments the JSON is, or is "" for a list of {"name", "parameters"}.
+    Output that does not parse (max_tokens cut it) comes back as content."""
+
+    def __init__(self, forced: str, parallel: bool):
+        self.forced, self.parallel = forced, parallel
+        self.buf = ""
+        self.calls: list[CallEvent] = []
+
+    def feed(self, text: str) -> list:
+        self.buf += text
+        return []
+
+    def finish(self) -> list:
+        try:
+            value = json.loads(self.buf)
+        except ValueError:
+            return [ContentEvent(self.buf)] if self.buf.strip() else []
+        if self.forced:
+            pairs = [(self.forced, value)]
+        elif isinstance(value, list) and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
+            pairs = [(c["name"], c.get("parameters", {})) for c in value]
+        else:
+            return [ContentEvent(self.buf)]
+        for name, args in pairs[:None if self.parallel else 1]:
+            self.calls.append(CallEvent(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", name,
+                                        json.dumps(args, ensure_ascii=False)))
+        return list(self.calls)
 
 
 def message_tool_fields(message, earlier_calls: dict[str, str]) -> dict:
