@@ -55,6 +55,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_state_snapshots: int | None = None  # hybrid models: state snapshots kept for prefix hits; None: max_num_seqs
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority (each request's priority, lower first; vLLM's)
     # K=V layers whose rope rotates part of each half (Gemma 4's global layers) also keep those dims' rotated keys
     # in the cache: the decode kernel reads them instead of rebuilding (H200: the layer's decode -28%), at +25% of
     # those layers' KV (AttentionSpec.rot_keys; COMPILED_LLM_KV_ROT_KEYS=0 also turns it off)
@@ -109,6 +110,8 @@ class EngineConfig:
             self.max_num_batched_tokens = default_batched_tokens(self.device)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], not {self.gpu_memory_utilization}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
         if self.tp_allreduce not in ("nccl", "symm-mem"):
             raise ValueError(f"tp_allreduce must be nccl or symm-mem, not {self.tp_allreduce!r}")
         if self.tp_allreduce == "symm-mem" and not (self.device.startswith("cuda") and self.tensor_parallel_size > 1
@@ -149,6 +152,9 @@ _HELP = {
                               "taken from the KV-cache budget; default max-num-seqs; 0 turns prefix caching off "
                               "for such models)",
     "enable_chunked_prefill": "split long prompts across steps",
+    "scheduling_policy": "fcfs (arrival order; the latest admitted is preempted first) or priority (each request's "
+                         "priority, lower first, then arrival: admission, the step's token budget and preemption, "
+                         "which takes the lowest-priority running request first; as vLLM's)",
     "load_format": "auto (safetensors) or dummy (random weights of the right shapes)",
     "enforce_eager": "run the model in eager mode: no torch.compile, no CUDA Graphs",
     "async_scheduling": "prepare and launch each step while the previous one still runs on the device; its "

@@ -161,6 +161,7 @@ class FakeEngine:
 
     def __init__(self, max_model_len: int = 256, step_delay: float = 0.002):
         self.scripts: list[str] = []
+        self.priorities: list[int] = []  # each request's scheduling priority
         self.prompts: list[str] = []
         self.params: list = []
         self.config = EngineConfig(max_model_len=max_model_len)
@@ -179,8 +180,9 @@ class FakeEngine:
     def _touch(self):
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt, params, arrival_time=None):
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
         self._touch()
+        self.priorities.append(priority)
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -272,3 +272,17 @@ def test_a_cpu_engine_stepped_off_its_builder_thread_warns_once(tiny_ckpt, caplo
             assert len(warned()) == 1
     finally:
         torch.set_num_threads(1)
+
+
+def test_priority_scheduling(tiny_ckpt, llm):
+    """--scheduling-policy priority: with one sequence at a time, requests run lowest priority value first
+    (arrival breaks ties); under fcfs a priority other than 0 is refused."""
+    folder, _ = tiny_ckpt("dense")
+    prio = LLM(str(folder), enforce_eager=True, block_size=4, max_model_len=96, max_num_seqs=1,
+               scheduling_policy="priority")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = prio.generate(["a b c", "d e f", "g h i", "j k l"], params, priority=[5, 0, -1, 0])
+    started = [o.metrics.first_token_time for o in outs]
+    assert sorted(range(4), key=started.__getitem__) == [2, 1, 3, 0]
+    with pytest.raises(ValueError, match="scheduling policy"):
+        llm.generate("x", params, priority=[1])

@@ -117,3 +117,36 @@ def test_prefix_hits_survive_many_concurrent_sessions(tiny_ckpt):
     assert [o.outputs[0].token_ids for o in turn2] == [o.outputs[0].token_ids for o in ref]
     for s, o in zip(sessions, turn2):
         assert o.num_cached_tokens >= (len(s) // 4 - 1) * 4, (len(s), o.num_cached_tokens)
+
+
+def _ranked(rid, n, priority, arrival):
+    s = Sequence(rid, 0, list(range(1, n + 1)), SamplingParams(), 8, arrival)
+    s.priority = priority
+    return s
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    """scheduling_policy "priority": waiting sequences in (priority, arrival) order, and out of blocks the
+    lowest-priority running sequence is preempted (fcfs: the latest admitted), back to wait at its place."""
+    from compiled_llm.runtime.scheduler import Scheduler
+
+    def step(sched):
+        batch = sched.schedule()
+        for s in sched.advance(batch):
+            s.token_ids.append(9)  # the sampled token
+        return [item.seq.request_id for item in batch]
+
+    def run(policy):
+        sched = Scheduler(BlockManager({None: 5}, block_size=4, enable_prefix_caching=False), max_num_seqs=4,
+                          max_num_batched_tokens=64, policy=policy)
+        sched.add(_ranked("low", 8, 5, 0.0))
+        steps = [step(sched)]  # low alone: 2 of 5 blocks
+        sched.add(_ranked("high", 8, -1, 1.0))
+        steps.append(step(sched))  # low's decode takes a 3rd block, high's prompt the last 2
+        sched.add(_ranked("mid", 4, 0, 2.0))
+        sched.add(_ranked("low2", 4, 5, 1.5))
+        steps.append(step(sched))  # high's next token needs a block there is not
+        return steps, [s.request_id for s in sched.waiting], sched.num_preemptions
+
+    assert run("fcfs") == ([["low"], ["low", "high"], ["low"]], ["high", "mid", "low2"], 1)
+    assert run("priority") == ([["low"], ["low", "high"], ["high"]], ["mid", "low", "low2"], 1)

@@ -116,3 +116,15 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(fake, client, oai):
                                                                        "allowed_token_ids")):
         r = client.post("/v1/chat/completions", json={"messages": HI, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.json())
+
+
+def test_priority_reaches_a_priority_engine(fake, client, oai):
+    r = client.post("/v1/chat/completions", json={"messages": HI, "priority": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"  # the server schedules fcfs
+    fake.config.scheduling_policy = "priority"
+    try:
+        oai.completions.create(model="fake-model", prompt="hi", max_tokens=2, extra_body={"priority": -2})
+        oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, extra_body={"priority": 7})
+    finally:
+        fake.config.scheduling_policy = "fcfs"
+    assert fake.priorities[-2:] == [-2, 7]

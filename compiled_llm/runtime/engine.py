@@ -56,7 +56,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.block_manager = build_kv_cache(config, self.executor)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, policy=config.scheduling_policy)
         self.sampler = Sampler()
         self.input_processor = InputProcessor(config, self.tokenizer, self.executor.model, mcfg.vocab_size,
                                               self.executor.device)
@@ -76,8 +76,11 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """priority (scheduling_policy "priority"; vLLM's): lower is scheduled first; under "fcfs" it must be 0."""
         params = params or SamplingParams()
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError("priority needs the priority scheduling policy (--scheduling-policy priority)")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         # StructuredOutputError (a ValueError): xgrammar missing, or a schema it cannot compile
@@ -86,6 +89,8 @@ class LLMEngine:
         if grammar is not None:
             for seq in req.seqs:
                 seq.grammar = self.grammars.new_state(grammar, params.structured_output.get("after_token_id"))
+        for seq in req.seqs:
+            seq.priority = priority
         if req.has_media:  # parallel engines: every rank gets the media once
             self._guarded(self.executor.register_media, request_id, req.mm)
         self.requests[request_id] = req

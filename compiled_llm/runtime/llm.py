@@ -50,14 +50,17 @@ class LLM:
         raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
-                 = None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 = None, use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. priority (scheduling_policy "priority"): one per prompt, lower first."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        return self._run([self._prompt(p) for p in prompts], params, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("give one priority per prompt")
+        return self._run([self._prompt(p) for p in prompts], params, use_tqdm, priority)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -71,12 +74,13 @@ class LLM:
             prompts.append(self.engine.tokenize(text, add_special_tokens=False))
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
+             priority: list[int] | None = None) -> list[RequestOutput]:
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for k, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=priority[k] if priority else 0)
                 ids.append(rid)
         except ValueError:
             for rid in ids:  # leave the engine as it was

@@ -1,6 +1,8 @@
 """Continuous batching: each step takes running sequences first (decodes and unfinished prefill
 chunks), then admits waiting ones, all under one token budget. When blocks run out the most
-recently admitted sequence is preempted and later recomputed (its cached blocks may still hit).
+recently admitted sequence is preempted and later recomputed (its cached blocks may still hit). Under the
+"priority" policy every one of those orders is (priority, arrival) instead, and the lowest-priority running
+sequence is the one preempted.
 
 Hybrid models with prefix caching: a prefill chunk that would cross one of the prompt's snapshot points
 (BlockManager.snapshot_cuts: the end of its last full block before the last token; where its cached KV
@@ -40,8 +42,12 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+        """policy: "fcfs" (arrival order; a preempted sequence goes back to the front; the latest admitted is the
+        first preempted) or "priority" (Sequence.priority, lower first, then arrival: the waiting queue, the order
+        running sequences take the step's budget, and preemption, which takes the lowest-priority one first)."""
         self.bm = block_manager
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
@@ -53,7 +59,20 @@ class Scheduler:
         self.prompt_tokens_computed = 0  # prompt tokens scheduled for computing (not served from the cache)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple:
+        return seq.priority, seq.arrival_time, seq.seq_id
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        """Into the waiting queue at its (priority, arrival) place."""
+        key = self._rank(seq)
+        i = next((k for k, s in enumerate(self.waiting) if self._rank(s) > key), len(self.waiting))
+        self.waiting.insert(i, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,7 +82,10 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def schedule(self) -> list[ScheduledSeq]:
@@ -71,7 +93,7 @@ class Scheduler:
         self._logprob_rows = PROMPT_LOGPROB_ROWS
         out: list[ScheduledSeq] = []
         preempted = False
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=self._rank) if self.by_priority else list(self.running):
             if seq not in self.running or budget == 0:
                 continue
             start = seq.num_computed_tokens
@@ -80,7 +102,7 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.bm.can_allocate(seq, n):
-                victim = self.running[-1]
+                victim = max(self.running, key=self._rank) if self.by_priority else self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:

@@ -33,6 +33,7 @@ class Sequence:
         self.arrival_time = arrival_time
         self.generator = generator
         self.status = Status.WAITING
+        self.priority = 0  # scheduling_policy "priority": lower runs first (the request's, set at admission)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, tokens that came from the prefix cache at admission
         self.pending_token = False  # the last token is a placeholder for one still on the device (async scheduling)

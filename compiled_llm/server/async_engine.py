@@ -129,6 +129,7 @@ class _Add:
     sink: asyncio.Queue
     ack: asyncio.Future
     arrival: float
+    priority: int = 0
 
 
 class AsyncEngine:
@@ -183,11 +184,11 @@ class AsyncEngine:
         return self._stats
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  sink: asyncio.Queue) -> None:
+                  sink: asyncio.Queue, priority: int = 0) -> None:
         """Queue a request; returns once the engine accepted it (raises what add_request raised).
         Outputs then arrive in ``sink`` as Update objects, or one exception if the engine dies."""
         ack = self._loop.create_future()
-        self._post(_Add(request_id, prompt, params, sink, ack, time.monotonic()))
+        self._post(_Add(request_id, prompt, params, sink, ack, time.monotonic(), priority))
         try:
             await ack
         except asyncio.CancelledError:
@@ -251,7 +252,8 @@ class AsyncEngine:
         if cmd.ack.cancelled():
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            kw = {"priority": cmd.priority} if cmd.priority else {}
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **kw)
         except Exception as exc:  # noqa: BLE001 - goes back to this request only
             self._loop.call_soon_threadsafe(_resolve, cmd.ack, exc)
             return

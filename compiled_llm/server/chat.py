@@ -12,6 +12,7 @@ from compiled_llm.server.inputs import (
     chat_engine_prompt,
     check_context,
     engine_prompt_ids,
+    request_priority,
     sampling_params,
 )
 from compiled_llm.server.logprobs import chat_entries
@@ -64,7 +65,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = grammar_after_reasoning(reasoning, params, "tools" if forced and not constraint else "response_format")
     rid = new_id("chatcmpl-")
     gen = Generation(state.aengine, rid, [prompt], params,
-                     ("tools", "tools.function.parameters") if forced else RESPONSE_FORMAT_PARAM)
+                     ("tools", "tools.function.parameters") if forced else RESPONSE_FORMAT_PARAM,
+                     request_priority(state, req))
     await gen.start()
     created = int(time.time())
     top_n = params.logprobs

@@ -8,7 +8,13 @@ from fastapi import Request
 
 from compiled_llm.server.errors import APIError
 from compiled_llm.server.generation import Generation
-from compiled_llm.server.inputs import check_context, completion_prompts, sampling_params, tokenize_prompts
+from compiled_llm.server.inputs import (
+    check_context,
+    completion_prompts,
+    request_priority,
+    sampling_params,
+    tokenize_prompts,
+)
 from compiled_llm.server.logprobs import completion_entries, vllm_prompt_logprobs
 from compiled_llm.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from compiled_llm.server.state import ServerState, new_id
@@ -35,7 +41,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         if p:
             check_context(len(p), req.max_tokens, state.max_model_len, "max_tokens", "prompt")
     rid = new_id("cmpl-")
-    gen = Generation(state.aengine, rid, ids, params, RESPONSE_FORMAT_PARAM)
+    gen = Generation(state.aengine, rid, ids, params, RESPONSE_FORMAT_PARAM, request_priority(state, req))
     await gen.start()
     created = int(time.time())
     echoes = [_prompt_text(state, p) if req.echo else "" for p in prompts]

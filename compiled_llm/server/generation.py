@@ -38,10 +38,12 @@ class Generation:
     """Runs one engine request per prompt (each with params.n samples); choice i*n+j is sample j of prompt i."""
 
     def __init__(self, aengine: AsyncEngine, request_id: str, prompts: list[str | list[int]],
-                 params: SamplingParams, structured_param: tuple[str, str] | None = None):
+                 params: SamplingParams, structured_param: tuple[str, str] | None = None, priority: int = 0):
         """structured_param: (request field, path of its schema) that params.structured_output came from, named
-        when admission refuses the constraint (a schema that does not compile)."""
+        when admission refuses the constraint (a schema that does not compile). priority: the engine's scheduling
+        priority (lower first; the "priority" policy)."""
         self.aengine = aengine
+        self.priority = priority
         self.structured_param = structured_param or ("response_format", "response_format")
         self.params = params
         self.prompts = prompts
@@ -69,7 +71,8 @@ class Generation:
         self._unfinished.update(self.rids)
         try:
             results = await asyncio.gather(
-                *(self.aengine.add(rid, p, self.params, self._queue) for rid, p in zip(self.rids, self.prompts)),
+                *(self.aengine.add(rid, p, self.params, self._queue, self.priority)
+                  for rid, p in zip(self.rids, self.prompts)),
                 return_exceptions=True)
         except BaseException:
             self.close()

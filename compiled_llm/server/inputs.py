@@ -34,6 +34,14 @@ def sampling_params(req, *, max_tokens: int | None, logprobs: int | None, vocab_
         raise APIError(400, str(exc), param=first if first in kw else None) from exc
 
 
+def request_priority(state, req) -> int:
+    """The request's scheduling priority; a 400 for one other than 0 on a server that schedules first come, first
+    served."""
+    if req.priority and state.engine.config.scheduling_policy != "priority":
+        raise APIError(400, "priority needs a server started with --scheduling-policy priority", param="priority")
+    return req.priority
+
+
 def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
     """OpenAI's logit_bias (token ids as JSON object keys) -> {token id: bias}; a key that is not a token id of the
     vocabulary is a 400."""

@@ -73,6 +73,7 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: Bool = True
     stream: Bool = False
     stream_options: StreamOptions | None = None
+    priority: Int = 0  # vLLM: the engine's scheduling priority, lower first (--scheduling-policy priority)
     user: Str | None = None  # accepted, ignored
 
 
