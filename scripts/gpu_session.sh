@@ -3,6 +3,7 @@
 #   device run: bash scripts/gpu_session.sh [steps...]   with carry [".whl"] (../shared/gpu/wheels.sh fetches it)
 # Steps (default: all, in this order): correctness compiler throughput latency peers; also: warmstart startup
 # first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"]) rebuild (two 26B-A4B engines in one process)
+# scoring (a 4K-token echo+logprobs request against a plain prefill: time and peak memory)
 # structured (compiled, --jit-monitor error; carry [".whl"] with xgrammar's wheels in .whl/structured/)
 # kernels (check_kernels_gpu.py, KERNELS_ARGS) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env;
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
@@ -189,6 +190,8 @@ for step in $steps; do
           "$OUT/server_steps.jsonl.wave2.$p.prof" | tee "$OUT/server_steps_diff_$p.txt" | head -14
       done ;;
     rebuild) run rebuild 300 python3 benchmarks/rebuild.py --config gemma-4-26b-a4b --builds 2 --out "$OUT/rebuild.json" ;;
+    scoring) run scoring 300 python3 benchmarks/scoring.py --config gemma-4-26b-a4b --prompt-len 4096 \
+               --out "$OUT/scoring.json" ;;
     offline32) run offline32 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x32x256 \
                  --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
     par_modes)  # issue 16, two GPUs: eager TP2 / PP2 / TP2+EP tokens vs one GPU on a tiny model, a worker killed mid-decode

@@ -162,6 +162,18 @@ def test_rebuild_script_builds_engines_one_after_another(tiny_ckpt, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["builds"] == res["builds"]
 
 
+def test_scoring_script_times_a_scored_prompt_beside_a_plain_one(tiny_ckpt, tmp_path):
+    import scoring
+
+    folder, _ = tiny_ckpt("dense")
+    res = scoring.main(["--model", str(folder), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
+                        "--prompt-len", "40", "--runs", "1", "--max-model-len", "64", "--enforce-eager",
+                        "--out", str(tmp_path / "s.json")])
+    (row,) = res["runs"]
+    assert row["entries"] == 40 and row["plain_s"] > 0 and row["scoring_s"] > 0
+    assert json.loads((tmp_path / "s.json").read_text())["runs"] == res["runs"]
+
+
 def test_server_steps_logs_each_hand_over_and_step(tmp_path, monkeypatch):
     import asyncio
     import pstats
