@@ -50,10 +50,14 @@ def matches(llm) -> dict[str, int]:
 
 # One match per layer where the layer has the shape: 4 layers dense; 3 MoE layers, whose second add+norm
 # (post-FFN norms summed, then normed) is a second RMSNorm + residual add match. An exact count, so a
-# model change that breaks a match fails here.
+# model change that breaks a match fails here. skinny_mm (a kernel choice, in total): every projection whose
+# weight is a parameter goes to its oneDNN provider on the CPU (4 a layer: qkv, o, the dense MLP's gate_up and
+# down; the MoE model's router product is the router_topk op's and its experts are geglu_moe's)
 EXPECTED = {
-    "dense": {"add_rms_norm": 4, "qk_norm_rope_kv_write": 4, "router_topk": 0, "geglu_moe": 0, "swiglu_moe": 0},
-    "moe": {"add_rms_norm": 6, "qk_norm_rope_kv_write": 3, "router_topk": 3, "geglu_moe": 3, "swiglu_moe": 0},
+    "dense": {"add_rms_norm": 4, "qk_norm_rope_kv_write": 4, "router_topk": 0, "geglu_moe": 0, "swiglu_moe": 0,
+              "skinny_mm": 16},
+    "moe": {"add_rms_norm": 6, "qk_norm_rope_kv_write": 3, "router_topk": 3, "geglu_moe": 3, "swiglu_moe": 0,
+            "skinny_mm": 12},
 }
 
 
@@ -76,6 +80,29 @@ def test_compiled_greedy_equals_transformers_and_eager(compiled, tiny_ckpt, name
                 dtype="float32")
     assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == ref
     assert not MONITOR.late  # nothing compiled after warm-up
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_cpu_projections_and_lm_head_stream_packed_weights(compiled):
+    """The CPU engine's fast path for its projections (ops/linear.py packed_mm): the compiled graph's qkv, o and MLP
+    products and the LM head run through the parameters' oneDNN copies, made once at warm-up: a later request
+    packs nothing again (on a weight the graph handed over as something other than the parameter, every step
+    would repack)."""
+    from compiled_llm.ops import linear
+
+    llm, hf = compiled("dense")
+    assert linear.SKINNY_MM.provider_name() == "onednn"
+    ps = [{"prompt_token_ids": p} for p in prompts(hf.config.vocab_size)]
+    llm.generate(ps, GREEDY)
+    packs = linear.PACKS[0]
+    llm.generate(ps, GREEDY)
+    assert linear.PACKS[0] == packs
+    model = llm.engine.executor.runner.model
+    packed = {name for name, w in model.named_parameters() if "_onednn_packed" in w.__dict__}
+    projections = {name for name, w in model.named_parameters() if w.dim() == 2 and "layers." in name
+                   and "norm" not in name}
+    assert projections and projections <= packed  # every layer's 2-D weight: qkv, o, gate_up, down
+    assert any("embed" in name or "lm_head" in name for name in packed)  # the (tied) LM head
 
 
 def test_moe_in_bfloat16_gets_every_fusion_in_every_compile(tiny_ckpt):

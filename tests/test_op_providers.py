@@ -45,6 +45,8 @@ def test_resolver_on_cpu_picks_reference_and_reports_why():
     table = select_providers("cpu", torch.float32, _specs(), {"hidden_size": 64})
     assert set(table) >= {"attention", "kv_cache_write", "rms_norm", "fused_add_rms_norm", "qk_norm_rope_kv_write",
                           "router_topk", "geglu_moe", "allreduce_rms_norm"}
+    # the reference everywhere, but for the projections' product: oneDNN's packed weights (tests/test_cpu_linear.py)
+    assert table.pop("skinny_mm") == {None: "onednn" if torch.backends.mkldnn.is_available() else "reference"}
     assert all(p == "reference" for by_key in table.values() for p in by_key.values())
     assert set(table["attention"]) == {0, 1, 2}  # resolved per layer
     caps = Capabilities("cpu", None, frozenset({"triton"}))

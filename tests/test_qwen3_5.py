@@ -417,9 +417,11 @@ def test_compiled_greedy_matches_transformers(qwen_ckpt, hf_ref, name):
     summary = llm.engine.executor.runner.compiler.summary()
     types = CONFIGS[name][1]["layer_types"]
     moe = len(types) if name == "moe" else 0
+    # skinny_mm: the projections on oneDNN's packed weights (ops/linear.py), 4 a layer (in/out or qkv/o, the MLP's
+    # gate_up and down; the MoE's shared expert adds its gate)
     assert {n: p["matches"] for n, p in summary["passes"].items()} == {
         "add_rms_norm": 2 * len(types), "qk_norm_rope_kv_write": types.count(FULL), "router_topk": moe,
-        "swiglu_moe": moe, "geglu_moe": 0}
+        "swiglu_moe": moe, "geglu_moe": 0, "skinny_mm": (5 if moe else 4) * len(types)}
     # every layer splits once: the delta-rule op (its conv inside) or attention
     assert summary["attention_ops"] == types.count(LIN) + types.count(FULL)
     assert summary["pieces"] == summary["attention_ops"] + 1
@@ -442,5 +444,6 @@ def test_tiny_moe_gets_every_fusion_in_both_dtypes(qwen_ckpt, dtype):
     types = CONFIGS["moe"][1]["layer_types"]
     got = r.layer_matches()
     assert {i: dict(got[i]) for i in range(len(types))} == {
-        i: {"add_rms_norm": 2, "router_topk": 1, "swiglu_moe": 1, **({"qk_norm_rope_kv_write": 1} if t == FULL else {})}
+        i: {"add_rms_norm": 2, "router_topk": 1, "swiglu_moe": 1, **({"qk_norm_rope_kv_write": 1} if t == FULL else {}),
+            "skinny_mm": 5}  # the CPU's projections on oneDNN (ops/linear.py): 2 of attention, 3 of the shared expert
         for i, t in enumerate(types)}

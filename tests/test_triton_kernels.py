@@ -1160,7 +1160,8 @@ def _check_skinny_mm_pass():
         for gpu in (None, "Test GPU"):
             with mock.patch.object(linear, "WIDE_MEASURED", measured), \
                     mock.patch.object(linear, "device_name", lambda device=None: gpu), \
-                    mock.patch("compiled_llm.passes.skinny_mm.device_name", lambda device=None: gpu):
+                    mock.patch.object(linear, "takes_device", lambda device: gpu), \
+                    mock.patch("compiled_llm.passes.skinny_mm.takes_device", lambda device: gpu):  # a GPU's graph
                 pm = PassManager(enabled=("skinny_mm",), dtype=torch.bfloat16, device="cpu")
                 assert not pm.count_only() and pm.config[0] == ("skinny_mm",)
                 assert pm.config[-1] == (((2048, 1024),) if gpu else ())  # the table is part of the cache key

@@ -88,7 +88,8 @@ def test_an_fx_cache_hit_from_another_layer_counts_for_this_layer(tiny_ckpt):
     llm = LLM(str(tiny_ckpt("softcap")[0]), **kw)
     assert counters["inductor"]["fxgraph_cache_hit"] > hits
     got = per_layer(llm.engine.executor.runner.compiler.compiled.matches_by_shape()["dynamic"])
-    assert got == {0: Counter(qk_norm_rope_kv_write=1, add_rms_norm=1), 1: Counter(qk_norm_rope_kv_write=1, add_rms_norm=1)}
+    layer = Counter(qk_norm_rope_kv_write=1, add_rms_norm=1, skinny_mm=4)  # skinny_mm: the CPU's oneDNN projections
+    assert got == {0: layer, 1: layer}
 
 
 def test_a_static_compile_that_misses_a_fusion_replays_the_dynamic_compile(tiny_ckpt, monkeypatch, caplog):

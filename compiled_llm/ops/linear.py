@@ -17,6 +17,16 @@ torch's mm (cuBLAS).
 
 The sum over K is float32 in both; the slices are added in a fixed order (deterministic), a different order
 from cuBLAS's, so outputs may differ from torch.mm's in the last bf16 place.
+
+On the CPU the op has a oneDNN provider (`packed_mm`): the weight is reordered once into oneDNN's blocked layout
+for a few rows (`mkldnn._reorder_linear_weight`, the copy Inductor's freezing makes of a constant weight), kept
+beside the parameter, and every later product streams that copy (`mkldnn._linear_pointwise`). At a decode
+batch MKL's sgemm streams a [N, K] weight slowly: on this project's 2-core CPU machine (AMD EPYC, AVX-512), 8 rows
+through the 24 projections and the LM head of benchmarks/host_overhead.py's model (22.5 MB of float32 weights,
+cache cold as in a decode step) took 2.69 ms with torch.mm and 1.25 ms packed; the whole benchmark (8 x 64-token
+prompts, 64 decode steps) 0.53-0.58 s -> 0.33-0.41 s, 1.06x -> 1.5x transformers eager (2026-12-05, session 40,
+benchmarks/NOTES.md). On the CPU every projection whose weight is a parameter is the op's (`takes` on "cpu").
+The copy costs the weight's bytes again in host memory (`COMPILED_LLM_SKINNY_MM=0`: none made, torch.mm).
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
 
 SKINNY_MAX_ROWS = 16  # one 16-row block of the kernel: past it the weight would be read once per block
 SKINNY_MIN_ELEMENTS = 1 << 21  # smaller weights (4 MB in bf16) are launch-bound either way: not measured
-ENV = "COMPILED_LLM_SKINNY_MM"  # 0: every projection on cuBLAS (the pass off, and linear_rows too): an A/B
+ENV = "COMPILED_LLM_SKINNY_MM"  # 0: every projection on cuBLAS / torch.mm (the pass off, linear_rows too): an A/B
+CPU = "cpu"  # takes()'s device for a CPU engine: every weight (the oneDNN provider)
 WIDE_ENV = "COMPILED_LLM_SKINNY_WIDE"  # 0: the wide shapes stay on cuBLAS (an A/B of WIDE_MEASURED)
 
 # Wide weights (N >= K, [N, K]) whose products at 1-8 rows our unsplit 32-row tile (skinny_gemm.py WIDE_LAUNCH) ran
@@ -64,6 +75,11 @@ def device_name(device: torch.device | str | None = None) -> str | None:
         return None
 
 
+def takes_device(device: torch.device | str) -> str | None:
+    """takes()'s device: CPU for a CPU device, else the CUDA device's model name."""
+    return CPU if torch.device(device).type == "cpu" else device_name(device)
+
+
 def wide_shapes(name: str | None) -> frozenset[tuple[int, int]]:
     """The measured wide weight shapes of a GPU model (none where it was not measured, or WIDE_ENV=0)."""
     if name is None or os.environ.get(WIDE_ENV, "1") == "0":
@@ -79,29 +95,75 @@ def _triton(caps: Capabilities, shape: dict) -> str | None:
     return caps.triton_ok()
 
 
+def _onednn(caps: Capabilities, shape: dict) -> str | None:
+    if caps.device_type != "cpu":
+        return "oneDNN's packed weights serve the CPU"
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN (MKL-DNN)"
+    dtype = shape.get("dtype", torch.float32)
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no bfloat16 instructions for oneDNN"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"{dtype}: oneDNN's packed products here take float32 and bfloat16"
+    return None
+
+
+PACKED_ROWS = 8  # the row count oneDNN's weight layout is chosen for (any count runs on it)
+PACKS = [0]  # weights packed in this process: a test's check that a step repacks nothing
+
+
+def _packed(w: torch.Tensor) -> torch.Tensor | None:
+    """w's oneDNN copy, made on first use and kept on the parameter itself (so it dies with it), made again if
+    the parameter was written since (a weight reload); None for a tensor that is not a parameter (packing it
+    on every call would cost more than the product)."""
+    if not isinstance(w, torch.nn.Parameter):
+        return None
+    try:
+        version = w._version
+    except RuntimeError:  # an inference tensor: no version counter, never written in place after loading
+        version = -1
+    hit = w.__dict__.get("_onednn_packed")
+    if hit is None or hit[0] != version:
+        PACKS[0] += 1
+        hit = w.__dict__["_onednn_packed"] = (version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACKED_ROWS))
+    return hit[1]
+
+
+def packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The CPU provider: x @ w^T through w's oneDNN copy (torch.mm for a weight that is not a parameter)."""
+    p = _packed(w)
+    if p is None:
+        return torch.mm(x, w.t())
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), p, None, "none", [], "")
+
+
 SKINNY_MM = register(OpSpec("skinny_mm", "x [M <= 16, K] @ W [N, K]^T: a decode batch's weight-streaming "
                             "projections", [
     Provider("triton", "compiled_llm.ops.triton.skinny_gemm:decode_mm", _triton, capturable=True),
+    Provider("onednn", "compiled_llm.ops.linear:packed_mm", _onednn),
     Provider("reference", "compiled_llm.ops.linear:ref_skinny_mm", capturable=True),
 ]))
 
 
 def takes(n: int, k: int, m: int | None = None, device: str | None = None) -> bool:
     """The products the op serves: a weight worth streaming with a narrow output, or a wide one measured faster on
-    the GPU model `device` (a name: device_name()); m, where known: a decode batch's rows (a symbolic row count is
-    decided per call by the op)."""
+    the GPU model `device` (a name: device_name()), or on a CPU engine (`device` CPU) every weight; m, where known:
+    a decode batch's rows (a symbolic row count is decided per call by the op)."""
     if m is not None and not 1 <= m <= SKINNY_MAX_ROWS:
         return False
+    if device == CPU:
+        return True
     if n < k:
         return n * k >= SKINNY_MIN_ELEMENTS
     return (n, k) in wide_shapes(device)
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T outside a compiled graph (the LM head): through skinny_mm where its Triton provider was
-    chosen (a CUDA engine) and the op takes the product on this device, else F.linear."""
-    if (x.dim() == 2 and x.dtype == w.dtype and SKINNY_MM.provider_name() == "triton" and enabled()
-            and takes(w.shape[0], w.shape[1], x.shape[0], device_name(x.device))):
+    """x [M, K] @ w [N, K]^T outside a compiled graph (the LM head): through skinny_mm where its Triton provider (a
+    CUDA engine) or oneDNN one (a CPU engine) was chosen and the op takes the product on this device, else
+    F.linear."""
+    if (x.dim() == 2 and x.dtype == w.dtype and SKINNY_MM.provider_name() in ("triton", "onednn") and enabled()
+            and takes(w.shape[0], w.shape[1], x.shape[0], takes_device(x.device))):
         return torch.ops.compiled_llm.skinny_mm(x, w)
     return F.linear(x, w)
 
