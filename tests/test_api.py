@@ -284,5 +284,11 @@ def test_priority_scheduling(tiny_ckpt, llm):
     outs = prio.generate(["a b c", "d e f", "g h i", "j k l"], params, priority=[5, 0, -1, 0])
     started = [o.metrics.first_token_time for o in outs]
     assert sorted(range(4), key=started.__getitem__) == [2, 1, 3, 0]
+    for o in outs:  # each request's phases, in order (the server's request_*_time_seconds histograms read them)
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time == m.finished_time
+    # one sequence at a time: each request is first scheduled after the one before it finished
+    order = [outs[i].metrics for i in (2, 1, 3, 0)]
+    assert all(b.first_scheduled_time >= a.finished_time for a, b in zip(order, order[1:]))
     with pytest.raises(ValueError, match="scheduling policy"):
         llm.generate("x", params, priority=[1])

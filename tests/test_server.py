@@ -461,6 +461,16 @@ def test_metrics_text(server, client):
     text = httpx.get(server.url + "/metrics").text
     assert "# TYPE compiled_llm_time_to_first_token_seconds histogram" in text
     assert 'le="+Inf"' in text
+    # each finished request's phases and token counts (vLLM's request_*_time_seconds and request_*_tokens)
+    grew = {k: after[k] - before[k] for k in after if k.startswith("compiled_llm_request_")}
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert grew[f"compiled_llm_request_{phase}_time_seconds_count"] == 2, phase
+        assert grew[f"compiled_llm_request_{phase}_time_seconds_sum"] >= 0, phase
+    assert grew["compiled_llm_request_prefill_time_seconds_sum"] > 0
+    assert grew["compiled_llm_request_inference_time_seconds_sum"] >= grew["compiled_llm_request_decode_time_seconds_sum"]
+    assert grew["compiled_llm_request_generation_tokens_sum"] == 4  # two requests of max_tokens 2
+    assert grew["compiled_llm_request_prompt_tokens_sum"] == (after["compiled_llm_prompt_tokens_total"]
+                                                              - before["compiled_llm_prompt_tokens_total"])
 
 
 @pytest.mark.timeout(120)

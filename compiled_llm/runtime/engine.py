@@ -242,6 +242,7 @@ class LLMEngine:
             touched[seq.request_id] = self.requests[seq.request_id]
         outputs, ended = [], []
         for req in touched.values():
+            req.metrics.last_token_time = now
             outputs.append(self.output_processor.output(req))
             if req.finished:
                 req.metrics.finished_time = now

@@ -101,6 +101,8 @@ class OutputProcessor:
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         first = min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
         req.metrics.first_token_time = first
+        req.metrics.first_scheduled_time = min((s.first_scheduled_time for s in req.seqs if s.first_scheduled_time),
+                                               default=None)
         req.metrics.num_cached_tokens = max(s.num_cached_tokens for s in req.seqs)
         if self.sparse:
             req.metrics.sparse_attended_tokens = sum(s.sparse_attended_tokens for s in req.seqs)

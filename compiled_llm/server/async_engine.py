@@ -282,6 +282,9 @@ class AsyncEngine:
             if ro.finished:
                 del self._tracked[ro.request_id]
                 self.metrics.observe_e2e(now - t.arrival)
+                if ro.metrics is not None:
+                    self.metrics.observe_finished(ro.metrics, len(ro.prompt_token_ids),
+                                                  sum(len(co.token_ids) for co in ro.outputs))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
 

@@ -11,6 +11,17 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+# a finished request's phases (vLLM's request_*_time_seconds): waiting, first scheduled to first token (prefill),
+# first to last token (decode), first scheduled to last token (inference)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0,
+                 300.0, 600.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+PHASES = {
+    "queue": "Time a finished request waited before it was first scheduled.",
+    "prefill": "Time from a finished request's first scheduling to its first generated token (its prefill).",
+    "decode": "Time from a finished request's first generated token to its last.",
+    "inference": "Time from a finished request's first scheduling to its last token (prefill and decode).",
+}
 STATUSES = ("stop", "length", "abort", "error")
 PREFIX = "compiled_llm_"
 
@@ -52,6 +63,9 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.phases = {name: Histogram(PHASE_BUCKETS) for name in PHASES}
+        self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
 
     # --- recording -------------------------------------------------------
     def count_status(self, status: str, amount: int = 1) -> None:
@@ -74,6 +88,20 @@ class Metrics:
     def observe_e2e(self, seconds: float) -> None:
         with self._lock:
             self.e2e.observe(seconds)
+
+    def observe_finished(self, metrics, prompt_tokens: int, generated: int) -> None:
+        """A finished request: its phases from the engine's timestamps (RequestMetrics; a phase it did not reach,
+        such as the decode of a request aborted before its first token, is left out) and its token counts."""
+        marks = (metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time)
+        arrival, scheduled, first, last = marks
+        spans = {"queue": (arrival, scheduled), "prefill": (scheduled, first), "decode": (first, last),
+                 "inference": (scheduled, last)}
+        with self._lock:
+            for name, (start, end) in spans.items():
+                if start is not None and end is not None:
+                    self.phases[name].observe(max(0.0, end - start))
+            self.request_prompt_tokens.observe(prompt_tokens)
+            self.request_generation_tokens.observe(generated)
 
     # --- exposition --------------------------------------------------------
     def render(self, stats: dict, healthy: bool) -> str:
@@ -115,6 +143,11 @@ class Metrics:
             histogram("time_per_output_token_seconds",
                       "Mean time between output tokens of one finished sequence.", self.tpot)
             histogram("e2e_request_latency_seconds", "Time from arrival to the end of a request.", self.e2e)
+            for phase, help_ in PHASES.items():
+                histogram(f"request_{phase}_time_seconds", help_, self.phases[phase])
+            histogram("request_prompt_tokens", "Prompt tokens of each finished request.", self.request_prompt_tokens)
+            histogram("request_generation_tokens", "Generated tokens of each finished request (all its samples).",
+                      self.request_generation_tokens)
 
         sample(family("num_requests_running", "gauge", "Requests in the running batch."), stat("num_running"))
         sample(family("num_requests_waiting", "gauge", "Requests waiting to be scheduled."), stat("num_waiting"))
