@@ -20,6 +20,9 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # SamplingParams.structured_output's
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -46,8 +49,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Structured output: {"json": <JSON schema, a dict or its JSON text>} or {"json_object": True} (any JSON
-    # object); enforced while decoding (runtime/structured_output.py). A schema given as text is parsed here.
+    # Structured output: {"json": <JSON schema, a dict or its JSON text>}, {"json_object": True} (any JSON object),
+    # {"regex": <pattern>}, {"choice": [<string>, ...]} (exactly one of them) or {"grammar": <EBNF>} (xgrammar's
+    # GBNF-style EBNF, rule `root`), as vLLM's structured outputs; enforced while decoding
+    # (runtime/structured_output.py). A schema given as text is parsed here.
     # Optional "after_token_id": N: the output is free until token N is generated (a thinking model's end of
     # reasoning, `</think>`), and the grammar holds from the token after it.
     structured_output: dict | None = None
@@ -79,17 +84,30 @@ class SamplingParams:
         so = self.structured_output
         if so is None:
             return
-        usage = ("structured_output must be {'json': <JSON schema>} or {'json_object': True}, with an optional "
+        usage = ("structured_output must be one of {'json': <JSON schema>}, {'json_object': True}, "
+                 "{'regex': <pattern>}, {'choice': [<string>, ...]}, {'grammar': <EBNF>}, with an optional "
                  "'after_token_id': <token id>")
         after = {"after_token_id": so["after_token_id"]} if isinstance(so, dict) and "after_token_id" in so else {}
         kinds = [k for k in so if k != "after_token_id"] if isinstance(so, dict) else []
-        if not isinstance(so, dict) or len(kinds) != 1 or kinds[0] not in ("json", "json_object"):
+        if not isinstance(so, dict) or len(kinds) != 1 or kinds[0] not in STRUCTURED_KINDS:
             raise ValueError(f"{usage}, got {so!r}")
         if after and not (_is_int(after["after_token_id"]) and after["after_token_id"] >= 0):
             raise ValueError(f"structured_output: after_token_id must be a token id, got {after['after_token_id']!r}")
-        if "json_object" in so:
-            if so["json_object"] is not True:
+        kind, value = kinds[0], so[kinds[0]]
+        if kind == "json_object":
+            if value is not True:
                 raise ValueError(f"{usage}, got {so!r}")
+            return
+        if kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_output: {kind} must be a non-empty string, got {value!r}")
+            return
+        if kind == "choice":
+            if (not isinstance(value, (list, tuple)) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise ValueError(f"structured_output: choice must be a non-empty list of non-empty strings, "
+                                 f"got {value!r}")
+            self.structured_output = {"choice": list(value), **after}
             return
         schema = so["json"]
         if isinstance(schema, str):

@@ -155,6 +155,20 @@ def test_chat_applies_template(llm):
         llm.chat([])
 
 
+def test_chat_continues_the_final_message(llm):
+    """continue_final_message (vLLM's, transformers'): an answer begun by the caller is left open, without its end
+    of turn, and the model's tokens go on from it."""
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Sure, the answer is"}]
+    closed = llm.engine.apply_chat_template(msgs, add_generation_prompt=False)
+    open_ = llm.engine.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert open_.endswith("Sure, the answer is") and closed.startswith(open_) and len(closed) > len(open_)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = llm.chat(msgs, params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(open_, add_special_tokens=False)
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(msgs, params, continue_final_message=True)
+
+
 def test_input_processor_copy_is_independent(llm):
     """The server's input processor (another thread) renders and tokenizes as the engine does, with a
     tokenizer of its own; a text-only model has no media placeholders."""

@@ -442,6 +442,22 @@ def test_tokenize_detokenize(server):
     assert post(server, "/tokenize", {"prompt": "x", "messages": CHAT}).status_code == 400
 
 
+def test_chat_continues_the_final_message(server):
+    """continue_final_message: the client's begun answer stays open (no end of turn) and the model goes on from it;
+    /tokenize takes the flag too; together with add_generation_prompt it is a 400 naming it."""
+    msgs = CHAT + [{"role": "assistant", "content": "Once upon"}]
+    closed = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()["tokens"]
+    open_ = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                       "continue_final_message": True}).json()["tokens"]
+    assert closed[:len(open_)] == open_ and len(closed) > len(open_)
+    body = {"model": "demo", "messages": msgs, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(open_)
+    r = post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
 def test_metrics_text(server, client):
     before = get_metrics(server)
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 6

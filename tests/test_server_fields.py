@@ -56,8 +56,10 @@ def test_unknown_fields_are_a_400_naming_them(client, path, body, where):
 
 def test_unknown_field_through_the_official_client(oai):
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, extra_body={"guided_json": {}})
-    assert "unknown field `guided_json`" in err.value.message and err.value.body["param"] == "guided_json"
+        oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=2,
+                                    extra_body={"guided_whitespace_pattern": " "})
+    assert ("unknown field `guided_whitespace_pattern`" in err.value.message
+            and err.value.body["param"] == "guided_whitespace_pattern")
 
 
 def test_accepted_and_ignored_fields(oai):

@@ -80,6 +80,35 @@ def test_sampling_params_validation():
             SamplingParams(structured_output=bad)
 
 
+def test_regex_choice_and_grammar_constraints(llm):
+    """vLLM's other constraints: a regular expression, a choice of strings, an EBNF grammar. The tiny random model
+    writes none of these free; constrained, each output matches and is ended by the grammar. Bad ones are
+    refused at construction or, where only xgrammar can tell, at admission (the engine keeps serving)."""
+    import re
+
+    choices = ["red", 'say "hi"', "a\\b"]  # quotes and a backslash survive the grammar's string literals
+    params = [greedy(structured_output={"regex": r"[0-9]{3}-[a-z]{2}"}),
+              greedy(structured_output={"choice": choices}),
+              SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=MAX, structured_output={"choice": choices}),
+              greedy(structured_output={"grammar": 'root ::= ("yes" | "no") ", " [0-9] [0-9]'})]
+    outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]], params)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[0].outputs[0].text)
+    assert [c.text in choices for c in (*outs[1].outputs, *outs[2].outputs)] == [True] * 4
+    assert re.fullmatch(r"(yes|no), [0-9]{2}", outs[3].outputs[0].text)
+    assert all(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    free = llm.generate(PROMPTS[0], greedy(max_tokens=8))[0].outputs[0].text
+    assert not re.fullmatch(r"[0-9]{3}-[a-z]{2}", free)
+    for bad in ({"choice": []}, {"choice": ["a", 3]}, {"regex": ""}, {"grammar": 5}, {"regex": "a", "choice": ["a"]}):
+        with pytest.raises(ValueError, match="^structured_output"):
+            SamplingParams(structured_output=bad)
+    with pytest.raises(StructuredOutputError, match="invalid regular expression"):
+        llm.generate("hi", greedy(structured_output={"regex": "(unclosed"}))
+    with pytest.raises(StructuredOutputError, match="invalid EBNF grammar"):
+        llm.generate("hi", greedy(structured_output={"grammar": "root ::= "}))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(PROMPTS[1], params[1])[0].outputs[0].text == outs[1].outputs[0].text
+
+
 def test_constrained_batched_with_unconstrained(llm):
     """Constrained rows (greedy and seeded random, json_schema and json_object) in one batch with free ones: the
     constrained ones validate and end by the grammar; the free ones give the tokens they give alone."""
@@ -241,6 +270,58 @@ def test_completions_and_responses(oai):
                                 text={"format": fmt})
     assert resp.status == "completed" and resp.text.format.type == "json_schema"
     check_json(resp.output_text, SCHEMA)
+
+
+def test_vllm_structured_outputs_and_guided_fields(oai):
+    """vLLM's request fields, through the official client's extra_body: structured_outputs (one of json, regex,
+    choice, grammar, json_object) and the older guided_json / guided_regex / guided_choice / guided_grammar."""
+    import re
+
+    r = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=MAX, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert r.choices[0].message.content in ("red", "green", "blue") and r.choices[0].finish_reason == "stop"
+    r = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=MAX, temperature=0,
+                                    extra_body={"structured_outputs": {"json": json.dumps(SCHEMA)}})
+    check_json(r.choices[0].message.content, SCHEMA)
+    r = oai.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=MAX, temperature=0,
+                               extra_body={"guided_regex": r"[A-Z][a-z]{2} [0-9]"})
+    assert [bool(re.fullmatch(r"[A-Z][a-z]{2} [0-9]", c.text)) for c in r.choices] == [True, True]
+    r = oai.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX, temperature=0,
+                               extra_body={"guided_choice": ["yes", "no"], "guided_decoding_backend": "xgrammar"})
+    assert r.choices[0].text in ("yes", "no")
+    chunks = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=MAX, temperature=0, stream=True,
+                                         extra_body={"guided_grammar": 'root ::= "ab" [0-9] [0-9]'})
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert re.fullmatch(r"ab[0-9]{2}", text)
+    r = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=MAX, temperature=0,
+                                    extra_body={"guided_json": SIZE})
+    check_json(r.choices[0].message.content, SIZE)
+
+
+def test_bad_constraint_fields_are_400_naming_the_field(oai, monkeypatch):
+    def refused(**extra):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, **extra)
+        return err.value.body["param"], err.value.message
+
+    param, msg = refused(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"})
+    assert param == "guided_regex" and "one structured-output constraint" in msg
+    param, msg = refused(extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}})
+    assert param == "structured_outputs" and "exactly one of" in msg
+    assert refused(extra_body={"structured_outputs": {}})[0] == "structured_outputs"
+    param, msg = refused(extra_body={"guided_regex": "(unclosed"})
+    assert param == "guided_regex" and "invalid regular expression" in msg
+    param, msg = refused(extra_body={"guided_choice": []})
+    assert param == "guided_choice" and "non-empty list" in msg
+    param, msg = refused(extra_body={"guided_json": "{nope"})
+    assert param == "guided_json" and "not valid JSON" in msg
+    param, msg = refused(extra_body={"structured_outputs": {"regex": "a", "whitespace_pattern": " "}})
+    assert param == "structured_outputs" and "whitespace_pattern" in msg  # an unknown sub-field: named, not dropped
+    from compiled_llm.server import structured_output as server_so
+
+    monkeypatch.setattr(server_so, "grammar_library_installed", lambda: False)
+    param, msg = refused(extra_body={"guided_choice": ["a", "b"]})
+    assert param == "guided_choice" and "`xgrammar`" in msg
 
 
 def test_bad_requests_are_400_naming_the_field(oai, monkeypatch):

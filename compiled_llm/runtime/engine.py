@@ -313,9 +313,11 @@ class LLMEngine:
         return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+                            chat_template: str | None = None, template_kwargs: dict | None = None,
+                            continue_final_message: bool = False) -> str:
         return self.input_processor.apply_chat_template(messages, add_generation_prompt, chat_template,
-                                                        template_kwargs=template_kwargs)
+                                                        template_kwargs=template_kwargs,
+                                                        continue_final_message=continue_final_message)
 
     def new_input_processor(self) -> InputProcessor:
         """An input processor for another thread (the server's event loop and its helper threads): its own

@@ -81,11 +81,17 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> str:
+                            template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
         """The rendered template. template_kwargs: extra variables for the template (vLLM's chat_template_kwargs,
-        e.g. {"enable_thinking": False}); one that names an argument of this call is a ValueError."""
+        e.g. {"enable_thinking": False}); one that names an argument of this call is a ValueError.
+        continue_final_message: the last message (an assistant's answer begun by the client) is left open, without
+        its end of turn, so that the model goes on writing it (vLLM's and transformers' name); not together with
+        add_generation_prompt."""
         if not messages:
             raise ValueError("messages is empty")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
+                             "add_generation_prompt to false to continue the final message")
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
                 raise ValueError(f"unknown message role {m.get('role') if isinstance(m, dict) else m!r}")
@@ -97,6 +103,8 @@ class InputProcessor:
             kwargs["tools"] = tools
         if not chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; pass one (--chat-template)")
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **kwargs)
 

@@ -64,13 +64,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = False, chat_template_kwargs: dict | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Each conversation through the chat template (chat_template_kwargs: extra template variables, e.g.
-        {"enable_thinking": False}), then generated as token ids."""
+        {"enable_thinking": False}; continue_final_message: the model goes on with the last message, an answer
+        begun by the caller, with add_generation_prompt=False), then generated as token ids."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in convs:
-            text = self.engine.apply_chat_template(conv, add_generation_prompt, chat_template, chat_template_kwargs)
+            text = self.engine.apply_chat_template(conv, add_generation_prompt, chat_template, chat_template_kwargs,
+                                                   continue_final_message)
             prompts.append(self.engine.tokenize(text, add_special_tokens=False))
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
 

@@ -1,4 +1,5 @@
-"""Structured output: a request's JSON constraint (SamplingParams.structured_output) enforced while decoding.
+"""Structured output: a request's constraint (SamplingParams.structured_output: a JSON schema, any JSON object, a
+regular expression, a choice of strings or an EBNF grammar) enforced while decoding.
 
 The grammar library is xgrammar (as in vLLM and SGLang), imported on first use: an engine without it serves
 every other request, and a constrained one is a StructuredOutputError (a ValueError) naming the package.
@@ -57,7 +58,22 @@ def grammar_key(spec: dict) -> tuple[str, str]:
     """(kind, schema text) of a SamplingParams.structured_output: the compiled-grammar cache's key."""
     if "json" in spec:
         return "json", json.dumps(spec["json"], sort_keys=True, separators=(",", ":"))
+    if "choice" in spec:
+        return "choice", json.dumps(spec["choice"])
+    for kind in ("regex", "grammar"):
+        if kind in spec:
+            return kind, spec[kind]
     return "json_object", ""
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly the given strings (vLLM's guided choice): each one a string
+    literal (JSON's escapes, which xgrammar's EBNF reads), alternatives of `root`."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+INVALID = {"json": "invalid JSON schema", "regex": "invalid regular expression", "grammar": "invalid EBNF grammar",
+           "choice": "invalid choice"}
 
 
 class GrammarBackend:
@@ -90,7 +106,7 @@ class GrammarBackend:
             return self._compiler
 
     def compile(self, spec: dict):
-        """The compiled grammar of a structured_output spec ({"json": schema} or {"json_object": True})."""
+        """The compiled grammar of a structured_output spec (SamplingParams.structured_output)."""
         key = grammar_key(spec)
         with self._lock:
             hit = self._cache.get(key)
@@ -103,10 +119,16 @@ class GrammarBackend:
         try:
             if kind == "json":
                 grammar = compiler.compile_json_schema(text, **JSON_LAYOUT)
+            elif kind == "regex":
+                grammar = compiler.compile_regex(text)
+            elif kind == "grammar":
+                grammar = compiler.compile_grammar(text)
+            elif kind == "choice":
+                grammar = compiler.compile_grammar(choice_grammar(spec["choice"]))
             else:  # any JSON object
                 grammar = compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **JSON_LAYOUT)
-        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError for schemas it cannot take
-            raise StructuredOutputError(f"invalid JSON schema: {_reason(e)}") from e
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError for input it cannot take
+            raise StructuredOutputError(f"{INVALID.get(kind, 'invalid constraint')}: {_reason(e)}") from e
         with self._lock:
             self.misses += 1
             self._cache[key] = grammar

@@ -183,7 +183,7 @@ def create_app(engine, served_model_names: list[str] | None = None, api_key: str
         if req.messages is not None:
             tools = template_tools(req.tools) if req.tools else None
             ids = await chat_token_ids(state, req.messages, req.add_generation_prompt, bool(req.add_special_tokens),
-                                       tools, req.chat_template_kwargs)
+                                       tools, req.chat_template_kwargs, req.continue_final_message)
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await state.preprocess.run(lambda inputs: list(inputs.tokenize(req.prompt, add_special_tokens=add)))

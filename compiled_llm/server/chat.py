@@ -35,20 +35,20 @@ from compiled_llm.server.reasoning import (
 )
 from compiled_llm.server.state import ServerState, new_id
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
-from compiled_llm.server.structured_output import RESPONSE_FORMAT_PARAM, response_format_output
+from compiled_llm.server.structured_output import request_constraint
 from compiled_llm.server.tool_parsers import CallEvent, ContentEvent
 from compiled_llm.server.tools import ToolSetup, finish_reason, parse_output, tool_setup
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     model = state.model_name(req.model)
-    constraint = response_format_output(req.response_format)
+    constraint, constraint_param = request_constraint(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     tools = tool_setup(state, req)
     if tools is not None and constraint is not None:
-        raise APIError(400, f"response_format type `{req.response_format.type}` together with tools is not "
-                            "supported: the grammar would forbid the tool calls", param="response_format")
+        raise APIError(400, f"{constraint_param[0]} together with tools is not supported: the grammar would forbid "
+                            "the tool calls", param=constraint_param[0])
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     overrides = {**(tools.sampling_overrides(req.stop) if tools else {}), **reasoning_overrides(state)}
     forced = tools.constraint() if tools else None  # a forced call's grammar (server/tools.py)
@@ -57,15 +57,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                              structured_output=constraint or forced, **overrides)
     prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a ProcessedPrompt
                                       tools=tools.tools if tools else None, prefix=tools.prefix if tools else "",
-                                      template_kwargs=req.chat_template_kwargs)
+                                      template_kwargs=req.chat_template_kwargs,
+                                      continue_final_message=req.continue_final_message)
     prompt_ids = engine_prompt_ids(prompt)
     check_context(len(prompt_ids), max_tokens, state.max_model_len,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     reasoning = reasoning_setup(state, prompt_ids, req.include_reasoning)
-    params = grammar_after_reasoning(reasoning, params, "tools" if forced and not constraint else "response_format")
+    params = grammar_after_reasoning(reasoning, params, "tools" if forced and not constraint else constraint_param[0])
     rid = new_id("chatcmpl-")
     gen = Generation(state.aengine, rid, [prompt], params,
-                     ("tools", "tools.function.parameters") if forced else RESPONSE_FORMAT_PARAM,
+                     ("tools", "tools.function.parameters") if forced else constraint_param,
                      request_priority(state, req))
     await gen.start()
     created = int(time.time())

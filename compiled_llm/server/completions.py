@@ -19,7 +19,7 @@ from compiled_llm.server.logprobs import completion_entries, vllm_prompt_logprob
 from compiled_llm.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from compiled_llm.server.state import ServerState, new_id
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
-from compiled_llm.server.structured_output import RESPONSE_FORMAT_PARAM, response_format_output
+from compiled_llm.server.structured_output import request_constraint
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
@@ -29,7 +29,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs is not supported with stream (echo with logprobs is)",
                        param="prompt_logprobs")
-    constraint = response_format_output(req.response_format)
+    constraint, constraint_param = request_constraint(req)
     prompts = completion_prompts(req.prompt)
     echo_lps = req.logprobs if req.echo else None  # echo + logprobs: the prompt's tokens are scored too
     wanted = [n for n in (echo_lps, req.prompt_logprobs) if n is not None]
@@ -41,7 +41,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         if p:
             check_context(len(p), req.max_tokens, state.max_model_len, "max_tokens", "prompt")
     rid = new_id("cmpl-")
-    gen = Generation(state.aengine, rid, ids, params, RESPONSE_FORMAT_PARAM, request_priority(state, req))
+    gen = Generation(state.aengine, rid, ids, params, constraint_param, request_priority(state, req))
     await gen.start()
     created = int(time.time())
     echoes = [_prompt_text(state, p) if req.echo else "" for p in prompts]

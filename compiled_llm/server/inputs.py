@@ -117,12 +117,20 @@ def _reasoning_field(message) -> dict:
 
 
 def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                tools: list[dict] | None = None, prefix: str = "", template_kwargs: dict | None = None) -> str:
+                tools: list[dict] | None = None, prefix: str = "", template_kwargs: dict | None = None,
+                continue_final_message: bool = False) -> str:
     """The chat template rendered with the server's input processor (400 for template errors), then `prefix`
-    (a forced tool-call opening, server/tools.py). template_kwargs: the request's chat_template_kwargs."""
+    (a forced tool-call opening, server/tools.py). template_kwargs: the request's chat_template_kwargs;
+    continue_final_message: the last message left open for the model to go on with."""
     kw = {"tools": tools} if tools else {}
     if template_kwargs:
         kw["template_kwargs"] = template_kwargs
+    if continue_final_message:
+        if add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
+                                "add_generation_prompt to false to continue the final message",
+                           param="continue_final_message")
+        kw["continue_final_message"] = True
     try:
         text = inputs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                           chat_template=chat_template, **kw)
@@ -134,9 +142,10 @@ def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_
 
 def chat_prompt(inputs, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
                 add_special_tokens: bool = False, tools: list[dict] | None = None, prefix: str = "",
-                template_kwargs: dict | None = None) -> list[int]:
+                template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[int]:
     """Render the chat template and tokenize it (the template already has the special tokens)."""
-    text = render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix, template_kwargs)
+    text = render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix, template_kwargs,
+                       continue_final_message)
     return list(inputs.tokenize(text, add_special_tokens=add_special_tokens))
 
 
@@ -151,31 +160,33 @@ def completion_prompts(prompt) -> list[str | list[int]]:
 
 
 def _media_chat_text(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix,
-                     template_kwargs):
+                     template_kwargs, continue_final_message):
     """A media chat's rendered template (the processor's placeholders in it) and its media parts."""
     media: list = []
     messages = chat_messages(api_messages, instructions, media, inputs.media_placeholders())
-    return render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix, template_kwargs), media
+    return render_chat(inputs, messages, add_generation_prompt, chat_template, tools, prefix, template_kwargs,
+                       continue_final_message), media
 
 
 def _chat_ids(inputs, api_messages, instructions, add_generation_prompt, chat_template, tools, prefix,
-              template_kwargs, add_special_tokens=False) -> list[int]:
+              template_kwargs, continue_final_message, add_special_tokens=False) -> list[int]:
     return chat_prompt(inputs, chat_messages(api_messages, instructions), add_generation_prompt, chat_template,
                        add_special_tokens=add_special_tokens, tools=tools, prefix=prefix,
-                       template_kwargs=template_kwargs)
+                       template_kwargs=template_kwargs, continue_final_message=continue_final_message)
 
 
 async def chat_engine_prompt(state, api_messages: list[ChatMessage | InputMessage], add_generation_prompt: bool,
                              instructions: str | None = None, tools: list[dict] | None = None,
                              prefix: str = "", add_special_tokens: bool = False,
-                             template_kwargs: dict | None = None):
+                             template_kwargs: dict | None = None, continue_final_message: bool = False):
     """Token ids of a text-only chat; for a chat with media parts, a ProcessedPrompt (runtime/input_processor.py):
     the rendered template (placeholders in it) with the media fetched and decoded in a thread (400 for bad or
     too many media), then through the checkpoint's processor in a preprocessing thread. `tools` and
     `template_kwargs` (chat_template_kwargs) go to the template, `prefix` after it (server/tools.py). Templates,
     tokenization and the media processor run in the preprocessing threads (server/preprocess.py), never on the
     event loop or the engine thread."""
-    args = (api_messages, instructions, add_generation_prompt, state.chat_template, tools, prefix, template_kwargs)
+    args = (api_messages, instructions, add_generation_prompt, state.chat_template, tools, prefix, template_kwargs,
+            continue_final_message)
     if not has_media(api_messages):
         return await state.preprocess.run(_chat_ids, *args, add_special_tokens)
     text, media = await state.preprocess.run(_media_chat_text, *args)
@@ -191,11 +202,12 @@ def engine_prompt_ids(prompt) -> list[int]:
 
 async def chat_token_ids(state, api_messages: list[ChatMessage], add_generation_prompt: bool,
                          add_special_tokens: bool, tools: list[dict] | None = None,
-                         template_kwargs: dict | None = None) -> list[int]:
+                         template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[int]:
     """/tokenize of chat messages: the template's tokens; with media parts, the ids after the processor expanded
     the placeholders (what the model sees), media fetched and decoded as for a chat completion."""
     prompt = await chat_engine_prompt(state, api_messages, add_generation_prompt, tools=tools,
-                                      add_special_tokens=add_special_tokens, template_kwargs=template_kwargs)
+                                      add_special_tokens=add_special_tokens, template_kwargs=template_kwargs,
+                                      continue_final_message=continue_final_message)
     return engine_prompt_ids(prompt)
 
 

@@ -171,9 +171,29 @@ class ResponseFormat(RequestModel):
     json_schema: JSONSchemaFormat | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs` request field: one constraint (server/structured_output.py)."""
+    json_: dict[Str, Any] | Str | None = Field(None, alias="json")  # a JSON schema (or its JSON text)
+    regex: Str | None = None
+    choice: list[Str] | None = None
+    grammar: Str | None = None  # EBNF (xgrammar's GBNF-style syntax; rule `root`)
+    json_object: Bool | None = None
+
+
+class ConstraintFields(RequestModel):
+    """Structured output beside OpenAI's response_format: vLLM's `structured_outputs` and its older `guided_*`
+    fields (chat and completions); at most one constraint a request."""
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[Str, Any] | Str | None = None
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
+    guided_decoding_backend: Str | None = None  # accepted, ignored (xgrammar serves every constraint)
+
+
+class ChatCompletionRequest(ConstraintFields, SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None  # false: only the first call is returned
@@ -182,6 +202,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: Bool = True
+    # vLLM's: the last message (an answer begun by the client) is left open and the model goes on with it; with
+    # add_generation_prompt false
+    continue_final_message: Bool = False
     chat_template_kwargs: dict[Str, Any] | None = None  # extra template variables ({"enable_thinking": false})
     include_reasoning: Bool = True  # false: a reasoning parser's reasoning is left out of the answer
 
@@ -253,7 +276,7 @@ class ChatCompletionResponse(APIModel):
 
 
 # ---------------------------------------------------------------- completions
-class CompletionRequest(SamplingFields):
+class CompletionRequest(ConstraintFields, SamplingFields):
     prompt: (
         Str
         | Annotated[list[Str], Field(min_length=1)]
@@ -265,7 +288,6 @@ class CompletionRequest(SamplingFields):
     echo: Bool = False  # with logprobs: the prompt's tokens and their logprobs come first (scoring a text)
     prompt_logprobs: Int | None = None  # vLLM: each prompt token's logprob and top-N, in choices[].prompt_logprobs
     suffix: Str | None = None
-    response_format: ResponseFormat | None = None  # structured output, as in chat (a vLLM extension here)
 
 
 class CompletionLogprobs(APIModel):
@@ -476,6 +498,7 @@ class TokenizeRequest(RequestModel):
     tools: list[Tool] | None = None  # with messages: rendered by the chat template, as for a chat completion
     add_special_tokens: Bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False  # with messages, as for a chat completion
     chat_template_kwargs: dict[Str, Any] | None = None  # with messages
     return_token_strs: Bool = False
 
