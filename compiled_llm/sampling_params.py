@@ -43,9 +43,15 @@ class SamplingParams:
     # added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, 100 forces)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    # vLLM's: words the output may not contain; each word's tokens (written alone and after a space) are banned
+    # once the output ends with all of them but the last (runtime/sampler.py apply_bad_words)
+    bad_words: list[str] | None = None
     # the prompt's tokens too: each one's logprob given the ones before it, plus the top-N (0: only its own);
     # RequestOutput.prompt_logprobs (runtime/prompt_logprobs.py)
     prompt_logprobs: int | None = None
+    # vLLM's: only the prompt's last N tokens are kept (its start is cut); -1: as many as leave room for one
+    # generated token (max_model_len - 1). Not for a prompt with media (the cut could split an image's tokens)
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -141,6 +147,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and not (_is_int(k) and (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -163,6 +175,17 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
             self.allowed_token_ids = list(ids)
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's token ids after truncate_prompt_tokens (the last N; -1: max_model_len - 1)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = max_model_len - 1 if k == -1 else k
+        if k >= max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) must be below max_model_len ({max_model_len}), to leave "
+                             "room for a generated token")
+        return ids[-k:]
 
     def token_ids_named(self) -> list[int]:
         """Every token id these params name (stop, bias, allowed), for the engine's vocabulary check."""

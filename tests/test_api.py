@@ -155,6 +155,47 @@ def test_chat_applies_template(llm):
         llm.chat([])
 
 
+def test_truncate_prompt_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the prompt's start is cut and the model sees (and answers) its last N tokens
+    only, exactly as if given them; -1 keeps max_model_len - 1 (room for one token)."""
+    ids = list(range(10, 40))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                   truncate_prompt_tokens=7))[0]
+    assert cut.prompt_token_ids == ids[-7:]
+    assert cut.outputs[0].token_ids == llm.generate({"prompt_token_ids": ids[-7:]}, params)[0].outputs[0].token_ids
+    long = list(range(5, 5 + 150)) * 1  # past max_model_len (96)
+    out = llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))[0]
+    assert out.prompt_token_ids == long[-95:] and len(out.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="below max_model_len"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=96))
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def _contains(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_bad_words(llm):
+    """vLLM's bad_words: a word the free greedy output writes never appears once banned (neither as written nor
+    after a space); the first tokens before it are the free ones."""
+    tok, proc = llm.get_tokenizer(), llm.engine.input_processor
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llm.generate("The quick brown fox", params)[0].outputs[0].token_ids
+    # a generated token that is a word of its own (its text encodes back to it), past the first position
+    k, word = next((k, tok.decode([t]).strip()) for k, t in enumerate(free) if k > 0 and tok.decode([t]).strip()
+                   and any(ids == [t] for ids in proc.bad_words_token_ids([tok.decode([t]).strip()])))
+    banned = proc.bad_words_token_ids([word])
+    out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                             bad_words=[word]))[0].outputs[0].token_ids
+    assert _contains(free, [free[k]]) and not any(_contains(out, ids) for ids in banned)
+    first = next(i for i, t in enumerate(free) if any(ids == [t] for ids in banned))
+    assert out[:first] == free[:first] and out != free
+
+
 def test_chat_continues_the_final_message(llm):
     """continue_final_message (vLLM's, transformers'): an answer begun by the caller is left open, without its end
     of turn, and the model's tokens go on from it."""

@@ -323,3 +323,26 @@ def test_logit_bias_and_allowed_token_ids():
     draws = {Sampler()(logits[4:], [row(temperature=1.0, allowed_token_ids=allowed, generator=gen(s))])[0].token_id
              for s in range(40)}
     assert draws == set(allowed) and res[4] in allowed
+
+
+def test_bad_words_ban_a_word_s_last_token_after_the_rest():
+    """bad_words as token sequences: a one-token word is never sampled; a longer word's last token is banned only
+    where the output ends with the word's other tokens."""
+    torch.manual_seed(5)
+    logits = torch.randn(4, 30)
+    best, second = logits[0].topk(2).indices.tolist()
+    one = row(temperature=0.0, output=[1, 2])
+    one.bad_words = [[best]]
+    b1 = logits[1].argmax().item()
+    after = row(temperature=0.0, output=[4, 7])
+    after.bad_words = [[7, b1]]  # the output ends with 7: b1 would complete the word
+    b2 = logits[2].argmax().item()
+    not_after = row(temperature=0.0, output=[7, 4])
+    not_after.bad_words = [[7, b2]]  # it does not: b2 stays allowed
+    b3 = logits[3].topk(2).indices.tolist()
+    longer = row(temperature=0.0, output=[9, 5, 6])
+    longer.bad_words = [[5, 6, b3[0]], [6, 5, b3[1]]]  # only the first one's head matches
+    res = [r.token_id for r in Sampler()(logits, [one, after, not_after, longer])]
+    assert res[0] == second and res[1] != b1 and res[2] == b2 and res[3] == b3[1]
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["ok", "  "])

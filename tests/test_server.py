@@ -246,6 +246,34 @@ def test_logprobs(client):
     assert len(resp.output[0].content[0].logprobs) == resp.usage.output_tokens
 
 
+def test_tokens_as_token_ids_and_continuous_usage(server, client):
+    """vLLM's return_tokens_as_token_ids (logprobs name tokens "token_id:<id>", the ids the engine sampled) and
+    stream_options.continuous_usage_stats (every chunk carries the usage so far)."""
+    kw = dict(model="demo", max_tokens=5, temperature=0)
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    plain = client.completions.create(prompt="Hello", logprobs=2, **kw, extra_body={"ignore_eos": True})
+    ids = client.completions.create(prompt="Hello", logprobs=2, **kw, extra_body=as_ids)
+    lp = ids.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens) and len(lp.tokens) == 5
+    tokens = [int(t.split(":")[1]) for t in lp.tokens]
+    assert post(server, "/detokenize", {"tokens": tokens}).json()["prompt"] == plain.choices[0].text
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=1,
+                                          **kw, extra_body=as_ids)
+    assert all(e.token.startswith("token_id:") and e.top_logprobs[0].token.startswith("token_id:")
+               for e in chat.choices[0].logprobs.content)
+    for create, extra in ((client.completions.create, {"prompt": "Hello"}),
+                          (client.chat.completions.create, {"messages": [{"role": "user", "content": "Hi"}]})):
+        chunks = list(create(**kw, **extra, stream=True, extra_body={"ignore_eos": True},
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage is not None for c in chunks)
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+        plain_chunks = list(create(**kw, **extra, stream=True, extra_body={"ignore_eos": True},
+                                   stream_options={"include_usage": True}))
+        assert [c.usage is None for c in plain_chunks] == [True] * (len(plain_chunks) - 1) + [False]
+
+
 def test_stop_strings(client):
     kw = dict(model="demo", prompt="Python is a programming language that", max_tokens=24, temperature=0,
               extra_body={"ignore_eos": True})
@@ -442,6 +470,26 @@ def test_tokenize_detokenize(server):
     assert post(server, "/tokenize", {"prompt": "x", "messages": CHAT}).status_code == 400
 
 
+def test_truncate_prompt_tokens(server):
+    """truncate_prompt_tokens on completions and chat: the prompt's last N tokens only (the usage counts them, echo
+    shows them), checked against the context after the cut; a count past the context is a 400 naming it."""
+    ids = post(server, "/tokenize", {"prompt": "one two three four five six seven eight nine ten"}).json()["tokens"]
+    body = {"model": "demo", "prompt": ids, "max_tokens": 2, "temperature": 0, "truncate_prompt_tokens": 4,
+            "echo": True}
+    r = post(server, "/v1/completions", body).json()
+    assert r["usage"]["prompt_tokens"] == 4
+    tail = post(server, "/detokenize", {"tokens": ids[-4:]}).json()["prompt"]
+    assert r["choices"][0]["text"].startswith(tail)
+    long = {**body, "prompt": ids * 40, "echo": False}  # past max_model_len (256) uncut
+    assert post(server, "/v1/completions", {**long, "truncate_prompt_tokens": None}).status_code == 400
+    assert post(server, "/v1/completions", long).json()["usage"]["prompt_tokens"] == 4
+    chat = post(server, "/v1/chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 2,
+                                                  "truncate_prompt_tokens": 5}).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+    r = post(server, "/v1/completions", {**body, "truncate_prompt_tokens": MAX_MODEL_LEN})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_chat_continues_the_final_message(server):
     """continue_final_message: the client's begun answer stays open (no end of turn) and the model goes on from it;
     /tokenize takes the flag too; together with add_generation_prompt it is a 400 naming it."""
@@ -483,7 +531,8 @@ def test_metrics_text(server, client):
         assert grew[f"compiled_llm_request_{phase}_time_seconds_count"] == 2, phase
         assert grew[f"compiled_llm_request_{phase}_time_seconds_sum"] >= 0, phase
     assert grew["compiled_llm_request_prefill_time_seconds_sum"] > 0
-    assert grew["compiled_llm_request_inference_time_seconds_sum"] >= grew["compiled_llm_request_decode_time_seconds_sum"]
+    inference, decode = (grew[f"compiled_llm_request_{k}_time_seconds_sum"] for k in ("inference", "decode"))
+    assert inference >= decode
     assert grew["compiled_llm_request_generation_tokens_sum"] == 4  # two requests of max_tokens 2
     assert grew["compiled_llm_request_prompt_tokens_sum"] == (after["compiled_llm_prompt_tokens_total"]
                                                               - before["compiled_llm_prompt_tokens_total"])

@@ -120,6 +120,15 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(fake, client, oai):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.json())
 
 
+def test_bad_words_and_truncation_reach_the_engine(fake, client, oai):
+    oai.completions.create(model="fake-model", prompt="hi", max_tokens=2,
+                           extra_body={"bad_words": ["spam", "eggs"], "truncate_prompt_tokens": 8})
+    assert (fake.params[-1].bad_words, fake.params[-1].truncate_prompt_tokens) == (["spam", "eggs"], 8)
+    for body in ({"bad_words": ["  "]}, {"bad_words": "spam"}, {"truncate_prompt_tokens": 0}):
+        r = client.post("/v1/chat/completions", json={"messages": HI, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body)), (body, r.json())
+
+
 def test_priority_reaches_a_priority_engine(fake, client, oai):
     r = client.post("/v1/chat/completions", json={"messages": HI, "priority": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"  # the server schedules fcfs

@@ -28,10 +28,11 @@ def needs_host_history(params: SamplingParams) -> bool:
     """Penalties read every earlier output token on the host when sampling, and a grammar (structured output)
     must have accepted the last token before it can mask the next; under async scheduling the last one is still
     on its way there, so such a request runs the engine synchronously while it lasts. So does one that asks for
-    its prompt's logprobs (read from the step's logits on the host: runtime/prompt_logprobs.py)."""
+    its prompt's logprobs (read from the step's logits on the host: runtime/prompt_logprobs.py), and one with
+    bad_words (the sampler matches the output's last tokens against them)."""
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0 or params.structured_output is not None
-            or params.prompt_logprobs is not None)
+            or params.prompt_logprobs is not None or bool(params.bad_words))
 
 
 @dataclass

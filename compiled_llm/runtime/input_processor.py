@@ -149,6 +149,13 @@ class InputProcessor:
         text, ids, mm = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        if params.truncate_prompt_tokens is not None:
+            if mm is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with media (it could split an item's "
+                                 "tokens)")
+            cut = params.truncated(ids, self.config.max_model_len)
+            if len(cut) < len(ids):  # the text no longer matches what the model sees
+                text, ids = None, cut
         if any(t < 0 or t >= self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         named = [t for t in params.token_ids_named() if t >= self.vocab_size]
@@ -160,6 +167,7 @@ class InputProcessor:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {limit}, which must leave room "
                              "for at least one generated token")
         max_tokens = limit - len(ids) if params.max_tokens is None else min(params.max_tokens, limit - len(ids))
+        bad = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         seqs = []
         for i in range(params.n):
             gen = None
@@ -167,11 +175,26 @@ class InputProcessor:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             seq = Sequence(request_id, i, ids, params, max_tokens, arrival_time, gen)
             seq.mm = mm
+            seq.bad_words_ids = bad
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                          params.spaces_between_special_tokens)
             seqs.append(seq)
         return Request(request_id, text, ids, seqs, arrival_time, mm)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences SamplingParams.bad_words forbid: each word as written at the start of a text and,
+        where the tokenizer merges a leading space into the word's first token, after a space (as vLLM does)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine was started without one")
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenize(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenize(" " + word.lstrip(), add_special_tokens=False)
+            out.append(plain)
+            if spaced != plain and len(spaced) == len(plain):  # " word" is its own first token, not a space + word
+                out.append(spaced)
+        return [ids for ids in out if ids]
 
     def _prompt_ids(self, prompt: str | list[int] | dict | ProcessedPrompt):
         if isinstance(prompt, ProcessedPrompt):

@@ -46,7 +46,7 @@ class OutputProcessor:
         if not seq.params.ignore_eos:
             stop_ids |= self.eos_token_ids
         return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, stop_ids,
-                           seq.grammar)
+                           seq.grammar, seq.bad_words_ids)
 
     def append_token(self, seq: Sequence, res: SampleResult, now: float) -> bool:
         """Appends the sampled token; True when it ends the sequence (finish_reason and stop_reason set)."""

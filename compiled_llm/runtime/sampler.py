@@ -5,7 +5,8 @@ Order of operations for each step (all rows processed together with tensor ops):
 1. raw logits -> log_softmax (only when some row asked for logprobs; these are the returned logprobs)
 2. repetition penalty (HF/vLLM: tokens in prompt + output; positive logits divided, negative multiplied)
 3. frequency / presence penalties (OpenAI: output tokens only; logit -= f * count + p * (count > 0))
-4. logit_bias added; outside allowed_token_ids -inf
+4. logit_bias added; outside allowed_token_ids -inf; bad_words: a word's last token -inf where the output ends
+   with the rest of it
    min_tokens: the row's stop_token_ids are set to -inf while len(output) < min_tokens
    structured output: the tokens a row's grammar does not allow now are set to -inf (one packed bitmask for the
    batch, applied on the logits' device: runtime/structured_output.py)
@@ -36,6 +37,7 @@ class SamplingRow:
     # eos ids (unless ignore_eos) + params.stop_token_ids; masked while len(output) < min_tokens
     stop_token_ids: set[int] = field(default_factory=set)
     grammar: object | None = None  # structured_output.GrammarState of a constrained sequence
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences the output may not contain
 
 
 @dataclass
@@ -57,7 +59,7 @@ def _edits_logits(r: SamplingRow) -> bool:
     p = r.params
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             or p.logit_bias or p.allowed_token_ids or len(r.output_token_ids) < p.min_tokens
-            or r.grammar is not None)
+            or r.grammar is not None or bool(r.bad_words))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -121,6 +123,23 @@ def apply_bias_and_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> tor
         blocked[at, to_device(allow_ids, torch.long, dev)] = False
         idx = to_device(rows_t, torch.long, dev)
         logits[idx] = logits[idx].masked_fill(blocked, float("-inf"))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's bad words: the last token of a word is -inf where the output ends with the word's other tokens
+    (a one-token word: always), so no word is ever completed; one indexed update for the batch."""
+    banned_rows, banned_ids = [], []
+    for i, r in enumerate(rows):
+        out = r.output_token_ids
+        for word in r.bad_words:
+            head = word[:-1]
+            if len(out) >= len(head) and (not head or out[len(out) - len(head):] == head):
+                banned_rows.append(i)
+                banned_ids.append(word[-1])
+    if banned_rows:
+        dev = logits.device
+        logits[to_device(banned_rows, torch.long, dev), to_device(banned_ids, torch.long, dev)] = float("-inf")
     return logits
 
 
@@ -259,6 +278,7 @@ class Sampler:
             logits = logits.clone()
         logits = apply_penalties(logits, rows)
         logits = apply_bias_and_allowed(logits, rows)
+        logits = apply_bad_words(logits, rows)
         logits = apply_min_tokens(logits, rows)
         if any(r.grammar is not None for r in rows):
             from compiled_llm.runtime.structured_output import apply_grammar_masks

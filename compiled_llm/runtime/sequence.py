@@ -32,6 +32,7 @@ class Sequence:
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time
         self.generator = generator
+        self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences (input processor)
         self.status = Status.WAITING
         self.priority = 0  # scheduling_policy "priority": lower runs first (the request's, set at admission)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache

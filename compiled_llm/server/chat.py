@@ -14,8 +14,9 @@ from compiled_llm.server.inputs import (
     engine_prompt_ids,
     request_priority,
     sampling_params,
+    truncate_prompt,
 )
-from compiled_llm.server.logprobs import chat_entries
+from compiled_llm.server.logprobs import chat_entries, token_id_text
 from compiled_llm.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -34,7 +35,7 @@ from compiled_llm.server.reasoning import (
     reasoning_setup,
 )
 from compiled_llm.server.state import ServerState, new_id
-from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream
+from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream, usage_modes
 from compiled_llm.server.structured_output import request_constraint
 from compiled_llm.server.tool_parsers import CallEvent, ContentEvent
 from compiled_llm.server.tools import ToolSetup, finish_reason, parse_output, tool_setup
@@ -59,6 +60,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                       tools=tools.tools if tools else None, prefix=tools.prefix if tools else "",
                                       template_kwargs=req.chat_template_kwargs,
                                       continue_final_message=req.continue_final_message)
+    prompt = truncate_prompt(params, prompt, state.max_model_len)
     prompt_ids = engine_prompt_ids(prompt)
     check_context(len(prompt_ids), max_tokens, state.max_model_len,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
@@ -72,9 +74,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     created = int(time.time())
     top_n = params.logprobs
 
+    token_text = token_id_text if req.return_tokens_as_token_ids else state.token_text
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return stream(gen, _chunks(state, gen, rid, created, model, top_n, include_usage, tools, reasoning),
+        include_usage, continuous = usage_modes(req.stream_options)
+        return stream(gen, _chunks(state, gen, rid, created, model, top_n, include_usage, tools, reasoning,
+                                   token_text, continuous),
                       on_error=state.error_observer(request.url.path))
 
     try:
@@ -85,7 +89,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     for c in gen.choices:
         lps = None
         if top_n is not None:
-            lps = ChoiceLogprobs(content=chat_entries(c.token_ids, c.logprobs, top_n, state.token_text))
+            lps = ChoiceLogprobs(content=chat_entries(c.token_ids, c.logprobs, top_n, token_text))
         content, thought = c.text, None
         if reasoning is not None:
             split = reasoning.split(c.text)
@@ -158,14 +162,16 @@ def _tool_deltas(events: list, parallel: bool) -> list[dict]:
 
 
 async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, model: str, top_n: int | None,
-                  include_usage: bool, tools: ToolSetup | None, reasoning: ReasoningSetup | None):
+                  include_usage: bool, tools: ToolSetup | None, reasoning: ReasoningSetup | None, token_text,
+                  continuous: bool = False):
+    """continuous (stream_options.continuous_usage_stats): each chunk carries the usage so far."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     if include_usage:
         base["usage"] = None
     streams = {c.index: _ChoiceStream(tools, reasoning) for c in gen.choices}
 
     def chunk(choice: dict) -> str:
-        return sse({**base, "choices": [choice]})
+        return sse({**base, "choices": [choice], **({"usage": gen.usage().model_dump()} if continuous else {})})
 
     for c in gen.choices:
         yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -180,7 +186,7 @@ async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, m
             for k, delta in enumerate(pieces):
                 choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                 if k == 0 and top_n is not None:
-                    choice["logprobs"] = {"content": chat_entries(d.token_ids, d.logprobs, top_n, state.token_text)}
+                    choice["logprobs"] = {"content": chat_entries(d.token_ids, d.logprobs, top_n, token_text)}
                 if d.finished and k == len(pieces) - 1:
                     choice["finish_reason"] = finish_reason(d.choice.finish_reason, streams[i].num_calls)
                     choice["stop_reason"] = d.choice.stop_reason

@@ -50,7 +50,9 @@ class Generation:
         self.rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self._prompt_index = {rid: i for i, rid in enumerate(self.rids)}
         self.choices = [Choice(i) for i in range(len(prompts) * params.n)]
-        self.prompt_tokens = [0] * len(prompts)
+        # known from the token ids given (a media prompt's after its processor), so a stream's usage counts them
+        # from its first chunk; the engine's count replaces them with each update
+        self.prompt_tokens = [len(p) if isinstance(p, list) else len(getattr(p, "token_ids", ())) for p in prompts]
         self.cached_tokens = [0] * len(prompts)
         # params.prompt_logprobs: each prompt's token ids and entries, once the engine has computed it
         self.prompt_logprobs: list[tuple[list[int], list] | None] = [None] * len(prompts)

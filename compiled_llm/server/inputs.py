@@ -11,7 +11,7 @@ from compiled_llm.server.protocol import ChatMessage, InputMessage
 from compiled_llm.server.tools import message_tool_fields
 
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-             "repetition_penalty")
+             "repetition_penalty", "truncate_prompt_tokens", "bad_words")
 _PASSTHROUGH = ("n", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                 "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids")
 
@@ -65,6 +65,20 @@ def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, p
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                             f"{num_prompt + max_tokens} tokens ({num_prompt} in the {prompt_name}, {max_tokens} in the "
                             f"completion). Please reduce the length of the {prompt_name} or completion.", param=param)
+
+
+def truncate_prompt(params: SamplingParams, prompt, max_model_len: int):
+    """A prompt's token ids after the request's truncate_prompt_tokens (before the context check, which then sees
+    what the model will); a 400 naming the field for a media prompt or a count past the context."""
+    if params.truncate_prompt_tokens is None or isinstance(prompt, str):  # (an empty text: the engine's 400)
+        return prompt
+    if not isinstance(prompt, list):
+        raise APIError(400, "truncate_prompt_tokens cannot cut a prompt with media (it could split an item's tokens)",
+                       param="truncate_prompt_tokens")
+    try:
+        return params.truncated(prompt, max_model_len)
+    except ValueError as e:
+        raise APIError(400, str(e), param="truncate_prompt_tokens") from e
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

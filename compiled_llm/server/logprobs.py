@@ -33,6 +33,12 @@ class TokenText:
         return text
 
 
+def token_id_text(token_id: int, lp: Logprob | None = None) -> str:
+    """vLLM's return_tokens_as_token_ids: a token as "token_id:<id>" (unambiguous where several ids decode to
+    one text, or one decodes to an incomplete character), the form RL trainers read back."""
+    return f"token_id:{token_id}"
+
+
 def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
     if n <= 0:
         return []

@@ -47,6 +47,7 @@ class ErrorResponse(APIModel):
 # ---------------------------------------------------------------- shared request fields
 class StreamOptions(RequestModel):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM: with include_usage, every chunk carries the usage so far
 
 
 class SamplingFields(RequestModel):
@@ -66,6 +67,7 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[Int] | None = None
     logit_bias: dict[Str, Float] | None = None  # token id (as text, OpenAI's shape) -> bias in [-100, 100]
     allowed_token_ids: list[Int] | None = None  # vLLM: only these may be sampled
+    bad_words: list[Str] | None = None  # vLLM: words the output may not contain
     ignore_eos: Bool = False
     min_tokens: Int = 0
     include_stop_str_in_output: Bool = False
@@ -74,6 +76,8 @@ class SamplingFields(RequestModel):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     priority: Int = 0  # vLLM: the engine's scheduling priority, lower first (--scheduling-policy priority)
+    truncate_prompt_tokens: Int | None = None  # vLLM: keep the prompt's last N tokens (-1: max_model_len - 1)
+    return_tokens_as_token_ids: Bool = False  # vLLM: logprobs name each token "token_id:<id>"
     user: Str | None = None  # accepted, ignored
 
 

@@ -18,6 +18,13 @@ logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def usage_modes(stream_options) -> tuple[bool, bool]:
+    """(a usage chunk at the end, the usage so far in every chunk) of a request's stream_options (vLLM's
+    continuous_usage_stats counts only with include_usage, as there)."""
+    include = bool(stream_options and stream_options.include_usage)
+    return include, include and bool(stream_options.continuous_usage_stats)
+
+
 def sse(data, event: str | None = None) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
