@@ -140,16 +140,17 @@ def render_chat(inputs, messages: list[dict], add_generation_prompt: bool, chat_
     if template_kwargs:
         kw["template_kwargs"] = template_kwargs
     if continue_final_message:
-        if add_generation_prompt:
-            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
-                                "add_generation_prompt to false to continue the final message",
-                           param="continue_final_message")
         kw["continue_final_message"] = True
     try:
         text = inputs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                           chat_template=chat_template, **kw)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-        param = "chat_template_kwargs" if template_kwargs and "chat_template_kwargs" in str(exc) else "messages"
+        # named: the option the message is about (the input processor refuses one together with
+        # add_generation_prompt, transformers a final message it cannot leave open), else the messages
+        named = [name for name, given in (("chat_template_kwargs", template_kwargs),
+                                          ("continue_final_message", continue_final_message))
+                 if given and name in str(exc)]
+        param = named[0] if named else "messages"
         raise APIError(400, f"cannot apply the chat template: {exc}", param=param) from exc
     return text + prefix
 

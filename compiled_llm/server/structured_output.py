@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.sampling_params import STRUCTURED_KINDS, SamplingParams
 from compiled_llm.server.errors import APIError
 
 
@@ -51,7 +51,6 @@ def response_format_output(fmt) -> dict | None:
 
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-KINDS = "json, regex, choice, grammar or json_object"
 
 
 def _structured_outputs_spec(so) -> dict:
@@ -60,7 +59,7 @@ def _structured_outputs_spec(so) -> dict:
                                              ("grammar", so.grammar), ("json_object", so.json_object))
              if value is not None and value is not False}
     if len(given) != 1:
-        raise APIError(400, f"structured_outputs takes exactly one of {KINDS}; got "
+        raise APIError(400, f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}; got "
                             f"{', '.join(given) or 'none'}", param="structured_outputs")
     return given
 
