@@ -1,6 +1,6 @@
 """A scoring request (an evaluation harness's log-likelihood: `echo` with `logprobs`, i.e.
 SamplingParams.prompt_logprobs) against a plain prefill of the same prompt: time and peak memory. The prompt's
-logit rows (at most scheduler.PROMPT_LOGPROB_ROWS a step, float32 [rows, vocab] and their log-softmax) are not in
+logit rows (prompt_logprobs.PIECE_ROWS at a time, float32 [rows, vocab] and their log-softmax) are not in
 start-up's memory plan, so the peak over the plain prefill is what a long scored prompt adds; the time ratio is
 what scoring costs per prompt token. Prefix caching is off, so each run computes its whole prompt.
 

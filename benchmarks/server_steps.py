@@ -10,10 +10,11 @@ Milliseconds since this process started. Used to find where a cold server's firs
 
     STEP_LOG=/tmp/steps.jsonl python benchmarks/server_steps.py --model DIR --port 8011 ...
 
-With STEP_PROFILE=N, the first N steps of each wave (a step after the engine thread sat idle for 0.2 s or more)
-run under cProfile, written to STEP_LOG.wave{W}.step{I}.prof, and the event loop's thread runs under cProfile
-throughout, one file a wave (STEP_LOG.wave{W}.loop.prof, cut when the server has been idle for 0.2 s). `python
-benchmarks/server_steps.py diff A B` prints the functions whose own time differs most between two such files
+With STEP_PROFILE=N, the first N steps of each wave (a step after the engine thread sat idle for 0.2 s or more) run
+under cProfile, written to STEP_LOG.wave{W}.step{I}.prof, and (before Python 3.12, or with STEP_PROFILE_LOOP=1
+instead of the steps) the event loop's thread runs under cProfile throughout, one file a wave
+(STEP_LOG.wave{W}.loop.prof, cut when the server has been idle for 0.2 s). `python benchmarks/server_steps.py diff
+A B` prints the functions whose own time differs most between two such files
 (the first wave's against the second's, to name what a cold server does once). On the CPU the loop's first
 wave imported anyio's asyncio backend (~35 ms, holding the GIL the engine thread needs between its ops); the
 app now loads it at start-up (server/app.py warm_streaming). A C function's own time includes its wait for the
@@ -82,12 +83,16 @@ def install() -> None:
 
     add, run, start = ae.AsyncEngine._add, ae.AsyncEngine._run, ae.AsyncEngine.start
     profiled = int(os.environ.get("STEP_PROFILE", "0"))
+    # from Python 3.12 cProfile is a sys.monitoring tool: one profile at a time in a process, so there the loop's
+    # profile is taken only with STEP_PROFILE_LOOP=1, and then instead of the steps'
+    loop_on = os.environ.get("STEP_PROFILE_LOOP", "1" if sys.version_info < (3, 12) else "0") == "1"
+    profiled_steps = profiled if (sys.version_info < (3, 12) or not loop_on) else 0
     loop_profiles: list[LoopProfiles] = []
     touch = lambda: loop_profiles and loop_profiles[0].touch()  # noqa: E731
 
     def _start(self):
         start(self)
-        if profiled:
+        if profiled and loop_on:
             loop_profiles.append(LoopProfiles(self._loop, os.environ.get("STEP_LOG", "/tmp/steps.jsonl")))
 
     def _add(self, cmd):
@@ -105,7 +110,7 @@ def install() -> None:
             if wave["last"] is None or start - wave["last"] >= IDLE_S * 1000:
                 wave["n"], wave["index"] = wave["n"] + 1, 0
             wave["index"] += 1
-            if wave["index"] <= profiled:
+            if wave["index"] <= profiled_steps:
                 profile = cProfile.Profile()
                 out = profile.runcall(step)
                 profile.dump_stats(f"{os.environ.get('STEP_LOG', '/tmp/steps.jsonl')}.wave{wave['n']}"

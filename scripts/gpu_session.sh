@@ -186,12 +186,14 @@ for step in $steps; do
       done
       kill $spid; wait $spid 2>/dev/null
       for p in step1 step2 loop; do  # what the first wave's first steps and event loop did that the second's did not
+        [ -f "$OUT/server_steps.jsonl.wave1.$p.prof" ] || continue  # Python 3.12: the steps' or the loop's
         python3 benchmarks/server_steps.py diff "$OUT/server_steps.jsonl.wave1.$p.prof" \
           "$OUT/server_steps.jsonl.wave2.$p.prof" | tee "$OUT/server_steps_diff_$p.txt" | head -14
       done ;;
     rebuild) run rebuild 300 python3 benchmarks/rebuild.py --config gemma-4-26b-a4b --builds 2 --out "$OUT/rebuild.json" ;;
-    scoring) run scoring 300 python3 benchmarks/scoring.py --config gemma-4-26b-a4b --prompt-len 4096 \
-               --out "$OUT/scoring.json" ;;
+    scoring) run scoring${SCORING_TAG:-} 300 python3 benchmarks/scoring.py --config ${SCORING_MODEL:-gemma-4-26b-a4b} \
+               --prompt-len 4096 --out "$OUT/scoring${SCORING_TAG:-}.json" ;;  # e.g. SCORING_MODEL=qwen3.5-35b-a3b
+                                                                              # SCORING_TAG=_qwen
     offline32) run offline32 300 python3 benchmarks/throughput.py --config gemma-4-26b-a4b --shapes 1024x32x256 \
                  --async-scheduling --warmup 1 --runs 2 --out "$OUT" ;;
     par_modes)  # issue 16, two GPUs: eager TP2 / PP2 / TP2+EP tokens vs one GPU on a tiny model, a worker killed mid-decode

@@ -34,7 +34,7 @@ def test_prefill_logits_match(tiny_ckpt, name):
     from compiled_llm.runtime.sequence import Sequence
     seq = Sequence("x", 0, ids, GREEDY, 1, 0.0)
     llm.engine.block_manager.allocate(seq, len(ids))
-    input_ids, positions, meta, _ = runner.prepare([ScheduledSeq(seq, len(ids))])
+    input_ids, positions, meta, _, _ = runner.prepare([ScheduledSeq(seq, len(ids))])
     from compiled_llm.ops.context import ForwardContext, set_forward_context
     with torch.no_grad(), set_forward_context(ForwardContext(meta, runner.kv_caches, runner.specs)):
         ours = runner.model.compute_logits(runner.model(input_ids, positions))

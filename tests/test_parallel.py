@@ -22,6 +22,7 @@ from compiled_llm.runtime.errors import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 _REFERENCE: dict[str, tuple[list, list, dict]] = {}
+_SCORES: dict[str, list] = {}
 
 
 def make_llm(folder, **kw):
@@ -56,6 +57,28 @@ def reference(tiny_ckpt, name):
                              if isinstance(m, MergedColumnParallelLinear)}}
         _REFERENCE[name] = (ps, generate_ids(llm, ps), counts, layout)
     return _REFERENCE[name]
+
+
+SCORED = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+
+
+def scores(llm, ps):
+    """The longest prompt's prompt logprobs (runtime/prompt_logprobs.py): per token, id -> (logprob, rank)."""
+    out = llm.generate([{"prompt_token_ids": ps[-1]}], SCORED)[0]
+    return [e and {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in out.prompt_logprobs]
+
+
+def same_scores(got, want):
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert g.keys() == w.keys() and all(g[t][1] == w[t][1] for t in g)
+        assert [g[t][0] for t in g] == pytest.approx([w[t][0] for t in g], abs=1e-4)
+
+
+def reference_scores(tiny_ckpt, name):
+    if name not in _SCORES:
+        _SCORES[name] = scores(make_llm(tiny_ckpt(name)[0]), reference(tiny_ckpt, name)[0])
+    return _SCORES[name]
 
 
 @pytest.fixture
@@ -204,8 +227,10 @@ def test_rank_slices_reassemble_checkpoint(tiny_ckpt):
 # ---- two processes -------------------------------------------------------------------------------
 def test_tp2_greedy_and_weight_slices(tiny_ckpt, parallel_llm):
     ps, ref, full, layout = reference(tiny_ckpt, "all")
+    want = reference_scores(tiny_ckpt, "all")  # (before: one parallel engine a process, and nothing beside it)
     llm = parallel_llm("all", tensor_parallel_size=2)
     assert generate_ids(llm, ps) == ref
+    same_scores(scores(llm, ps), want)  # every rank in the LM head's pieces
     executor = llm.engine.executor
     check_tp2_counts(executor.collective_rpc("param_counts"), full, layout)
     specs = executor.runner.specs  # the KV cache is sized for this rank's heads: 2 query heads, 1 KV head
@@ -263,10 +288,12 @@ def test_pp2_greedy_and_stage_weights(tiny_ckpt, parallel_llm, caplog):
     stay on the stage of their sources (3, 4); the tied embedding feeds the last stage's head. Async
     scheduling, asked for, is refused with the reason (pipeline stages step synchronously)."""
     ps, ref, full, _ = reference(tiny_ckpt, "all")
+    want = reference_scores(tiny_ckpt, "all")
     llm = parallel_llm("all", pipeline_parallel_size=2, async_scheduling=True)
     assert not llm.engine.async_scheduling
     assert any("async scheduling is off: pipeline-parallel" in r.getMessage() for r in caplog.records)
     assert generate_ids(llm, ps) == ref
+    same_scores(scores(llm, ps), want)  # packed rows from the last stage to rank 0
     executor = llm.engine.executor
     info = executor.collective_rpc("info")
     assert [i["layers"] for i in info] == [(0, 3), (3, 7)]

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from server_utils import FakeServers
 
 from compiled_llm import LLM, SamplingParams
-from compiled_llm.runtime import scheduler
+from compiled_llm.runtime import prompt_logprobs
 from compiled_llm.server.app import create_app
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -61,12 +61,13 @@ def test_prompt_logprobs_match_transformers(model, monkeypatch):
     assert both[1].outputs[0].token_ids == alone and both[1].prompt_logprobs is None
     assert llm.generate(PROMPT, plain)[0].num_cached_tokens > 0  # others still hit the cache
 
-    # a step computes at most PROMPT_LOGPROB_ROWS rows of prompt logits: the prompt goes in smaller chunks
-    monkeypatch.setattr(scheduler, "PROMPT_LOGPROB_ROWS", 3)
+    # the LM head makes PIECE_ROWS rows of prompt logits at a time, and the prompt still goes in chunks of the
+    # whole token budget (8 here): one step a chunk, then one for the second token
+    monkeypatch.setattr(prompt_logprobs, "PIECE_ROWS", 3)
     steps = llm.engine.sync_steps
     again = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
     assert values(again) == values(out, approx=True)
-    assert llm.engine.sync_steps - steps >= math.ceil((len(ids) - 1) / 3) + 1
+    assert llm.engine.sync_steps - steps == math.ceil(len(ids) / 8) + 1
 
 
 def test_async_scheduling_engine_gives_the_same_entries(model, tiny_ckpt):

@@ -64,7 +64,7 @@ def test_prefill_logits_match(qwen_ckpt, name):
     seq = Sequence("x", 0, ids, GREEDY, 1, 0.0)
     bm.allocate(seq, len(ids))
     batch = [ScheduledSeq(seq, len(ids))]
-    input_ids, positions, meta, _ = runner.prepare(batch)
+    input_ids, positions, meta, _, _ = runner.prepare(batch)
     with torch.no_grad(), set_forward_context(runner.forward_context(batch, meta)):
         ours = runner.model.compute_logits(runner.model(input_ids, positions))
     bm.free(seq)
@@ -369,7 +369,7 @@ def test_image_prompt_matches_transformers(qwen_ckpt):
     seq = Sequence("x", 0, ids, GREEDY, 8, 0.0)
     bm.allocate(seq, len(ids))
     batch = [ScheduledSeq(seq, len(ids))]
-    _, _, meta, _ = runner.prepare(batch)
+    _, _, meta, _, _ = runner.prepare(batch)
     with torch.no_grad(), set_forward_context(runner.forward_context(batch, meta)):
         ours = model.compute_logits(model(None, positions, embeds))
     err = (ours - ref).abs().max().item()
@@ -382,7 +382,7 @@ def test_image_prompt_matches_transformers(qwen_ckpt):
         seq.token_ids.append(tok)
         bm.allocate(seq, 1)
         batch = [ScheduledSeq(seq, 1)]
-        input_ids, pos, meta, _ = runner.prepare(batch)
+        input_ids, pos, meta, _, _ = runner.prepare(batch)
         with torch.no_grad(), set_forward_context(runner.forward_context(batch, meta)):
             logits = model.compute_logits(model(input_ids, (pos + delta).expand(3, -1)))
         seq.num_computed_tokens += 1

@@ -165,9 +165,8 @@ class LLMEngine:
         spans = prompt_logprobs.spans(batch)  # rows the runner adds after the sampled ones
         logits = self._guarded(self.executor.execute, batch)
         if spans:
-            n = sum(span[2] for span in spans)
-            prompt_logprobs.record(batch, spans, logits[logits.shape[0] - n:], self.output_processor.decode_token)
-            logits = logits[:logits.shape[0] - n]
+            logits, summary = prompt_logprobs.split(logits, batch, spans)
+            prompt_logprobs.record(batch, spans, summary, self.output_processor.decode_token)
         self.sync_steps += 1
         return outputs + self._update(batch, logits)
 

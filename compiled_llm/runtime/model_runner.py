@@ -209,16 +209,17 @@ class ModelRunner(KVCachePlanner):
         """The step's device inputs. pending (async scheduling): the previous step's sampled tokens, still on
         the device; a sequence whose last token is a placeholder for one of them gets it copied in there."""
         rows_of = None if pending is None else pending.rows
-        input_ids, positions, meta, rows, fill = self.prepare_inputs(batch, rows_of, self.device)
+        input_ids, positions, meta, rows, fill, prompt = self.prepare_inputs(batch, rows_of, self.device)
         if fill is not None:
             fill_pending(input_ids, fill, pending.tokens)
-        return input_ids, positions, meta, rows
+        return input_ids, positions, meta, rows, prompt
 
     def prepare_inputs(self, batch: list[ScheduledSeq], pending_rows: dict[int, int] | None, dev: torch.device):
-        """(input ids, positions, metadata, logit rows, fill) on dev. The multi-process driver prepares them on
-        the CPU for the wire (every rank then moves them to its own device). fill (async scheduling): None, or
-        (rows of input_ids, rows of the previous step's sampled tokens) that each rank copies on its device;
-        pending_rows: seq_id -> row of the sequences whose last token is a placeholder."""
+        """(input ids, positions, metadata, logit rows, fill, prompt) on dev. The multi-process driver prepares
+        them on the CPU for the wire (every rank then moves them to its own device). fill (async scheduling):
+        None, or (rows of input_ids, rows of the previous step's sampled tokens) that each rank copies on its
+        device; pending_rows: seq_id -> row of the sequences whose last token is a placeholder. prompt: None, or
+        the PromptRows of the logit rows after the sampled ones (runtime/prompt_logprobs.py)."""
         bs = self.block_size
         ids, pos, qsl, seq_lens, logit_rows = [], [], [0], [], []
         fill_at, fill_from = [], []
@@ -239,7 +240,8 @@ class ModelRunner(KVCachePlanner):
             for g in groups:
                 table = seq.block_tables[g]
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
-        for i, lo, n in prompt_logprobs.spans(batch):  # after the sampled rows (runtime/prompt_logprobs.py)
+        step_spans = prompt_logprobs.spans(batch)
+        for i, lo, n in step_spans:  # after the sampled rows (runtime/prompt_logprobs.py)
             first = qsl[i] + lo - batch[i].seq.num_computed_tokens
             logit_rows.extend(range(first, first + n))
         width = max(len(item.seq.block_tables[g]) for item in batch for g in groups)
@@ -263,13 +265,17 @@ class ModelRunner(KVCachePlanner):
             items += [(tables[g], torch.int32), (slots[g], torch.long)]
         if fill_at:
             items += [(fill_at, torch.long), (fill_from, torch.long)]
+        if step_spans:
+            items.append((prompt_logprobs.targets(batch, step_spans), torch.long))
         input_ids, positions, lens_t, qsl_t, rows_t, *rest = to_device_packed(items, dev)
+        prompt = prompt_logprobs.PromptRows(rest.pop(), prompt_logprobs.top_k(batch, step_spans)) if step_spans \
+            else None
         metas = {g: GroupMetadata(rest[2 * i], rest[2 * i + 1]) for i, g in enumerate(groups)}
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_size=bs, groups=metas,
                                  positions=positions)
         meta.seq_lens_tensor, meta.query_start_loc_tensor = lens_t, qsl_t
         fill = tuple(rest[2 * len(groups):]) if fill_at else None
-        return input_ids, positions, meta, rows_t, fill
+        return input_ids, positions, meta, rows_t, fill, prompt
 
     def forward_context(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> ForwardContext:
         """The context the ops read: KV cache and, for hybrid models, each sequence's state slot
@@ -292,28 +298,28 @@ class ModelRunner(KVCachePlanner):
     def execute(self, batch: list[ScheduledSeq], pending: PendingTokens | None = None) -> torch.Tensor:
         """Runs the batch; returns float32 logits for each sequence that finished its tokens this step.
         pending: the previous step's tokens still on the device (async scheduling)."""
-        input_ids, positions, meta, rows = self.prepare(batch, pending)
+        input_ids, positions, meta, rows, prompt = self.prepare(batch, pending)
         if has_media(batch):  # a prefill chunk with media placeholders: eager, embeddings merged in
-            return self.execute_media(batch, input_ids, positions, meta, rows)
-        return self.execute_prepared(input_ids, positions, self.forward_context(batch, meta), rows)
+            return self.execute_media(batch, input_ids, positions, meta, rows, prompt)
+        return self.execute_prepared(input_ids, positions, self.forward_context(batch, meta), rows, prompt=prompt)
 
-    def execute_media(self, batch, input_ids, positions, meta, rows) -> torch.Tensor:
+    def execute_media(self, batch, input_ids, positions, meta, rows, prompt=None) -> torch.Tensor:
         """Runs the media towers for the placeholders in this step, merges their soft tokens into the text
         embeddings and passes the bidirectional spans to the attention op (docs/multimodal.md). Text-only
         steps never come here, so they keep the compiled path."""
         ctx = self.forward_context(batch, meta)
         input_ids, embeds, spans = prepare_media(self.model, batch, input_ids)
         ctx.extra[BIDIR_KEY] = spans
-        return self.execute_prepared(input_ids, positions, ctx, rows, inputs_embeds=embeds)
+        return self.execute_prepared(input_ids, positions, ctx, rows, inputs_embeds=embeds, prompt=prompt)
 
     @torch.inference_mode()
     def execute_prepared(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                          rows: torch.Tensor, intermediate: dict[str, torch.Tensor] | None = None,
-                         inputs_embeds: torch.Tensor | None = None):
+                         inputs_embeds: torch.Tensor | None = None, prompt: prompt_logprobs.PromptRows | None = None):
         """The forward pass on prepared inputs (every rank of a parallel run calls this). Under pipeline
         parallelism a stage after the first gets the previous stage's tensors in `intermediate`, and a
         stage before the last returns its own (a dict) instead of logits. inputs_embeds: media merged in
-        (eager)."""
+        (eager). prompt: the last rows are prompt rows, reduced to their logprobs (runtime/prompt_logprobs.py)."""
         kwargs = {} if intermediate is None else {"intermediate": intermediate}
         if inputs_embeds is not None:
             kwargs["inputs_embeds"] = inputs_embeds
@@ -329,4 +335,10 @@ class ModelRunner(KVCachePlanner):
             copy_state_slots(state.caches, state.copies_after)
         if isinstance(hidden, dict):
             return hidden
-        return self.model.compute_logits(hidden[rows]).float()
+        if prompt is None:
+            return self.model.compute_logits(hidden[rows]).float()
+        m = rows.shape[0] - prompt.targets.shape[0]
+        sampled = self.model.compute_logits(hidden[rows[:m]]).float() if m else \
+            hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
+        return prompt_logprobs.pack(sampled, prompt_logprobs.summarize(self.model.compute_logits, hidden[rows[m:]],
+                                                                       prompt))

@@ -21,12 +21,6 @@ from compiled_llm.runtime.block_manager import BlockManager
 from compiled_llm.runtime.sequence import Sequence, Status
 
 
-# Prompt logprobs: logit rows of prompt positions a step computes at most. Each is float32 [vocab] (1 MiB at
-# 262,144 tokens; the bf16 logits and the log-softmax come on top), outside what start-up's memory plan measured
-# (the sampled rows): a prompt that asks for them is cut into chunks of at most this many tokens.
-PROMPT_LOGPROB_ROWS = 256
-
-
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -90,15 +84,13 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.token_budget
-        self._logprob_rows = PROMPT_LOGPROB_ROWS
         out: list[ScheduledSeq] = []
         preempted = False
         for seq in sorted(self.running, key=self._rank) if self.by_priority else list(self.running):
             if seq not in self.running or budget == 0:
                 continue
             start = seq.num_computed_tokens
-            n = self._cut(seq, start, clamp_chunk(seq, start, min(seq.num_uncomputed, budget,  # media spans whole
-                                                                  self._logprob_cap(seq, start))))
+            n = self._cut(seq, start, clamp_chunk(seq, start, min(seq.num_uncomputed, budget)))  # media spans whole
             if n == 0:
                 continue
             while not self.bm.can_allocate(seq, n):
@@ -111,13 +103,12 @@ class Scheduler:
                 self.bm.allocate(seq, n)
                 out.append(self._scheduled(seq, n))
                 budget -= n
-                self._take_logprob_rows(seq, start, n)
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             plan = self.bm.plan_prefix(seq)
             cached = plan.num_blocks * self.bm.block_size
-            n = clamp_chunk(seq, cached, min(len(seq) - cached, budget, self._logprob_cap(seq, cached)))
+            n = clamp_chunk(seq, cached, min(len(seq) - cached, budget))
             if n == 0:
                 break
             if n < len(seq) - cached and not self.chunked:
@@ -138,24 +129,7 @@ class Scheduler:
             self.running.append(seq)
             out.append(self._scheduled(seq, n, plan.state_from))
             budget -= n
-            self._take_logprob_rows(seq, cached, n)
         return out
-
-    @staticmethod
-    def _logprob_rows_of(seq: Sequence, start: int, n: int) -> int:
-        """Logit rows a chunk of n tokens from start needs for the prompt's logprobs (runtime/prompt_logprobs.py)."""
-        if seq.params.prompt_logprobs is None or seq.index != 0:
-            return 0
-        return max(0, min(start + n, seq.num_prompt_tokens - 1) - start)
-
-    def _logprob_cap(self, seq: Sequence, start: int) -> int:
-        """Most tokens a chunk may have so that the step's prompt-logprob rows stay within PROMPT_LOGPROB_ROWS."""
-        if self._logprob_rows_of(seq, start, 1) == 0:
-            return len(seq)
-        return self._logprob_rows
-
-    def _take_logprob_rows(self, seq: Sequence, start: int, n: int) -> None:
-        self._logprob_rows -= self._logprob_rows_of(seq, start, n)
 
     def _cut(self, seq: Sequence, start: int, n: int) -> int:
         """n, or fewer tokens so that the chunk ends at a snapshot point of the prompt (hybrid prefix caching)."""

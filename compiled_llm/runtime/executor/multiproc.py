@@ -173,7 +173,7 @@ class MultiProcExecutor(Executor):
         """The step as every rank runs it, prepared once here on the host: copying device tensors back for
         the wire would wait for the step still running (each rank moves them to its device)."""
         cpu = torch.device("cpu")
-        input_ids, positions, meta, rows, fill = self.runner.prepare_inputs(
+        input_ids, positions, meta, rows, fill, prompt = self.runner.prepare_inputs(
             batch, None if pending is None else pending.rows, cpu)
         ctx = self.runner.forward_context(batch, meta)
         media = None
@@ -183,7 +183,8 @@ class MultiProcExecutor(Executor):
             ctx.extra[BIDIR_KEY] = plan.spans
             media = MediaRefs(plan.rows, [(s.request_id, k, lo, hi) for s, k, lo, hi in plan.refs],
                               sorted({s.request_id for s in plan.done}))
-        step = StepInput(input_ids, positions, meta, rows, wire_extras(ctx.extra), media, *(fill or (None, None)))
+        step = StepInput(input_ids, positions, meta, rows, wire_extras(ctx.extra), media, *(fill or (None, None)),
+                         prompt=prompt)
         return to_device(step, cpu)  # any device tensor an extra holds (sparse KV: synchronous steps only)
 
     def register_media(self, request_id: str, mm) -> None:

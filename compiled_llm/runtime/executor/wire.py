@@ -14,6 +14,7 @@ import torch
 
 from compiled_llm.ops.context import AttentionMetadata
 from compiled_llm.ops.state import STATE_KEY
+from compiled_llm.runtime.prompt_logprobs import PromptRows
 
 
 @dataclass
@@ -39,6 +40,7 @@ class StepInput:
     # rank 0's sampled batch (rank 0 gathers them and broadcasts them to the group, on the device)
     fill_at: torch.Tensor | None = None
     fill_from: torch.Tensor | None = None
+    prompt: PromptRows | None = None  # prompt-logprob rows after the sampled ones (runtime/prompt_logprobs.py)
 
 
 def wire_extras(extra: dict) -> dict:

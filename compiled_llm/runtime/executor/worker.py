@@ -26,6 +26,7 @@ from compiled_llm.runtime.executor.launch import rank_config
 from compiled_llm.runtime.executor.wire import MediaRefs, StepInput, rank_extras, to_device
 from compiled_llm.runtime.heap import freeze_startup_heap
 from compiled_llm.runtime.model_runner import ModelRunner
+from compiled_llm.runtime import prompt_logprobs
 
 # Test hook: "RANK:REQUEST_ID" makes that rank refuse that request's media registration.
 MEDIA_FAULT_ENV = "COMPILED_LLM_MEDIA_REGISTRATION_FAULT"
@@ -171,15 +172,18 @@ class RankWorker:
         embeds = None
         if step.media is not None and ps.is_first_stage:  # towers run here, on this rank's registered copy
             embeds = self._media_embeds(step.input_ids, step.media)
-        out = r.execute_prepared(step.input_ids, step.positions, ctx, step.rows, intermediate, embeds)
+        out = r.execute_prepared(step.input_ids, step.positions, ctx, step.rows, intermediate, embeds, step.prompt)
         if not ps.is_last_stage:
             send_tensors(out, ps.global_rank(ps.pp_rank + 1, ps.tp_rank))
             out = None
-        num_rows = step.rows.shape[0]
+        num_rows, vocab = step.rows.shape[0], r.model_config.vocab_size
+        if step.prompt is not None:  # the prompt rows come packed (runtime/prompt_logprobs.py)
+            n = step.prompt.targets.shape[0]
+            num_rows += prompt_logprobs.packed_rows(n, step.prompt.k, vocab) - n
         if ps.pp_size > 1 and num_rows:
             last = ps.global_rank(ps.pp_size - 1, 0)
             if ps.rank == 0:
-                out = torch.empty(num_rows, r.model_config.vocab_size, dtype=torch.float32, device=dev)
+                out = torch.empty(num_rows, vocab, dtype=torch.float32, device=dev)
                 dist.recv(out, last)
             elif ps.rank == last:
                 dist.send(out.contiguous(), 0)
