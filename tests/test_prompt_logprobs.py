@@ -131,6 +131,22 @@ def test_completions_echo_with_logprobs(model):
             oai.completions.create(model=name, prompt=PROMPT, stream=True, extra_body={"prompt_logprobs": 1})
         assert err.value.body["param"] == "prompt_logprobs"
 
+        # chat (vLLM's): the rendered conversation's entries at the response's top level
+        msgs = [{"role": "user", "content": PROMPT}]
+        chat = oai.chat.completions.create(model=name, messages=msgs, max_tokens=1, extra_body={"prompt_logprobs": 2})
+        ids = llm.get_tokenizer().encode(llm.engine.apply_chat_template(msgs), add_special_tokens=False)
+        want = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+        entries = chat.model_extra["prompt_logprobs"]
+        assert chat.usage.prompt_tokens == len(ids) == len(entries) and entries[0] is None
+        for p in range(1, len(ids)):
+            assert {int(t): (e["logprob"], e["rank"]) for t, e in entries[p].items()} == \
+                {t: (pytest.approx(lp.logprob, abs=1e-4), lp.rank) for t, lp in want.prompt_logprobs[p].items()}
+        assert oai.chat.completions.create(model=name, messages=msgs, max_tokens=1).model_extra.get(
+            "prompt_logprobs") is None
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=name, messages=msgs, stream=True, extra_body={"prompt_logprobs": 1})
+        assert err.value.body["param"] == "prompt_logprobs"
+
 
 def test_tokenizer_info_is_opt_in():
     servers = FakeServers()

@@ -502,8 +502,21 @@ def test_chat_continues_the_final_message(server):
             "add_generation_prompt": False, "continue_final_message": True}
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(open_)
+    answer = r.json()["choices"][0]["message"]["content"]
     r = post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+    # echo (vLLM's): the continued message's text before the answer, streamed as its own chunk after the role;
+    # a user message last, under add_generation_prompt, is not the answer's and is not echoed
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Once upon" + answer
+    r = post(server, "/v1/chat/completions", {**body, "echo": True, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert deltas[1] == {"content": "Once upon"} and "".join(d.get("content") or "" for d in deltas) == echoed
+    plain = {"model": "demo", "messages": CHAT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    assert post(server, "/v1/chat/completions", {**plain, "echo": True}).json()["choices"][0]["message"] == \
+        post(server, "/v1/chat/completions", plain).json()["choices"][0]["message"]
 
 
 def test_metrics_text(server, client):

@@ -16,7 +16,7 @@ from compiled_llm.server.inputs import (
     sampling_params,
     truncate_prompt,
 )
-from compiled_llm.server.logprobs import chat_entries, token_id_text
+from compiled_llm.server.logprobs import chat_entries, token_id_text, top_n_entries, vllm_prompt_logprobs
 from compiled_llm.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -46,6 +46,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     constraint, constraint_param = request_constraint(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not supported with stream", param="prompt_logprobs")
     tools = tool_setup(state, req)
     if tools is not None and constraint is not None:
         raise APIError(400, f"{constraint_param[0]} together with tools is not supported: the grammar would forbid "
@@ -55,7 +57,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     forced = tools.constraint() if tools else None  # a forced call's grammar (server/tools.py)
     params = sampling_params(req, max_tokens=max_tokens, vocab_size=state.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             structured_output=constraint or forced, **overrides)
+                             structured_output=constraint or forced, prompt_logprobs=req.prompt_logprobs,
+                             **overrides)
     prompt = await chat_engine_prompt(state, req.messages, req.add_generation_prompt,  # media: a ProcessedPrompt
                                       tools=tools.tools if tools else None, prefix=tools.prefix if tools else "",
                                       template_kwargs=req.chat_template_kwargs,
@@ -73,12 +76,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     await gen.start()
     created = int(time.time())
     top_n = params.logprobs
+    echo = _echo(req)
 
     token_text = token_id_text if req.return_tokens_as_token_ids else state.token_text
     if req.stream:
         include_usage, continuous = usage_modes(req.stream_options)
         return stream(gen, _chunks(state, gen, rid, created, model, top_n, include_usage, tools, reasoning,
-                                   token_text, continuous),
+                                   token_text, continuous, echo),
                       on_error=state.error_observer(request.url.path))
 
     try:
@@ -101,10 +105,26 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             calls = [ToolCall(id=e.id, function=FunctionCall(name=e.name, arguments=e.arguments)) for e in out.calls]
             message.content, message.tool_calls = out.content, calls or None
             reason = finish_reason(c.finish_reason, len(calls))
+        if echo:
+            message.content = echo + (message.content or "")
         choices.append(ChatChoice(index=c.index, message=message, logprobs=lps, finish_reason=reason,
                                   stop_reason=c.stop_reason))
+    prompt_lps = None
+    if req.prompt_logprobs is not None and gen.prompt_logprobs[0] is not None:
+        prompt_lps = vllm_prompt_logprobs(top_n_entries(gen.prompt_logprobs[0], req.prompt_logprobs))
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                  usage=_usage(state, gen, reasoning))
+                                  usage=_usage(state, gen, reasoning), prompt_logprobs=prompt_lps)
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text, where it has the answer's role (the assistant's, or with
+    add_generation_prompt false the last message's own), to go before the answer."""
+    last = req.messages[-1]
+    if not req.echo or (req.add_generation_prompt and last.role != "assistant"):
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(part.text for part in last.content or [] if part.type == "text")
 
 
 def _usage(state: ServerState, gen: Generation, reasoning: ReasoningSetup | None) -> Usage:
@@ -163,8 +183,9 @@ def _tool_deltas(events: list, parallel: bool) -> list[dict]:
 
 async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, model: str, top_n: int | None,
                   include_usage: bool, tools: ToolSetup | None, reasoning: ReasoningSetup | None, token_text,
-                  continuous: bool = False):
-    """continuous (stream_options.continuous_usage_stats): each chunk carries the usage so far."""
+                  continuous: bool = False, echo: str = ""):
+    """continuous (stream_options.continuous_usage_stats): each chunk carries the usage so far; echo: a chunk
+    of it for each choice after the role."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     if include_usage:
         base["usage"] = None
@@ -176,6 +197,8 @@ async def _chunks(state: ServerState, gen: Generation, rid: str, created: int, m
     for c in gen.choices:
         yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None})
+    for c in gen.choices if echo else ():
+        yield chunk({"index": c.index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
     async for deltas in gen.deltas():
         for d in deltas:
             i = d.choice.index

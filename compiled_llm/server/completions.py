@@ -16,7 +16,7 @@ from compiled_llm.server.inputs import (
     tokenize_prompts,
     truncate_prompt,
 )
-from compiled_llm.server.logprobs import completion_entries, token_id_text, vllm_prompt_logprobs
+from compiled_llm.server.logprobs import completion_entries, token_id_text, top_n_entries, vllm_prompt_logprobs
 from compiled_llm.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from compiled_llm.server.state import ServerState, new_id
 from compiled_llm.server.streaming import ClientGone, client_gone_response, run_generation, sse, stream, usage_modes
@@ -71,7 +71,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             gen_entries = completion_entries(c.token_ids, c.logprobs, params.logprobs, token_text, offset)
             lps = CompletionLogprobs(**_joined(entries, gen_entries))
         if req.prompt_logprobs is not None and gen.prompt_logprobs[p] is not None:
-            prompt_lps = vllm_prompt_logprobs(_top_n(gen.prompt_logprobs[p], req.prompt_logprobs))
+            prompt_lps = vllm_prompt_logprobs(top_n_entries(gen.prompt_logprobs[p], req.prompt_logprobs))
         choices.append(CompletionChoice(index=c.index, text=echoes[p] + c.text, logprobs=lps,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                         prompt_logprobs=prompt_lps))
@@ -88,21 +88,6 @@ def _echo_entries(gen: Generation, p: int, top_n: int, token_text) -> dict | Non
 
 def _joined(first: dict | None, second: dict) -> dict:
     return second if first is None else {k: first[k] + second[k] for k in second}
-
-
-def _top_n(entries: list, n: int) -> list:
-    """Each entry cut to its prompt token and the n best (the engine computed the larger of two requests' n)."""
-    out = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-            continue
-        items = list(e.items())
-        own = items[0]  # the prompt token comes first, then the top-N by rank
-        keep = dict(sorted(items[1:], key=lambda kv: kv[1].rank or 0)[:n])
-        keep.setdefault(own[0], own[1])
-        out.append(keep)
-    return out
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:

@@ -87,6 +87,21 @@ def completion_entries(token_ids, lps, top_n: int, text: TokenText, offset: int)
     return out
 
 
+def top_n_entries(entries: list, n: int) -> list:
+    """Each entry cut to its prompt token and the n best (the engine computed the larger of two requests' n)."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        items = list(e.items())
+        own = items[0]  # the prompt token comes first, then the top-N by rank
+        keep = dict(sorted(items[1:], key=lambda kv: kv[1].rank or 0)[:n])
+        keep.setdefault(own[0], own[1])
+        out.append(keep)
+    return out
+
+
 def vllm_prompt_logprobs(entries: list) -> list[dict | None]:
     """The `prompt_logprobs` field (vLLM's shape): per prompt token None or {token id: {logprob, rank,
     decoded_token}}."""

@@ -211,6 +211,10 @@ class ChatCompletionRequest(ConstraintFields, SamplingFields):
     continue_final_message: Bool = False
     chat_template_kwargs: dict[Str, Any] | None = None  # extra template variables ({"enable_thinking": false})
     include_reasoning: Bool = True  # false: a reasoning parser's reasoning is left out of the answer
+    # vLLM's: the last message's text before the answer, where that message has the answer's role (an assistant
+    # message continued, or any last message without add_generation_prompt)
+    echo: Bool = False
+    prompt_logprobs: Int | None = None  # vLLM's: the prompt's logprobs and top-N, in the response's prompt_logprobs
 
 
 class TopLogprob(APIModel):
@@ -277,6 +281,7 @@ class ChatCompletionResponse(APIModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked for
 
 
 # ---------------------------------------------------------------- completions
