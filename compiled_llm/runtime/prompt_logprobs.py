@@ -79,6 +79,14 @@ def packed_rows(n: int, k: int, width: int) -> int:
     return math.ceil(n * (2 + 2 * k) / width)
 
 
+def result_rows(num_rows: int, prompt: PromptRows | None, width: int) -> int:
+    """Rows of a step's result for num_rows logit rows asked for: the prompt rows among them come packed."""
+    if prompt is None:
+        return num_rows
+    n = prompt.targets.shape[0]
+    return num_rows - n + packed_rows(n, prompt.k, width)
+
+
 def pack(sampled: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
     """The sampled rows' logits, then the summary's numbers in rows of the same width (zero-padded)."""
     width = sampled.shape[1]

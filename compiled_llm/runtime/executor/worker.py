@@ -176,10 +176,8 @@ class RankWorker:
         if not ps.is_last_stage:
             send_tensors(out, ps.global_rank(ps.pp_rank + 1, ps.tp_rank))
             out = None
-        num_rows, vocab = step.rows.shape[0], r.model_config.vocab_size
-        if step.prompt is not None:  # the prompt rows come packed (runtime/prompt_logprobs.py)
-            n = step.prompt.targets.shape[0]
-            num_rows += prompt_logprobs.packed_rows(n, step.prompt.k, vocab) - n
+        vocab = r.model_config.vocab_size
+        num_rows = prompt_logprobs.result_rows(step.rows.shape[0], step.prompt, vocab)
         if ps.pp_size > 1 and num_rows:
             last = ps.global_rank(ps.pp_size - 1, 0)
             if ps.rank == 0:
