@@ -510,6 +510,9 @@ def test_chat_continues_the_final_message(server):
     # a user message last, under add_generation_prompt, is not the answer's and is not echoed
     echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]["content"]
     assert echoed == "Once upon" + answer
+    parts = [{**msgs[-1], "content": [{"type": "text", "text": "Once"}, {"type": "text", "text": "upon"}]}]
+    r = post(server, "/v1/chat/completions", {**body, "echo": True, "messages": CHAT + parts}).json()
+    assert r["choices"][0]["message"]["content"].startswith("Once\nupon")  # as the template joined the parts
     r = post(server, "/v1/chat/completions", {**body, "echo": True, "stream": True})
     deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
               if line.startswith("data: {")]

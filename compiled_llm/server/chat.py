@@ -124,7 +124,8 @@ def _echo(req: ChatCompletionRequest) -> str:
         return ""
     if isinstance(last.content, str):
         return last.content
-    return "".join(part.text for part in last.content or [] if part.type == "text")
+    # its text parts as the template got them (server/inputs.py _content joins them with newlines)
+    return "\n".join(part.text for part in last.content or [] if part.type == "text")
 
 
 def _usage(state: ServerState, gen: Generation, reasoning: ReasoningSetup | None) -> Usage:
