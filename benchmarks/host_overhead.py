@@ -64,13 +64,23 @@ def main(argv=None) -> dict:
               enable_prefix_caching=False, max_num_seqs=a.batch, max_model_len=a.prompt + a.new + 8)
     prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
     sp = SamplingParams(temperature=0.0, max_tokens=a.new, ignore_eos=True)
-    ours = timed(lambda: llm.generate(prompts, sp), a.warmup, a.runs)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        fn = lambda: hf.generate(ids, max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False, pad_token_id=0)  # noqa: E731
-        theirs = timed(fn, a.warmup, a.runs)
-        want = fn()[:, a.prompt:].tolist()
+
+    def hf_generate():
+        with torch.inference_mode():
+            return hf.generate(ids, max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False, pad_token_id=0)
+
+    # the two engines' runs alternate (ours, theirs, ours, ...): this shared machine's speed drifts over tens of
+    # seconds, and a ratio of two blocks run one after the other took the drift as a speed-up or a slow-down
+    ours, theirs = [], []
+    for _ in range(a.warmup):
+        llm.generate(prompts, sp)
+        hf_generate()
+    for _ in range(a.runs):
+        ours += timed(lambda: llm.generate(prompts, sp), 0, 1)
+        theirs += timed(hf_generate, 0, 1)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    want = hf_generate()[:, a.prompt:].tolist()
     same = sum(x == y for x, y in zip(got, want))
     res = {"params_M": round(params_m, 2), "shape": f"{a.layers}L h{a.hidden} b{a.batch} p{a.prompt} n{a.new}",
            "threads": torch.get_num_threads(), "compiled": not a.enforce_eager,

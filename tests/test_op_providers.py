@@ -273,37 +273,42 @@ def group_attention():
 def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
     """A decode batch takes ref_attention's batched path (one padded gather and product for every sequence);
     it must equal the per-sequence loop for plain GQA, a sliding window shorter than some contexts with
-    soft-capping, and K=V keys rebuilt from the cached values."""
+    soft-capping, and K=V keys rebuilt from the cached values; its slots and mask are made once a KV group
+    (layers 0, 2 and 3 read the full-attention tables). A step with prefill rows takes the loop."""
     from compiled_llm.ops import attention as A
     from compiled_llm.ops.context import set_forward_context
 
     d = 16
     specs = {0: A.AttentionSpec(0, 4, 2, d, None, 0), 1: A.AttentionSpec(1, 4, 2, d, 4, 1, softcap=5.0),
-             2: A.AttentionSpec(2, 4, 1, d, None, 2, k_eq_v=True)}
+             2: A.AttentionSpec(2, 4, 1, d, None, 2, k_eq_v=True), 3: A.AttentionSpec(3, 4, 2, d, None, 0)}
     specs[2].k_norm_weight, specs[2].inv_freq = torch.rand(d) + 0.5, torch.rand(d // 2)
-    seqs = ((1, 7), (1, 3), (1, 12), (1, 1))
-    ctx = _context(specs, seqs=seqs, dtype=torch.float32)
-    for layer, cache in ctx.kv_caches.items():  # slots a layer never reads hold NaN: a masked read must not leak it
-        flat, window = cache.view(cache.shape[0], -1, *cache.shape[3:]), specs[layer].sliding_window or 10 ** 6
-        for i, (_, total) in enumerate(seqs):
-            flat[:, i * 32 + total:(i + 1) * 32] = float("nan")
-            flat[:, i * 32:i * 32 + max(0, total - window)] = float("nan")  # slot 0 too, for the sliding layer
-    q = torch.randn(4 + 2, 4 * d, generator=torch.Generator().manual_seed(1))  # 2 padding rows
-    calls = []
-    batched = A._ref_decode_attention
-    with set_forward_context(ctx):
-        for layer, spec in specs.items():
-            A._ref_decode_attention = lambda *a: calls.append(layer) or batched(*a)
-            try:
-                got = A.ref_attention(q, layer)
-            finally:
-                A._ref_decode_attention = batched
-            cache, group = ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
-            want = A._ref_attention_each(q, spec, specs[spec.cache_layer], cache, group, ctx.attn_metadata)
-            assert not got.isnan().any()
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            assert got[4:].abs().max() == 0
-    assert calls == [0, 1, 2]  # the batched path was taken
+    for seqs in (((1, 7), (1, 3), (1, 12), (1, 1)), ((1, 7), (3, 9))):
+        ctx = _context(specs, seqs=seqs, dtype=torch.float32)
+        for layer, cache in ctx.kv_caches.items():  # slots a layer never reads hold NaN: a masked read must not leak
+            flat, window = cache.view(cache.shape[0], -1, *cache.shape[3:]), specs[layer].sliding_window or 10 ** 6
+            for i, (new, total) in enumerate(seqs):
+                flat[:, i * 32 + total:(i + 1) * 32] = float("nan")
+                flat[:, i * 32:i * 32 + max(0, total - new - window + 1)] = float("nan")  # slot 0 too (sliding)
+        n = ctx.attn_metadata.query_start_loc[-1]
+        q = torch.randn(n + 2, 4 * d, generator=torch.Generator().manual_seed(1))  # 2 padding rows
+        calls, plans = [], []
+        batched, slots = A._ref_decode_attention, A._decode_slots
+        with set_forward_context(ctx):
+            for layer, spec in specs.items():
+                A._ref_decode_attention = lambda *a: calls.append(layer) or batched(*a)
+                A._decode_slots = lambda *a: plans.append(layer) or slots(*a)
+                try:
+                    got = A.ref_attention(q, layer)
+                finally:
+                    A._ref_decode_attention, A._decode_slots = batched, slots
+                cache, group = ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
+                want = A._ref_attention_each(q, spec, specs[spec.cache_layer], cache, group, ctx.attn_metadata)
+                assert not got.isnan().any()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                assert got[n:].abs().max() == 0
+        decode = all(new == 1 for new, _ in seqs)
+        assert calls == ([0, 1, 2, 3] if decode else [])  # the batched path was taken for the decode batch only
+        assert plans == ([0, 1] if decode else [])
 
 
 def group_moe():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,30 +65,40 @@ class AttentionSpec:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, slots: torch.Tensor, spec: AttentionSpec,
-             positions: torch.Tensor | None = None):
+             positions: torch.Tensor | None = None, all_live: bool | None = None):
     """Scatter this step's keys and values into their slots (K=V layers store the value only, and with
     spec.rot_keys the rotated keys after it: positions, the tokens' positions, are then needed).
-    Rows past len(slots) (padding) are ignored, and so are slots < 0 (padded CUDA-graph slots)."""
+    Rows past len(slots) (padding) are ignored, and so are slots < 0 (padded CUDA-graph slots); all_live: the
+    caller knows whether every slot is >= 0 (one check a step instead of one a layer)."""
     n = slots.shape[0]
-    v = v[:n].reshape(n, spec.num_kv_heads, spec.head_dim)
-    k = None if k is None or spec.k_eq_v else k[:n].reshape(n, spec.num_kv_heads, spec.head_dim)
+    v = (v if v.shape[0] == n else v[:n]).reshape(n, spec.num_kv_heads, spec.head_dim)
+    if k is not None and not spec.k_eq_v:
+        k = (k if k.shape[0] == n else k[:n]).reshape(n, spec.num_kv_heads, spec.head_dim)
+    else:
+        k = None
     pos = positions[:n] if spec.rot_keys else None
-    keep = slots >= 0
-    if not bool(keep.all()):
+    if all_live is None:
+        all_live = bool((slots >= 0).all())
+    if not all_live:
+        keep = slots >= 0
         slots, v = slots[keep], v[keep]
         k = None if k is None else k[keep]
         pos = None if pos is None else pos[keep]
     flat = cache.view(cache.shape[0], -1, spec.num_kv_heads, spec.head_dim)
+    if v.dtype != cache.dtype:
+        v = v.to(cache.dtype)
+    if k is not None and k.dtype != cache.dtype:
+        k = k.to(cache.dtype)
     if spec.k_eq_v:
-        flat[0].index_copy_(0, slots, v.to(cache.dtype))
+        flat[0].index_copy_(0, slots, v)
         if spec.rot_keys:
             r, d, half = spec.rot_keys, spec.head_dim, spec.head_dim // 2
-            keys = keys_from_values(v.to(cache.dtype), pos, spec)
+            keys = keys_from_values(v, pos, spec)
             rows = cache_rows(cache, spec).view(-1, spec.num_kv_heads, spec.cache_dim)
             rows[:, :, d:].index_copy_(0, slots, torch.cat([keys[..., :r], keys[..., half:half + r]], -1))
     else:
-        flat[0].index_copy_(0, slots, k.to(cache.dtype))
-        flat[1].index_copy_(0, slots, v.to(cache.dtype))
+        flat[0].index_copy_(0, slots, k)
+        flat[1].index_copy_(0, slots, v)
 
 
 def cache_rows(cache: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
@@ -166,7 +177,11 @@ def gather_kv_batched(cache: torch.Tensor, block_tables: torch.Tensor, pos: torc
 def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
     ctx, spec, cache, group = layer_cache(layer_idx)
     pos = token_positions(ctx.attn_metadata, group.slot_mapping.shape[0]) if spec.rot_keys else None
-    write_kv(cache, k, v, group.slot_mapping, spec, pos)
+    key = ("_ref_slots_live", id(group))  # whether every slot is real: the same for a KV group's layers
+    live = ctx.extra.get(key)
+    if live is None:
+        live = ctx.extra[key] = bool((group.slot_mapping >= 0).all())
+    write_kv(cache, k, v, group.slot_mapping, spec, pos, live)
 
 
 BIDIR_SPANS_KEY = "bidir_spans"  # ForwardContext.extra: per sequence, [(start, end), ...] token positions
@@ -201,7 +216,9 @@ def ref_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
 
 def _ref_attention_each(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor, group,
                         meta, bidir=None) -> torch.Tensor:
-    """ref_attention one sequence at a time (any mix of prefill, chunks and decode)."""
+    """ref_attention one sequence at a time (any mix of prefill, chunks and decode): each sequence's result
+    depends on its own tokens only, not on what else the step holds (a synchronous and an async-scheduled
+    engine batch differently). One SDPA over grouped heads a sequence; the einsums where soft-capped."""
     num_tokens = q.shape[0]
     q = q.view(num_tokens, spec.num_heads, spec.head_dim)
     out = torch.zeros_like(q)
@@ -214,34 +231,42 @@ def _ref_attention_each(q: torch.Tensor, spec: AttentionSpec, source: AttentionS
         first = 0 if spec.sliding_window is None else max(0, seq_len - (end - start) - spec.sliding_window + 1)
         k_pos = torch.arange(first, seq_len, device=q.device)
         keys, values = gather_kv(cache, group.block_tables[i], k_pos, spec, source, meta.block_size)
-        keys = keys.repeat_interleave(group_size, dim=1)  # [m, H, D]
-        values = values.repeat_interleave(group_size, dim=1)
-        scores = torch.einsum("nhd,mhd->hnm", q[start:end], keys) * spec.scale
-        if spec.softcap is not None:
-            scores = torch.tanh(scores / spec.softcap) * spec.softcap
         allowed = k_pos[None, :] <= q_pos[:, None]
         if bidir is not None and bidir[i] and spec.sliding_window is not None:
             allowed |= bidirectional_mask(bidir[i], q_pos, k_pos)
         if spec.sliding_window is not None:
             allowed &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
+        if spec.softcap is None:
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=allowed,
+                scale=spec.scale, enable_gqa=True).transpose(0, 1)
+            continue
+        keys = keys.repeat_interleave(group_size, dim=1)  # [m, H, D]
+        values = values.repeat_interleave(group_size, dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", q[start:end], keys) * spec.scale
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[start:end] = torch.einsum("hnm,mhd->nhd", probs, values)
     return out.view(num_tokens, spec.num_heads * spec.head_dim)
 
 
-def _decode_positions(meta, window: int | None, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each decode sequence's key positions [seqs, longest] and which are real; padding past a sequence's end
-    reads its last real position (masked later: a weight of 0 times an unused slot's contents could still be
-    NaN, 0 * NaN). From the runner's seq_lens_tensor when it made one: no host list copied to the device."""
+def _decode_slots(meta, window: int | None, block_tables: torch.Tensor, dev) -> tuple:
+    """A decode batch's key positions k_pos [seqs, longest] (padding past a sequence's end repeats its last key:
+    a weight of 0 times an unused slot's contents could still be NaN, 0 * NaN), their cache slots [seqs *
+    longest] and the mask [seqs, 1, 1, longest] of real keys. In numpy, from the host's lengths and the block
+    tables' host copy (the CPU's own tensor, no copy there): on the CPU, where this is the attention provider,
+    the same dozen small ops as tensor ops cost ~0.15 ms a KV group a step."""
     n = len(meta.seq_lens)
-    seq_lens = (meta.seq_lens_tensor[:n].to(dev).long() if meta.seq_lens_tensor is not None
-                else torch.tensor(meta.seq_lens, device=dev))
-    first = (seq_lens - window).clamp(min=0) if window is not None else seq_lens * 0
-    lens = seq_lens - first
-    j = torch.arange(max(min(s, window or s) for s in meta.seq_lens), device=dev)
-    valid = j[None, :] < lens[:, None]
-    return first[:, None] + torch.minimum(j[None, :], lens[:, None] - 1), valid
+    seq = np.asarray(meta.seq_lens, dtype=np.int64)[:, None]
+    lens = np.minimum(seq, window) if window is not None else seq
+    j = np.arange(int(lens.max()))
+    k_pos = np.minimum(j, lens - 1) + (seq - lens)
+    blk = np.take_along_axis(block_tables[:n].cpu().numpy(), k_pos // meta.block_size, 1).astype(np.int64)
+    valid = (j < lens) & (blk >= 0)  # (a released block in the window reads as masked)
+    slots = np.maximum(blk * meta.block_size + k_pos % meta.block_size, 0).reshape(-1)
+    return (torch.from_numpy(k_pos).to(dev), torch.from_numpy(slots).to(dev),
+            torch.from_numpy(valid[:, None, None, :]).to(dev))
 
 
 def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor,
@@ -249,30 +274,31 @@ def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: Attentio
     """ref_attention for a decode batch (one query per sequence), batched: every sequence's context gathered
     into one padded [seqs, longest, kv_heads, head_dim] view and attended in one product, instead of a Python
     loop over the sequences (which made the reference, the CPU's provider, most of a CPU decode step). The key
-    positions and their cache slots are the same for every layer of a KV group: computed once per step (kept
-    in `extra`)."""
+    positions, slots and mask are the same for every layer of a KV group: made once per step (kept in
+    `extra`)."""
     num_seqs, dev = len(meta.seq_lens), q.device
-    key = ("_ref_decode_positions", spec.sliding_window, id(group))  # the same for a KV group's layers
-    if key not in extra:
-        k_pos, valid = _decode_positions(meta, spec.sliding_window, dev)
-        slots = cache_slots(group.block_tables[:num_seqs], k_pos, torch.ones_like(valid), meta.block_size)
-        extra[key] = k_pos, valid, slots
-    k_pos, valid, slots = extra[key]
+    key = ("_ref_decode_slots", spec.sliding_window, id(group))  # the same for a KV group's layers
+    plan = extra.get(key)
+    if plan is None:
+        plan = extra[key] = _decode_slots(meta, spec.sliding_window, group.block_tables, dev)
+    k_pos, slots, mask = plan
     keys, values = gather_slots(cache, slots, k_pos, spec, source)
-    out = torch.zeros(q.shape[0], spec.num_heads * spec.head_dim, dtype=q.dtype, device=dev)
+    qs = q[:num_seqs].view(num_seqs, spec.num_heads, 1, spec.head_dim)
     if spec.softcap is None:  # one fused kernel (torch's SDPA, grouped heads): a CPU decode step's largest op
-        qs = q[:num_seqs].view(num_seqs, spec.num_heads, 1, spec.head_dim)
-        o = F.scaled_dot_product_attention(qs, keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=valid[:, None, None, :], scale=spec.scale, enable_gqa=True)
-        out[:num_seqs] = o.reshape(num_seqs, -1)
-        return out
-    group_size = spec.num_heads // spec.num_kv_heads
-    qs = q[:num_seqs].view(num_seqs, spec.num_kv_heads, group_size, spec.head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", qs, keys) * spec.scale
-    scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out[:num_seqs] = torch.einsum("bkgl,blkd->bkgd", probs, values).reshape(num_seqs, -1)
+        o = F.scaled_dot_product_attention(qs, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                           scale=spec.scale, enable_gqa=True).reshape(num_seqs, -1)
+    else:
+        group_size = spec.num_heads // spec.num_kv_heads
+        qs = qs.view(num_seqs, spec.num_kv_heads, group_size, spec.head_dim)
+        scores = torch.einsum("bkgd,blkd->bkgl", qs, keys) * spec.scale
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.einsum("bkgl,blkd->bkgd", probs, values).reshape(num_seqs, -1)
+    if q.shape[0] == num_seqs:
+        return o
+    out = torch.zeros(q.shape[0], spec.num_heads * spec.head_dim, dtype=q.dtype, device=dev)
+    out[:num_seqs] = o
     return out
 
 
