@@ -311,6 +311,32 @@ def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
         assert plans == ([0, 1] if decode else [])
 
 
+def test_decode_slots_on_the_host_equal_the_device_formulation():
+    """The decode plan is made in numpy where the block tables are on the CPU and with tensor ops elsewhere (no
+    host copy inside a device step): both give the same key positions, slots and mask, for a full and a sliding
+    group, with a block released out of the window (-1) and lengths that end mid-block."""
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops.context import AttentionMetadata
+
+    bs, seq_lens = 4, [9, 3, 14, 1]
+    tables = torch.arange(16, dtype=torch.int32).view(4, 4)
+    tables[2, 0] = -1  # released: out of a 8-token window at 14 tokens (positions 6..13 are read)
+    for with_tensor in (False, True):
+        meta = AttentionMetadata([0, 1, 2, 3, 4], seq_lens, bs, {})
+        if with_tensor:
+            meta.seq_lens_tensor = torch.tensor(seq_lens + [0, 0], dtype=torch.int32)  # padded, as the runner's
+        for window in (None, 8):
+            longest = max(min(s, window or s) for s in seq_lens)
+            host = A._decode_slots(meta, window, tables, torch.device("cpu"))
+            device = A._decode_slots_device(meta, window, tables, longest)
+            for h, d in zip(host, device):
+                assert torch.equal(h, d.to(h.dtype)), (window, h, d)
+            k_pos, slots, mask = host
+            assert k_pos[2, 0] == (6 if window else 0) and bool(mask[2, 0, 0, 0]) is (window is not None)
+            assert mask.sum().item() == sum(min(s, window or s) for s in seq_lens) - (0 if window else 4)
+            assert slots.min() >= 0
+
+
 def group_moe():
     from compiled_llm.ops.moe import ref_geglu_moe, ref_router_topk
     from compiled_llm.ops.triton.providers import geglu_moe, router_topk

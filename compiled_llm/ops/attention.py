@@ -254,19 +254,37 @@ def _ref_attention_each(q: torch.Tensor, spec: AttentionSpec, source: AttentionS
 def _decode_slots(meta, window: int | None, block_tables: torch.Tensor, dev) -> tuple:
     """A decode batch's key positions k_pos [seqs, longest] (padding past a sequence's end repeats its last key:
     a weight of 0 times an unused slot's contents could still be NaN, 0 * NaN), their cache slots [seqs *
-    longest] and the mask [seqs, 1, 1, longest] of real keys. In numpy, from the host's lengths and the block
-    tables' host copy (the CPU's own tensor, no copy there): on the CPU, where this is the attention provider,
-    the same dozen small ops as tensor ops cost ~0.15 ms a KV group a step."""
+    longest] and the mask [seqs, 1, 1, longest] of real keys (False where a block was released). Tables on the
+    CPU: in numpy (the CPU is where this is the attention provider, and the same dozen small ops as tensor ops
+    cost ~0.15 ms a KV group a step there); elsewhere with tensor ops on the tables' device, no copy to or from
+    the host inside the step."""
     n = len(meta.seq_lens)
+    longest = max(min(s, window) for s in meta.seq_lens) if window is not None else max(meta.seq_lens)
+    if block_tables.device.type != "cpu":
+        return _decode_slots_device(meta, window, block_tables[:n], longest)
     seq = np.asarray(meta.seq_lens, dtype=np.int64)[:, None]
     lens = np.minimum(seq, window) if window is not None else seq
-    j = np.arange(int(lens.max()))
+    j = np.arange(longest)
     k_pos = np.minimum(j, lens - 1) + (seq - lens)
-    blk = np.take_along_axis(block_tables[:n].cpu().numpy(), k_pos // meta.block_size, 1).astype(np.int64)
-    valid = (j < lens) & (blk >= 0)  # (a released block in the window reads as masked)
+    blk = np.take_along_axis(block_tables[:n].numpy(), k_pos // meta.block_size, 1).astype(np.int64)
+    valid = (j < lens) & (blk >= 0)
     slots = np.maximum(blk * meta.block_size + k_pos % meta.block_size, 0).reshape(-1)
     return (torch.from_numpy(k_pos).to(dev), torch.from_numpy(slots).to(dev),
             torch.from_numpy(valid[:, None, None, :]).to(dev))
+
+
+def _decode_slots_device(meta, window: int | None, tables: torch.Tensor, longest: int) -> tuple:
+    """_decode_slots with tensor ops on the tables' device (the lengths from the runner's seq_lens_tensor)."""
+    dev, n = tables.device, tables.shape[0]
+    seq = (meta.seq_lens_tensor[:n].to(dev).long() if meta.seq_lens_tensor is not None
+           else torch.tensor(meta.seq_lens, device=dev))[:, None]
+    lens = seq.clamp(max=window) if window is not None else seq
+    j = torch.arange(longest, device=dev)
+    k_pos = torch.minimum(j, lens - 1) + (seq - lens)
+    blk = tables.gather(1, k_pos // meta.block_size).long()
+    valid = (j < lens) & (blk >= 0)
+    slots = (blk * meta.block_size + k_pos % meta.block_size).clamp_(min=0).reshape(-1)
+    return k_pos, slots, valid[:, None, None, :]
 
 
 def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor,
