@@ -146,13 +146,19 @@ def keys_from_values(v: torch.Tensor, positions: torch.Tensor, source: Attention
     return apply_rope(k, positions, source.inv_freq)
 
 
+def table_slots(block_tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slots of positions pos [B, M] through block_tables [B, max_blocks] ([B, M], slot 0 where the
+    block was released) and which positions lie in a live block."""
+    blk = torch.gather(block_tables.long(), 1, (pos // block_size).clamp(max=block_tables.shape[1] - 1))
+    live = blk >= 0
+    return torch.where(live, blk * block_size + pos % block_size, torch.zeros_like(pos)), live
+
+
 def cache_slots(block_tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
     """The cache slots of positions pos [B, M] through block_tables [B, max_blocks], flat [B * M]; rows where
     valid is False (or whose block was released) read slot 0 (masked later)."""
-    p = torch.where(valid, pos, torch.zeros_like(pos))
-    blk = torch.gather(block_tables.long(), 1, (p // block_size).clamp(max=block_tables.shape[1] - 1))
-    ok = valid & (blk >= 0)
-    return torch.where(ok, blk * block_size + p % block_size, torch.zeros_like(p)).reshape(-1)
+    slots, live = table_slots(block_tables, torch.where(valid, pos, torch.zeros_like(pos)), block_size)
+    return torch.where(valid & live, slots, torch.zeros_like(slots)).reshape(-1)
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, spec: AttentionSpec,
@@ -281,10 +287,8 @@ def _decode_slots_device(meta, window: int | None, tables: torch.Tensor, longest
     lens = seq.clamp(max=window) if window is not None else seq
     j = torch.arange(longest, device=dev)
     k_pos = torch.minimum(j, lens - 1) + (seq - lens)
-    blk = tables.gather(1, k_pos // meta.block_size).long()
-    valid = (j < lens) & (blk >= 0)
-    slots = (blk * meta.block_size + k_pos % meta.block_size).clamp_(min=0).reshape(-1)
-    return k_pos, slots, valid[:, None, None, :]
+    slots, live = table_slots(tables, k_pos, meta.block_size)
+    return k_pos, slots.reshape(-1), ((j < lens) & live)[:, None, None, :]
 
 
 def _ref_decode_attention(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor,
