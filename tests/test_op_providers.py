@@ -282,7 +282,7 @@ def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
     specs = {0: A.AttentionSpec(0, 4, 2, d, None, 0), 1: A.AttentionSpec(1, 4, 2, d, 4, 1, softcap=5.0),
              2: A.AttentionSpec(2, 4, 1, d, None, 2, k_eq_v=True), 3: A.AttentionSpec(3, 4, 2, d, None, 0)}
     specs[2].k_norm_weight, specs[2].inv_freq = torch.rand(d) + 0.5, torch.rand(d // 2)
-    for seqs in (((1, 7), (1, 3), (1, 12), (1, 1)), ((1, 7), (3, 9))):
+    for seqs in (((1, 7), (1, 3), (1, 12), (1, 1)), ((1, 7), (3, 9)), ((1, 9), (1, 9), (1, 9))):
         ctx = _context(specs, seqs=seqs, dtype=torch.float32)
         for layer, cache in ctx.kv_caches.items():  # slots a layer never reads hold NaN: a masked read must not leak
             flat, window = cache.view(cache.shape[0], -1, *cache.shape[3:]), specs[layer].sliding_window or 10 ** 6
@@ -309,6 +309,9 @@ def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
         decode = all(new == 1 for new, _ in seqs)
         assert calls == ([0, 1, 2, 3] if decode else [])  # the batched path was taken for the decode batch only
         assert plans == ([0, 1] if decode else [])
+        if decode:  # one length (9, in the 4-token window too): every key is real, SDPA runs without a mask
+            masks = [ctx.extra[k][2] for k in ctx.extra if k[0] == "_ref_decode_slots"]
+            assert len(masks) == 2 and all((m is None) == (len(set(seqs)) == 1) for m in masks)
 
 
 def test_decode_slots_on_the_host_equal_the_device_formulation():
@@ -332,6 +335,11 @@ def test_decode_slots_on_the_host_equal_the_device_formulation():
             for h, d in zip(host, device):
                 assert torch.equal(h, d.to(h.dtype)), (window, h, d)
             k_pos, slots, mask = host
+            assert mask is not None  # lengths differ: the host's mask is None only where the device's is all True
+            same = AttentionMetadata([0, 1, 2], [6, 6], bs, {})
+            none, full = A._decode_slots(same, window, tables[:2], torch.device("cpu")), \
+                A._decode_slots_device(same, window, tables[:2], 6)
+            assert none[2] is None and bool(full[2].all()) and torch.equal(none[1], full[1].to(none[1].dtype))
             assert k_pos[2, 0] == (6 if window else 0) and bool(mask[2, 0, 0, 0]) is (window is not None)
             assert mask.sum().item() == sum(min(s, window or s) for s in seq_lens) - (0 if window else 4)
             assert slots.min() >= 0
