@@ -54,6 +54,33 @@ def test_resolver_on_cpu_picks_reference_and_reports_why():
     assert any("CUDA" in why for why in skipped)
 
 
+def test_cpu_calls_reach_each_op_function_without_custom_ops_wrappers():
+    """Every compiled_llm op that mutates no argument has its own function as its CPU kernel (ops/registry.py
+    custom_op): a CPU call runs it with no Dynamo-disable or alias-check wrapper between. The mutating one keeps
+    custom_op's kernel alone. The direct kernel gives what the op gave."""
+    import traceback
+
+    from compiled_llm.ops import linear  # (importing compiled_llm.ops registers them all)
+
+    ns = torch.ops.compiled_llm
+    ops = [n for n in ns if isinstance(getattr(ns, n), torch._ops.OpOverloadPacket)]
+    mutating = {n for n in ops if getattr(ns, n).default._schema.is_mutable}
+    assert mutating == {"moe_join"} and len(ops) >= 16
+    for n in ops:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"compiled_llm::{n}", "CPU") is (n not in mutating), n
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    stacks = []
+    real = linear.SKINNY_MM.impl
+    linear.SKINNY_MM.impl = lambda key=None: (lambda a, b: stacks.append(traceback.extract_stack()) or real()(a, b))
+    try:
+        with torch.inference_mode():
+            got = torch.ops.compiled_llm.skinny_mm(x, w)
+    finally:
+        linear.SKINNY_MM.impl = real
+    calls = [1 for stack in stacks if not any(f.filename.endswith("custom_ops.py") for f in stack)]
+    assert calls == [1] and torch.allclose(got, x @ w.t())
+
+
 def test_resolver_shape_limits_and_overrides():
     from compiled_llm.ops.attention import AttentionSpec
     from compiled_llm.ops.registry import OPS, Capabilities, select_providers

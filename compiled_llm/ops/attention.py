@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_llm.ops.context import absolute_layer, current_forward_context, get_forward_context, layer_cache
-from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
 from compiled_llm.ops.rope import apply_rope, rotated_block
 
 
@@ -358,7 +358,7 @@ KV_CACHE_WRITE = register(OpSpec("kv_cache_write", "scatter this step's k/v into
 ]))
 
 
-@torch.library.custom_op("compiled_llm::kv_cache_write", mutates_args=())
+@custom_op("compiled_llm::kv_cache_write", mutates_args=())
 def kv_cache_write_op(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """Writes k/v into the layer's cache (found through the forward context). Returns an empty marker
     that the attention op takes, so the write is ordered before the read and never dropped. Inside a
@@ -373,7 +373,7 @@ def _(k, v, layer_idx):
     return v.new_empty(0)
 
 
-@torch.library.custom_op("compiled_llm::attention", mutates_args=())
+@custom_op("compiled_llm::attention", mutates_args=())
 def attention_op(q: torch.Tensor, kv_written: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
     ctx = current_forward_context()
     spec = ctx.layers.get(layer_idx) if ctx is not None else None

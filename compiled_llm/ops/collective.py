@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from compiled_llm.ops.norm import ref_rms_norm
-from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
 
 
 def ref_allreduce_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, group_name: str) -> torch.Tensor:
@@ -54,7 +54,7 @@ def release() -> None:
         allreduce_norm.release()
 
 
-@torch.library.custom_op("compiled_llm::allreduce_rms_norm", mutates_args=())
+@custom_op("compiled_llm::allreduce_rms_norm", mutates_args=())
 def allreduce_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, group_name: str) -> torch.Tensor:
     return ALLREDUCE_RMS_NORM.impl()(x, weight, eps, group_name)
 

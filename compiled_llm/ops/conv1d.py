@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiled_llm.ops.registry import OpSpec, Provider, register
+from compiled_llm.ops.registry import OpSpec, Provider, custom_op, register
 from compiled_llm.ops.state import StateLayout, get_state_metadata
 
 
@@ -63,7 +63,7 @@ CAUSAL_CONV1D = register(OpSpec("causal_conv1d", "depthwise causal conv1d + SiLU
 ], splits_graph=True, recurrent_state=True))
 
 
-@torch.library.custom_op("compiled_llm::causal_conv1d", mutates_args=())
+@custom_op("compiled_llm::causal_conv1d", mutates_args=())
 def causal_conv1d_op(x: torch.Tensor, weight: torch.Tensor, layer_idx: int) -> torch.Tensor:
     return CAUSAL_CONV1D.impl()(x, weight, layer_idx)
 

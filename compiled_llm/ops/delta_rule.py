@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_llm.ops.conv1d import CAUSAL_CONV1D
-from compiled_llm.ops.registry import OpSpec, Provider, register
+from compiled_llm.ops.registry import OpSpec, Provider, custom_op, register
 from compiled_llm.ops.state import StateLayout, get_state_metadata
 
 
@@ -175,7 +175,7 @@ GATED_DELTA_RULE = register(OpSpec(
     ], splits_graph=True, recurrent_state=True))
 
 
-@torch.library.custom_op("compiled_llm::gated_delta_rule", mutates_args=())
+@custom_op("compiled_llm::gated_delta_rule", mutates_args=())
 def gated_delta_rule_op(qkv: torch.Tensor, conv_weight: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
                         dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         num_k_heads: int, layer_idx: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
 
 SKINNY_MAX_ROWS = 16  # one 16-row block of the kernel: past it the weight would be read once per block
 SKINNY_MIN_ELEMENTS = 1 << 21  # smaller weights (4 MB in bf16) are launch-bound either way: not measured
@@ -168,7 +168,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-@torch.library.custom_op("compiled_llm::skinny_mm", mutates_args=())
+@custom_op("compiled_llm::skinny_mm", mutates_args=())
 def skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T: the chosen provider up to SKINNY_MAX_ROWS rows (a decode batch), torch's mm past them (a prefill
     piece of the dynamic-token compile, which every decode size replays too: its CUDA graph records the branch

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.norm import ref_rms_norm
-from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
 
 
 def ref_router_topk(x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Tensor, per_expert_scale: torch.Tensor,
@@ -110,7 +110,7 @@ GEGLU_MOE = register(OpSpec("geglu_moe", "routed experts, GELU-tanh GEGLU over p
 ]))
 
 
-@torch.library.custom_op("compiled_llm::router_topk", mutates_args=())
+@custom_op("compiled_llm::router_topk", mutates_args=())
 def router_topk(x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Tensor, per_expert_scale: torch.Tensor,
                 top_k: int, eps: float, root_size: float) -> tuple[torch.Tensor, torch.Tensor]:
     return ROUTER_TOPK.impl()(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
@@ -122,7 +122,7 @@ def _(x, proj_weight, scale, per_expert_scale, top_k, eps, root_size):
     return x.new_empty(n, top_k, dtype=torch.float32), x.new_empty(n, top_k, dtype=torch.long)
 
 
-@torch.library.custom_op("compiled_llm::softmax_router_topk", mutates_args=())
+@custom_op("compiled_llm::softmax_router_topk", mutates_args=())
 def softmax_router_topk(x: torch.Tensor, proj_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return SOFTMAX_ROUTER_TOPK.impl()(x, proj_weight, top_k)
 
@@ -133,7 +133,7 @@ def _(x, proj_weight, top_k):
     return x.new_empty(n, top_k, dtype=torch.float32), x.new_empty(n, top_k, dtype=torch.long)
 
 
-@torch.library.custom_op("compiled_llm::geglu_moe", mutates_args=())
+@custom_op("compiled_llm::geglu_moe", mutates_args=())
 def geglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
               down_proj: torch.Tensor) -> torch.Tensor:
     return GEGLU_MOE.impl()(x, weights, ids, gate_up_proj, down_proj)

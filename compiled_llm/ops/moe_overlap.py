@@ -26,7 +26,7 @@ import torch
 
 from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.moe import ref_gated_moe, ref_router_topk, ref_softmax_router_topk
-from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
 
 ACTIVATIONS = {"gelu_tanh": gelu_tanh, "silu": torch.nn.functional.silu}
 
@@ -94,7 +94,7 @@ MOE_START = register(OpSpec("moe_start", "router and routed experts (their top-k
 ]))
 
 
-@torch.library.custom_op("compiled_llm::moe_start", mutates_args=())
+@custom_op("compiled_llm::moe_start", mutates_args=())
 def moe_start(router_x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Tensor | None,
               per_expert_scale: torch.Tensor | None, x: torch.Tensor, gate_up_proj: torch.Tensor,
               down_proj: torch.Tensor, top_k: int, eps: float, root_size: float, first: int, activation: str,
@@ -116,7 +116,7 @@ def _(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj
 
 
 # Declared as writing `routed` (it writes nothing): Inductor then orders every read of the start's output after it
-@torch.library.custom_op("compiled_llm::moe_join", mutates_args=("routed",))
+@custom_op("compiled_llm::moe_join", mutates_args=("routed",))
 def moe_join(routed: torch.Tensor, keep: list[torch.Tensor]) -> None:
     """The main stream waits for the side stream's work on `routed`, moe_start's output (keep: see the module
     doc)."""

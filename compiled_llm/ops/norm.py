@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled_llm.ops.registry import INDUCTOR, Capabilities, OpSpec, Provider, inductor_codegen, register
+from compiled_llm.ops.registry import Capabilities, INDUCTOR, OpSpec, Provider, custom_op, inductor_codegen, register
 
 
 def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
@@ -56,7 +56,7 @@ FUSED_ADD_RMS_NORM = register(OpSpec("fused_add_rms_norm", "s = residual + x; re
 ]))
 
 
-@torch.library.custom_op("compiled_llm::rms_norm", mutates_args=())
+@custom_op("compiled_llm::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
     return RMS_NORM.impl()(x, weight, eps, weight_offset)
 
@@ -66,7 +66,7 @@ def _(x, weight, eps, weight_offset=0.0):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("compiled_llm::fused_add_rms_norm", mutates_args=())
+@custom_op("compiled_llm::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                        eps: float, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     return FUSED_ADD_RMS_NORM.impl()(x, residual, weight, eps, weight_offset)

@@ -17,7 +17,7 @@ from compiled_llm.ops.attention import ref_kv_cache_write
 from compiled_llm.ops.context import absolute_layer
 from compiled_llm.ops.mrope import apply_mrope
 from compiled_llm.ops.norm import ref_rms_norm
-from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, register
+from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
 from compiled_llm.ops.rope import apply_rope
 
 
@@ -48,7 +48,7 @@ QK_NORM_ROPE_KV_WRITE = register(OpSpec(
     ]))
 
 
-@torch.library.custom_op("compiled_llm::qk_norm_rope_kv_write", mutates_args=())
+@custom_op("compiled_llm::qk_norm_rope_kv_write", mutates_args=())
 def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, positions: torch.Tensor,
                           inv_freq: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None, eps: float,
                           norm_v: bool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +89,7 @@ QK_NORM_MROPE_KV_WRITE = register(OpSpec(
     ]))
 
 
-@torch.library.custom_op("compiled_llm::qk_norm_mrope_kv_write", mutates_args=())
+@custom_op("compiled_llm::qk_norm_mrope_kv_write", mutates_args=())
 def qk_norm_mrope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, weight_offset: float,
                            layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

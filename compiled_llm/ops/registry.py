@@ -21,6 +21,28 @@ import torch
 
 log = logging.getLogger("compiled_llm")
 
+_CPU_KERNELS: dict[str, torch.library.Library] = {}  # namespace -> the library holding our ops' CPU kernels
+
+
+def custom_op(qualname: str, *, mutates_args: tuple[str, ...] = ()):
+    """torch.library.custom_op; an op that mutates none of its arguments also gets its function as its CPU
+    kernel, which the dispatcher then calls directly. custom_op's own kernel calls it through three Python
+    wrappers (Dynamo's disable, the kernel switch, the output alias check): ~2 us a call on 2 cores, and a CPU
+    decode step of the host-overhead model calls 37 ops (benchmarks/NOTES.md, 2026-12-05 session 43). A
+    mutating op keeps custom_op's kernel alone (its functionalization)."""
+
+    def wrap(fn: Callable):
+        op = torch.library.custom_op(qualname, mutates_args=mutates_args)(fn)
+        if not mutates_args:
+            namespace, name = qualname.split("::")
+            if namespace not in _CPU_KERNELS:
+                _CPU_KERNELS[namespace] = torch.library.Library(namespace, "IMPL")
+            _CPU_KERNELS[namespace].impl(name, fn, "CPU")
+        return op
+
+    return wrap
+
+
 # (capabilities, shape facts) -> None when the provider can run, else the reason it cannot
 Requirement = Callable[["Capabilities", dict], "str | None"]
 

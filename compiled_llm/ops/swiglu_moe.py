@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_llm.ops.moe import ref_gated_moe
-from compiled_llm.ops.registry import OpSpec, Provider, register
+from compiled_llm.ops.registry import OpSpec, Provider, custom_op, register
 
 
 def ref_swiglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -25,7 +25,7 @@ SWIGLU_MOE = register(OpSpec("swiglu_moe", "routed experts, SiLU-gated MLPs over
 ]))
 
 
-@torch.library.custom_op("compiled_llm::swiglu_moe", mutates_args=())
+@custom_op("compiled_llm::swiglu_moe", mutates_args=())
 def swiglu_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                down_proj: torch.Tensor) -> torch.Tensor:
     return SWIGLU_MOE.impl()(x, weights, ids, gate_up_proj, down_proj)
