@@ -52,3 +52,19 @@ def test_the_cpu_resolver_picks_onednn_with_its_reasons():
     assert linear.SKINNY_MM.resolve(cuda, {"dtype": torch.bfloat16})[0].name == "triton"
     assert linear.takes(64, 64, 8, linear.CPU) and not linear.takes(64, 64, 17, linear.CPU)
     assert not linear.takes(64, 64, 8, None)  # on a GPU such a small weight stays on cuBLAS
+
+
+def test_prefill_rows_take_the_packed_weights_where_onednn_is_chosen():
+    """Past SKINNY_MAX_ROWS (a prefill) the op keeps oneDNN's packed copy on the CPU (faster than torch's mm at
+    these shapes); another provider's engine runs torch's mm there, as before."""
+    from compiled_llm.ops.registry import Capabilities, preserved_choices
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 128, generator=g)
+    for provider in ("onednn", "reference"):
+        w = torch.nn.Parameter(torch.randn(96, 128, generator=g), requires_grad=False)
+        with preserved_choices(), torch.inference_mode():
+            linear.SKINNY_MM.select(Capabilities("cpu", None, frozenset()), {"dtype": torch.float32}, force=provider)
+            got = torch.ops.compiled_llm.skinny_mm(x, w)
+        torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-4)
+        assert ("_onednn_packed" in w.__dict__) is (provider == "onednn")

@@ -172,8 +172,9 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T: the chosen provider up to SKINNY_MAX_ROWS rows (a decode batch), torch's mm past them (a prefill
     piece of the dynamic-token compile, which every decode size replays too: its CUDA graph records the branch
-    its size took)."""
-    if x.shape[0] > SKINNY_MAX_ROWS:
+    its size took). oneDNN's packed weights take every row count: at 512 rows they ran the 6-layer
+    host-overhead model's prefill products ~15% faster than torch's mm (MKL) on 2 cores."""
+    if x.shape[0] > SKINNY_MAX_ROWS and SKINNY_MM.provider_name() != "onednn":
         return torch.mm(x, w.t())
     return SKINNY_MM.impl()(x, w)
 
