@@ -80,6 +80,10 @@ def test_compiled_greedy_equals_transformers_and_eager(compiled, tiny_ckpt, name
                 dtype="float32")
     assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == ref
     assert not MONITOR.late  # nothing compiled after warm-up
+    direct = llm.engine.executor.runner.compiler.compiled.direct
+    before = direct.calls
+    llm.generate({"prompt_token_ids": ps[0]}, GREEDY)
+    assert direct.calls > before  # the steps ran Dynamo's compiled code past its frame evaluation
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -432,3 +436,59 @@ def test_forward_guards_skip_the_models_modules_and_keep_the_inputs():
     kept.clear()
     compiled[0](x[None])  # an input of another rank fails that check: a new graph, not the old one on new shapes
     assert kept and calls[-1] == 0
+
+
+def test_compiled_forward_runs_without_dynamo_after_the_same_guards():
+    """compiler/direct.py: once Dynamo has compiled the forward for our backend, a call runs that code as a plain
+    function after the entry's own guards. A call they refuse (another input rank) goes back to Dynamo, which
+    compiles a second graph that the direct path serves from then on; a module hook (run by _call_impl, which this
+    path skips) sends calls through Dynamo; another backend's compile of the same forward is never run."""
+    from compiled_llm.compiler.direct import MISS, DirectForward
+    from compiled_llm.compiler.model import skip_module_guards
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x, scale=None):
+            y = self.proj(x).relu()
+            return y if scale is None else y * scale
+
+    class Counting:
+        def __init__(self):
+            self.graph_count, self.runs = 0, 0
+
+        def __call__(self, gm, example_inputs):
+            self.graph_count += 1
+
+            def run(*args):
+                self.runs += 1
+                return gm(*args)
+            return run
+
+    torch.manual_seed(0)
+    nets, backends = [Net(), Net()], [Counting(), Counting()]
+    compiled = [torch.compile(n, backend=b, fullgraph=True, dynamic=False,
+                              options={"guard_filter_fn": skip_module_guards}) for n, b in zip(nets, backends)]
+    direct = [DirectForward(n, b) for n, b in zip(nets, backends)]
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        assert direct[0]((x,)) is MISS  # nothing compiled yet
+        compiled[0](x)
+        compiled[1](x)
+        for d, n, b in zip(direct, nets, backends):
+            runs = b.runs
+            torch.testing.assert_close(d((x,)), n(x))
+            assert b.runs == runs + 1 and d.calls == 1  # its own backend's code ran, without Dynamo
+        assert direct[0]((x[None],)) is MISS  # another rank: the guards refuse it
+        compiled[0](x[None])
+        assert backends[0].graph_count == 2
+        torch.testing.assert_close(direct[0]((x[None],)), nets[0](x[None]))
+        assert direct[0]((x, 2.0)) is MISS  # a default argument given: compiled with scale None, refused
+        compiled[0](x, 2.0)
+        torch.testing.assert_close(direct[0]((x, 2.0)), nets[0](x) * 2.0)
+        handle = nets[0].register_forward_hook(lambda mod, args, out: out + 1)
+        assert direct[0]((x,)) is MISS
+        handle.remove()
+        assert direct[0]((x,)) is not MISS

@@ -20,6 +20,7 @@ import torch.fx.experimental._config as fx_config
 from compiled_llm.compiler import codegen
 from compiled_llm.compiler.backend import Backend, CompilerConfig
 from compiled_llm.compiler.cuda_graph import BatchDescriptor, CUDAGraphWrapper
+from compiled_llm.compiler.direct import MISS, DirectForward
 from compiled_llm.ops.context import GroupMetadata, get_forward_context, set_forward_context
 from compiled_llm.ops.jit import MONITOR
 from compiled_llm.passes.manager import PassManager
@@ -178,6 +179,7 @@ class CompiledModel:
         self.backend = Backend(config, self.pass_manager, self.state)
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False,
                                       options={"guard_filter_fn": skip_module_guards})
+        self.direct = DirectForward(model, self.backend)  # its compiled code, called past Dynamo once there is some
         self.max_blocks = max_blocks_per_seq
         self.buffers: dict[int, StaticBatch] = {}
         self.full = CUDAGraphWrapper("whole forward", self.state.graph_pool)  # decode sizes that replay it
@@ -231,6 +233,10 @@ class CompiledModel:
         args = (input_ids, positions) if intermediate is None else (input_ids, positions, intermediate)
         for t in (input_ids, positions, *(intermediate or {}).values()):  # the token dimension is dynamic
             torch._dynamo.mark_dynamic(t, 0)
+        if self.aot is None:  # Dynamo's code for this call, run without Dynamo's frame evaluation
+            out = self.direct(args)
+            if out is not MISS:
+                return out
         with fx_config.patch(**_NO_01_SPECIALISATION):  # one compile serves a single token too
             if self.aot is not None:
                 out = self._run_aot(args)
