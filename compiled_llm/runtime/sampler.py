@@ -273,17 +273,17 @@ class Sampler:
                 raw_logprobs = torch.log_softmax(logits[to_device(lp_rows, torch.long, dev)], dim=-1)
 
         # 2-4. penalties and min_tokens (on a copy: the caller's logits are not modified; a batch that needs
-        # none of them makes no copy, one launch less a step).
+        # none of them makes no copy, one launch less a step, and skips their per-row scans)
         if any(_edits_logits(r) for r in rows):
             logits = logits.clone()
-        logits = apply_penalties(logits, rows)
-        logits = apply_bias_and_allowed(logits, rows)
-        logits = apply_bad_words(logits, rows)
-        logits = apply_min_tokens(logits, rows)
-        if any(r.grammar is not None for r in rows):
-            from compiled_llm.runtime.structured_output import apply_grammar_masks
+            logits = apply_penalties(logits, rows)
+            logits = apply_bias_and_allowed(logits, rows)
+            logits = apply_bad_words(logits, rows)
+            logits = apply_min_tokens(logits, rows)
+            if any(r.grammar is not None for r in rows):
+                from compiled_llm.runtime.structured_output import apply_grammar_masks
 
-            logits = apply_grammar_masks(logits, rows)
+                logits = apply_grammar_masks(logits, rows)
 
         # 5. greedy rows take the argmax of the penalised logits.
         token_ids = argmax_rows(logits)
