@@ -12,6 +12,7 @@ each compile. As vLLM did with its own dispatcher to Dynamo's compiled code.
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -42,17 +43,17 @@ class DirectForward:
         code = self.fn.__code__
         self.names = code.co_varnames[:code.co_argcount]  # (self, input_ids, positions, ...)
         self.defaults = self.fn.__defaults__ or ()
-        self.entries: list[tuple[Any, types.FunctionType]] = []  # (guards, compiled function), Dynamo's order
+        # (guards, the compiled code weakly: Dynamo frees it with its cache entry, and a global of the module it
+        # installed goes with it, which a strong reference here would keep until interpreter shutdown)
+        self.entries: list[tuple[Any, weakref.ref]] = []
         self.read_at = -1  # the backend's graph count when the entries were read
         self.calls = 0  # calls that ran compiled code directly (a test's check that this path is taken)
 
     def _read(self) -> None:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        fn = self.fn
-        self.entries = [(e.guard_manager, types.FunctionType(e.code, fn.__globals__, fn.__name__, fn.__defaults__,
-                                                             fn.__closure__))
-                        for e in _debug_get_cache_entry_list(fn.__code__) if _made_by(e, self.backend)]
+        self.entries = [(e.guard_manager, weakref.ref(e.code))
+                        for e in _debug_get_cache_entry_list(self.fn.__code__) if _made_by(e, self.backend)]
         self.read_at = self.backend.graph_count
 
     def __call__(self, args: tuple) -> Any:
@@ -68,8 +69,14 @@ class DirectForward:
         first_default = len(self.names) - len(self.defaults)
         for i in range(given, len(self.names)):
             local[self.names[i]] = self.defaults[i - first_default]
-        for guards, fn in self.entries:
+        fn = self.fn
+        for guards, code in self.entries:
+            code = code()
+            if code is None:  # Dynamo dropped it (a reset): read the entries again next time
+                self.read_at = -1
+                return MISS
             if guards.check(local):
                 self.calls += 1
-                return fn(self.module, *args)
+                return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)(
+                    self.module, *args)
         return MISS
