@@ -80,7 +80,10 @@ def test_compiled_greedy_equals_transformers_and_eager(compiled, tiny_ckpt, name
                 dtype="float32")
     assert [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == ref
     assert not MONITOR.late  # nothing compiled after warm-up
-    direct = llm.engine.executor.runner.compiler.compiled.direct
+    runner = llm.engine.executor.runner
+    kv_eq = {i for i, spec in runner.specs.items() if runner.specs[spec.cache_layer].k_eq_v}
+    assert runner.op_providers["attention"] == {i: "reference" if i in kv_eq else "cpu" for i in runner.specs}
+    direct = runner.compiler.compiled.direct
     before = direct.calls
     llm.generate({"prompt_token_ids": ps[0]}, GREEDY)
     assert direct.calls > before  # the steps ran Dynamo's compiled code past its frame evaluation

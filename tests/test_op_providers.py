@@ -45,13 +45,20 @@ def test_resolver_on_cpu_picks_reference_and_reports_why():
     table = select_providers("cpu", torch.float32, _specs(), {"hidden_size": 64})
     assert set(table) >= {"attention", "kv_cache_write", "rms_norm", "fused_add_rms_norm", "qk_norm_rope_kv_write",
                           "router_topk", "geglu_moe", "allreduce_rms_norm"}
-    # the reference everywhere, but for the projections' product: oneDNN's packed weights (tests/test_cpu_linear.py)
+    # the reference everywhere, but for the projections' product (oneDNN's packed weights, tests/test_cpu_linear.py)
+    # and the decode attention (the C++ kernel, ops/cpu_attention.py)
     assert table.pop("skinny_mm") == {None: "onednn" if torch.backends.mkldnn.is_available() else "reference"}
+    assert table.pop("attention") == {0: "cpu", 1: "cpu", 2: "cpu"}  # resolved per layer
     assert all(p == "reference" for by_key in table.values() for p in by_key.values())
-    assert set(table["attention"]) == {0, 1, 2}  # resolved per layer
     caps = Capabilities("cpu", None, frozenset({"triton"}))
     _, skipped = OPS["attention"].resolve(caps, {"layer": _specs()[0], "source": _specs()[0], "block_size": 16})
     assert any("CUDA" in why for why in skipped)
+    from compiled_llm.ops.attention import AttentionSpec
+
+    kv = AttentionSpec(3, 4, 1, 32, None, 3, k_eq_v=True)
+    for shape in ({"layer": kv, "source": kv}, {"layer": _specs()[0], "source": _specs()[0], "dtype": torch.bfloat16}):
+        provider, skipped = OPS["attention"].resolve(caps, shape)
+        assert provider.name == "reference" and any(w.startswith("cpu: ") for w in skipped), skipped
 
 
 def test_cpu_calls_reach_each_op_function_without_custom_ops_wrappers():
@@ -339,6 +346,48 @@ def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
         if decode:  # one length (9, in the 4-token window too): every key is real, SDPA runs without a mask
             masks = [ctx.extra[k][2] for k in ctx.extra if k[0] == "_ref_decode_slots"]
             assert len(masks) == 2 and all((m is None) == (len(set(seqs)) == 1) for m in masks)
+
+
+def test_cpu_decode_kernel_equals_the_reference():
+    """The CPU's C++ decode attention (ops/cpu_attention.py) reads keys and values through the block tables where
+    they lie: it must equal the reference's per-sequence attention for plain GQA, a window shorter than some contexts
+    with soft-capping, a layer reading another layer's cache, lengths that end mid-block, a block released out of the
+    window, and padding rows (zeros); slots it must not read hold NaN. A step with prompt rows goes to the
+    reference."""
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops import cpu_attention as C
+    from compiled_llm.ops.context import set_forward_context
+
+    d = 32
+    specs = {0: A.AttentionSpec(0, 4, 2, d, None, 0), 1: A.AttentionSpec(1, 8, 2, d, 5, 1, softcap=5.0),
+             2: A.AttentionSpec(2, 4, 2, d, None, 0)}  # layer 2 reads layer 0's cache
+    for seqs in (((1, 7), (1, 3), (1, 12), (1, 1)), ((1, 9), (1, 9)), ((1, 7), (3, 9))):
+        ctx = _context(specs, seqs=seqs, dtype=torch.float32)
+        for layer, cache in ctx.kv_caches.items():  # slots past each length and out of the window hold NaN
+            flat, window = cache.view(cache.shape[0], -1, *cache.shape[3:]), specs[layer].sliding_window or 10 ** 6
+            for i, (new, total) in enumerate(seqs):
+                flat[:, i * 32 + total:(i + 1) * 32] = float("nan")
+                flat[:, i * 32:i * 32 + max(0, total - new - window + 1)] = float("nan")
+        if len(seqs) > 2:
+            ctx.attn_metadata.groups[5].block_tables[2, 0] = -1  # released: out of the 5-token window at 12 tokens
+        n = ctx.attn_metadata.query_start_loc[-1]
+        q = torch.randn(n + 2, 8 * d, generator=torch.Generator().manual_seed(1))  # 2 padding rows
+        calls = []
+        real = C.kernel
+        C.kernel = lambda: (lambda *a: calls.append(1) or real()(*a))
+        try:
+            with set_forward_context(ctx):
+                for layer, spec in specs.items():
+                    rows = q[:, :spec.num_heads * d].contiguous()
+                    got = C.attention(rows, layer)
+                    cache, group = ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
+                    want = A._ref_attention_each(rows, spec, specs[spec.cache_layer], cache, group, ctx.attn_metadata)
+                    assert not got.isnan().any()
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                    assert got[n:].abs().max() == 0
+        finally:
+            C.kernel = real
+        assert len(calls) == (3 if all(new == 1 for new, _ in seqs) else 0)  # prompt rows: the reference
 
 
 def test_decode_slots_on_the_host_equal_the_device_formulation():

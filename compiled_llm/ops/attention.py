@@ -353,8 +353,17 @@ def _triton_attention(caps: Capabilities, shape: dict) -> str | None:
     return caps.triton_ok()
 
 
+def _cpu_attention(caps: Capabilities, shape: dict) -> str | None:
+    if shape["layer"].sink_tokens or shape["layer"].omnikv is not None:
+        return "sparse-KV layers are the sparse_attention op's"
+    from compiled_llm.ops.cpu_attention import unsupported
+
+    return unsupported(caps, shape)
+
+
 ATTENTION = register(OpSpec("attention", "paged attention over the cache: prefill, decode, sliding window, soft-cap", [
     Provider("triton", "compiled_llm.ops.triton.providers:attention", _triton_attention, capturable=True),
+    Provider("cpu", "compiled_llm.ops.cpu_attention:attention", _cpu_attention),
     Provider("reference", "compiled_llm.ops.attention:ref_attention"),
 ], per_layer=True, splits_graph=True))
 

@@ -1,0 +1,155 @@
+"""The CPU's paged decode attention: one C++ kernel that reads each sequence's keys and values where they lie in
+the cache, through its block table, and keeps a running softmax over them (no gathered copy, no slot plan).
+
+The reference provider gathers a decode batch's keys and values into a padded copy (1 MB a layer at 8 x 128
+tokens of the host-overhead model) and runs SDPA on it, after a slot plan made a KV group a step: ~130 us a
+layer in a CPU decode step on 2 cores. This kernel reads the cache once and writes only the output (~35 us a
+layer alone; benchmarks/NOTES.md, 2026-12-05 session 43). It is built once per process through Inductor's C++
+toolchain (the compiler, OpenMP and ISA flags Inductor's own CPU kernels get; cached on disk like them), with
+GCC's loop vectorizer on (Inductor turns it off because its kernels vectorize by hand).
+
+Decode batches only (one query a sequence), float32 caches whose rows hold plain keys and values: prompt rows,
+K=V layers (keys rebuilt from the values) and other dtypes go to the reference, which the resolver says.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from compiled_llm.ops.context import layer_cache
+
+MAX_GROUP, MAX_HEAD_DIM = 16, 512  # the kernel's per-task accumulators: query heads a KV head, head_dim
+
+SOURCE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+// q [B, H, D]; k and v planes [slots, KV, D] (row = KV * D floats a slot); tables [B, width] block ids (< 0:
+// released); seq_lens [B]; out [B, H, D]. Each (sequence, KV head) task walks the sequence's keys in its window
+// in chunks of C: scores for the chunk, the running max and sum rescaled once a chunk, then the values.
+extern "C" void kernel(const float* q, const float* kc, const float* vc, const int32_t* tables,
+                       const int32_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KV, int64_t D,
+                       int64_t width, int64_t bs, int64_t row, int64_t window, float scale, float softcap) {
+    const int64_t G = H / KV;
+    constexpr int64_t C = 128;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < KV; ++h) {
+            float m[16], l[16], sc[16 * C], acc[16 * 512];
+            int64_t slot[C];
+            for (int64_t g = 0; g < G; ++g) {
+                m[g] = -std::numeric_limits<float>::infinity();
+                l[g] = 0.f;
+            }
+            for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+            const int64_t seq = seq_lens[b];
+            const int64_t n = window > 0 ? std::min(seq, window) : seq;
+            const float* qs = q + (b * H + h * G) * D;
+            for (int64_t p0 = seq - n; p0 < seq; p0 += C) {
+                int64_t c = 0;
+                for (int64_t p = p0; p < std::min(seq, p0 + C); ++p) {
+                    const int64_t blk = tables[b * width + p / bs];
+                    if (blk >= 0) slot[c++] = blk * bs + p % bs;
+                }
+                for (int64_t j = 0; j < c; ++j) {
+                    const float* kp = kc + slot[j] * row + h * D;
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float* qg = qs + g * D;
+                        float dot = 0.f;
+                        #pragma omp simd reduction(+:dot)
+                        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kp[d];
+                        float x = dot * scale;
+                        if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
+                        sc[g * C + j] = x;
+                    }
+                }
+                for (int64_t g = 0; g < G; ++g) {
+                    float mx = m[g];
+                    for (int64_t j = 0; j < c; ++j) mx = std::max(mx, sc[g * C + j]);
+                    if (mx > m[g]) {
+                        const float corr = std::exp(m[g] - mx);
+                        l[g] *= corr;
+                        float* a = acc + g * D;
+                        #pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+                        m[g] = mx;
+                    }
+                    for (int64_t j = 0; j < c; ++j) {
+                        const float w = std::exp(sc[g * C + j] - mx);
+                        sc[g * C + j] = w;
+                        l[g] += w;
+                    }
+                }
+                for (int64_t j = 0; j < c; ++j) {
+                    const float* vp = vc + slot[j] * row + h * D;
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float w = sc[g * C + j];
+                        float* a = acc + g * D;
+                        #pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) a[d] += w * vp[d];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                float* o = out + (b * H + h * G + g) * D;
+                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+                for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+            }
+        }
+    }
+}
+"""
+
+ARGTYPES = (["const float*"] * 3 + ["const int32_t*"] * 2 + ["float*"] + ["int64_t"] * 8 + ["float"] * 2)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel():
+    """The built kernel (a Python callable on tensors and numbers), once per process."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, SOURCE, extra_flags=("-ftree-loop-vectorize",))
+
+
+def unsupported(caps, shape: dict) -> str | None:
+    """Why the kernel cannot serve this layer (None: it can)."""
+    if caps.device_type != "cpu":
+        return "the C++ decode kernel serves CPU engines"
+    layer, source = shape["layer"], shape.get("source", shape["layer"])
+    if shape.get("dtype", torch.float32) != torch.float32:
+        return f"{shape.get('dtype')}: the C++ decode kernel reads float32 caches"
+    if source.k_eq_v or source.rot_keys:
+        return "K=V cache (keys rebuilt from the values): the reference rebuilds them"
+    if layer.num_heads % layer.num_kv_heads or layer.num_heads // layer.num_kv_heads > MAX_GROUP:
+        return f"{layer.num_heads // layer.num_kv_heads} query heads a KV head: the kernel takes up to {MAX_GROUP}"
+    if layer.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {layer.head_dim}: the kernel takes up to {MAX_HEAD_DIM}"
+    try:
+        kernel()
+    except Exception as e:  # no C++ compiler Inductor can use: the reference serves, and the table says why
+        return f"the C++ kernel did not build ({type(e).__name__}: {e})"
+    return None
+
+
+def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """Decode batches through the kernel; any other step (prompt rows, media spans) through the reference."""
+    from compiled_llm.ops.attention import BIDIR_SPANS_KEY, ref_attention
+
+    ctx, spec, cache, group = layer_cache(layer_idx)
+    meta = ctx.attn_metadata
+    num_seqs = len(meta.seq_lens)
+    if (any(ctx.extra.get(BIDIR_SPANS_KEY) or ()) or list(meta.query_start_loc) != list(range(num_seqs + 1))
+            or q.dtype != torch.float32 or cache.dtype != torch.float32 or not cache.is_contiguous()):
+        return ref_attention(q, layer_idx)
+    lens = meta.seq_lens_tensor  # the runner's, int32 (a step built elsewhere: made here)
+    lens = torch.tensor(meta.seq_lens, dtype=torch.int32) if lens is None else lens.to(torch.int32)
+    tables = group.block_tables.to(torch.int32).contiguous()
+    out = (torch.empty if q.shape[0] == num_seqs else torch.zeros)(q.shape[0], spec.num_heads * spec.head_dim)
+    kernel()(q.contiguous(), cache[0], cache[1], tables, lens, out, num_seqs, spec.num_heads, spec.num_kv_heads,
+             spec.head_dim, tables.shape[1], meta.block_size, spec.num_kv_heads * spec.head_dim,
+             spec.sliding_window or 0, spec.scale, spec.softcap or 0.0)
+    return out
