@@ -43,6 +43,7 @@ class DirectForward:
         code = self.fn.__code__
         self.names = code.co_varnames[:code.co_argcount]  # (self, input_ids, positions, ...)
         self.defaults = self.fn.__defaults__ or ()
+        self.required = len(self.names) - len(self.defaults)  # (self included)
         # (guards, the compiled code weakly: Dynamo frees it with its cache entry, and a global of the module it
         # installed goes with it, which a strong reference here would keep until interpreter shutdown)
         self.entries: list[tuple[Any, weakref.ref]] = []
@@ -63,12 +64,11 @@ class DirectForward:
         if not self.entries or _has_hooks(self.module):
             return MISS
         given = len(args) + 1
-        if not len(self.names) - len(self.defaults) <= given <= len(self.names):
+        if not self.required <= given <= len(self.names):
             return MISS
         local = dict(zip(self.names, (self.module, *args)))
-        first_default = len(self.names) - len(self.defaults)
         for i in range(given, len(self.names)):
-            local[self.names[i]] = self.defaults[i - first_default]
+            local[self.names[i]] = self.defaults[i - self.required]
         fn = self.fn
         for guards, code in self.entries:
             code = code()

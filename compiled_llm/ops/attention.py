@@ -202,6 +202,14 @@ def bidirectional_mask(spans: list[tuple[int, int]], q_pos: torch.Tensor, k_pos:
     return out
 
 
+def decode_batch(ctx) -> bool:
+    """Whether the step is one query a sequence with no media spans (those see each other both ways): the batched
+    decode paths' steps."""
+    meta = ctx.attn_metadata
+    return not any(ctx.extra.get(BIDIR_SPANS_KEY) or ()) and \
+        list(meta.query_start_loc) == list(range(len(meta.seq_lens) + 1))
+
+
 def ref_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """Plain PyTorch paged attention: each sequence attends over its cached context (written already).
     q may carry padding rows past the last sequence; they come back as zeros."""
@@ -214,10 +222,9 @@ def ref_attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     meta = ctx.attn_metadata
     # media tokens (one image, one video frame) that see each other both ways: sliding layers only, as in
     # transformers' Gemma 4 (runtime/model_runner.py execute_media sets them; docs/multimodal.md)
-    bidir = ctx.extra.get(BIDIR_SPANS_KEY)
-    if not any(bidir or ()) and list(meta.query_start_loc) == list(range(len(meta.seq_lens) + 1)):
+    if decode_batch(ctx):
         return _ref_decode_attention(q, spec, source, cache, group, meta, ctx.extra)
-    return _ref_attention_each(q, spec, source, cache, group, meta, bidir)
+    return _ref_attention_each(q, spec, source, cache, group, meta, ctx.extra.get(BIDIR_SPANS_KEY))
 
 
 def _ref_attention_each(q: torch.Tensor, spec: AttentionSpec, source: AttentionSpec, cache: torch.Tensor, group,

@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from compiled_llm.ops.attention import decode_batch, ref_attention
 from compiled_llm.ops.context import layer_cache
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 512  # the kernel's per-task accumulators: query heads a KV head, head_dim
@@ -27,6 +28,8 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <limits>
+
+constexpr int64_t MAX_GROUP = @MAX_GROUP@, MAX_HEAD_DIM = @MAX_HEAD_DIM@;  // (the Python constants)
 
 // q [B, H, D]; k and v planes [slots, KV, D] (row = KV * D floats a slot); tables [B, width] block ids (< 0:
 // released); seq_lens [B]; out [B, H, D]. Each (sequence, KV head) task walks the sequence's keys in its window
@@ -39,7 +42,7 @@ extern "C" void kernel(const float* q, const float* kc, const float* vc, const i
     #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
         for (int64_t h = 0; h < KV; ++h) {
-            float m[16], l[16], sc[16 * C], acc[16 * 512];
+            float m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP * C], acc[MAX_GROUP * MAX_HEAD_DIM];
             int64_t slot[C];
             for (int64_t g = 0; g < G; ++g) {
                 m[g] = -std::numeric_limits<float>::infinity();
@@ -102,7 +105,7 @@ extern "C" void kernel(const float* q, const float* kc, const float* vc, const i
         }
     }
 }
-"""
+""".replace("@MAX_GROUP@", str(MAX_GROUP)).replace("@MAX_HEAD_DIM@", str(MAX_HEAD_DIM))
 
 ARGTYPES = (["const float*"] * 3 + ["const int32_t*"] * 2 + ["float*"] + ["int64_t"] * 8 + ["float"] * 2)
 
@@ -137,14 +140,11 @@ def unsupported(caps, shape: dict) -> str | None:
 
 def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """Decode batches through the kernel; any other step (prompt rows, media spans) through the reference."""
-    from compiled_llm.ops.attention import BIDIR_SPANS_KEY, ref_attention
-
     ctx, spec, cache, group = layer_cache(layer_idx)
+    if not decode_batch(ctx) or q.dtype != torch.float32 or cache.dtype != torch.float32 or not cache.is_contiguous():
+        return ref_attention(q, layer_idx)
     meta = ctx.attn_metadata
     num_seqs = len(meta.seq_lens)
-    if (any(ctx.extra.get(BIDIR_SPANS_KEY) or ()) or list(meta.query_start_loc) != list(range(num_seqs + 1))
-            or q.dtype != torch.float32 or cache.dtype != torch.float32 or not cache.is_contiguous()):
-        return ref_attention(q, layer_idx)
     lens = meta.seq_lens_tensor  # the runner's, int32 (a step built elsewhere: made here)
     lens = torch.tensor(meta.seq_lens, dtype=torch.int32) if lens is None else lens.to(torch.int32)
     tables = group.block_tables.to(torch.int32).contiguous()
