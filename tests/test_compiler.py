@@ -90,13 +90,14 @@ def test_compiled_greedy_equals_transformers_and_eager(compiled, tiny_ckpt, name
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
-def test_cpu_projections_and_lm_head_stream_packed_weights(compiled):
+def test_cpu_projections_and_lm_head_stream_packed_weights(compiled, monkeypatch):
     """The CPU engine's fast path for its projections (ops/linear.py packed_mm): the compiled graph's qkv, o and MLP
-    products and the LM head run through the parameters' oneDNN copies, made once at warm-up: a later request
-    packs nothing again (on a weight the graph handed over as something other than the parameter, every step
-    would repack)."""
+    products and the LM head run through the parameters' oneDNN copies (pinned here: unpinned, a shape takes
+    whichever library measured faster), each made once: a later request packs nothing again (on a weight the
+    graph handed over as something other than the parameter, every step would repack)."""
     from compiled_llm.ops import linear
 
+    monkeypatch.setenv(linear.CPU_MM_ENV, "onednn")
     llm, hf = compiled("dense")
     assert linear.SKINNY_MM.provider_name() == "onednn"
     ps = [{"prompt_token_ids": p} for p in prompts(hf.config.vocab_size)]

@@ -1,5 +1,6 @@
 """The skinny_mm op's CPU provider (ops/linear.py packed_mm): each parameter reordered once into oneDNN's layout,
-every later product through that copy; the engine's compiled CPU path and its LM head take it."""
+every later product through that copy where oneDNN measured faster than torch.mm for the shape (or is pinned);
+the engine's compiled CPU path and its LM head take it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from compiled_llm.ops import linear
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
 
-def test_packed_products_equal_mm_and_each_parameter_is_packed_once():
+@pytest.fixture
+def pinned_onednn(monkeypatch):
+    monkeypatch.setenv(linear.CPU_MM_ENV, "onednn")
+
+
+def test_packed_products_equal_mm_and_each_parameter_is_packed_once(pinned_onednn):
     g = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.randn(96, 64, generator=g), requires_grad=False)
     before = linear.PACKS[0]
@@ -31,7 +37,7 @@ def test_packed_products_equal_mm_and_each_parameter_is_packed_once():
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bfloat16 oneDNN on this CPU")
-def test_packed_products_in_bfloat16():
+def test_packed_products_in_bfloat16(pinned_onednn):
     g = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(128, 256, generator=g).bfloat16(), requires_grad=False)
     x = torch.randn(8, 256, generator=g).bfloat16()
@@ -54,7 +60,7 @@ def test_the_cpu_resolver_picks_onednn_with_its_reasons():
     assert not linear.takes(64, 64, 8, None)  # on a GPU such a small weight stays on cuBLAS
 
 
-def test_prefill_rows_take_the_packed_weights_where_onednn_is_chosen():
+def test_prefill_rows_take_the_packed_weights_where_onednn_is_chosen(pinned_onednn):
     """Past SKINNY_MAX_ROWS (a prefill) the op keeps oneDNN's packed copy on the CPU (faster than torch's mm at
     these shapes); another provider's engine runs torch's mm there, as before."""
     from compiled_llm.ops.registry import Capabilities, preserved_choices
@@ -68,3 +74,53 @@ def test_prefill_rows_take_the_packed_weights_where_onednn_is_chosen():
             got = torch.ops.compiled_llm.skinny_mm(x, w)
         torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-4)
         assert ("_onednn_packed" in w.__dict__) is (provider == "onednn")
+
+
+def test_the_cpu_product_is_measured_once_a_shape_and_row_bucket(monkeypatch):
+    """Unpinned, the first call of a (weight shape, dtype, row bucket) times torch.mm against oneDNN's packed copy and
+    every later call of that key takes the faster; a weight whose shape chose torch.mm is never packed."""
+    monkeypatch.delenv(linear.CPU_MM_ENV, raising=False)
+    monkeypatch.setattr(linear, "CPU_CHOICES", {})
+    verdict, measured = {}, []
+
+    def fake_measure(x, w, p):  # the verdict this test sets for the shape; p is the packed copy timed
+        measured.append((tuple(w.shape), linear.row_bucket(x.shape[0])))
+        assert p is w.__dict__["_onednn_packed"][1]
+        return verdict[tuple(w.shape)], 1e-5, 2e-5
+
+    monkeypatch.setattr(linear, "_measure", fake_measure)
+    g = torch.Generator().manual_seed(3)
+    fast_dnn = torch.nn.Parameter(torch.randn(80, 32, generator=g), requires_grad=False)
+    fast_mm = torch.nn.Parameter(torch.randn(48, 32, generator=g), requires_grad=False)
+    verdict.update({(80, 32): "onednn", (48, 32): "mm"})
+    for m in (5, 8, 6, 1, 40):
+        x = torch.randn(m, 32, generator=g)
+        for w in (fast_dnn, fast_mm):
+            torch.testing.assert_close(linear.packed_mm(x, w), x @ w.t(), rtol=1e-5, atol=1e-4)
+    # buckets 8 (5, 8 and 6 rows), 1 and 64, each measured once per shape
+    assert measured == [((80, 32), 8), ((48, 32), 8), ((80, 32), 1), ((48, 32), 1), ((80, 32), 64), ((48, 32), 64)]
+    assert linear.CPU_CHOICES[(48, 32, torch.float32, 8)] == "mm"
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    twin = torch.nn.Parameter(torch.randn(48, 32, generator=g), requires_grad=False)  # same shape, chose mm
+    linear.packed_mm(torch.randn(7, 32, generator=g), twin)
+    assert not calls and "_onednn_packed" not in twin.__dict__  # not packed, not measured again
+    linear.packed_mm(torch.randn(7, 32, generator=g), fast_dnn)
+    assert calls == [1]
+    monkeypatch.setenv(linear.CPU_MM_ENV, "onednn")  # the pin overrides a measured choice
+    linear.packed_mm(torch.randn(7, 32, generator=g), twin)
+    assert calls == [1, 1] and "_onednn_packed" in twin.__dict__
+    monkeypatch.setenv(linear.CPU_MM_ENV, "mkl")
+    with pytest.raises(ValueError, match="onednn or mm"):
+        linear.packed_mm(torch.randn(7, 32, generator=g), twin)
+
+
+def test_faster_takes_the_lower_best_time_and_measuring_returns_a_verdict():
+    assert linear.faster([3.0, 1.0], [1.5, 1.2]) == "mm"
+    assert linear.faster([3.0, 2.0], [9.0, 1.9]) == "onednn"
+    assert [linear.row_bucket(m) for m in (1, 2, 3, 8, 9, 16, 17, 5000)] == [1, 2, 4, 8, 16, 16, 32, 4096]
+    w = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
+    x = torch.randn(8, 32)
+    choice, t_mm, t_dnn = linear._measure(x, w, linear._packed(w))
+    assert choice in ("mm", "onednn") and t_mm > 0 and t_dnn > 0

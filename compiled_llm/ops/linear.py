@@ -27,16 +27,26 @@ cache cold as in a decode step) took 2.69 ms with torch.mm and 1.25 ms packed; t
 prompts, 64 decode steps) 0.53-0.58 s -> 0.33-0.41 s, 1.06x -> 1.5x transformers eager (2026-12-05, session 40,
 benchmarks/NOTES.md). On the CPU every projection whose weight is a parameter is the op's (`takes` on "cpu").
 The copy costs the weight's bytes again in host memory (`COMPILED_LLM_SKINNY_MM=0`: none made, torch.mm).
+
+Which library wins depends on the CPU: on an Intel Xeon with AMX (2 cores, session 44) oneDNN's packed product
+has a ~28 us floor per call where MKL's sgemm takes 10-17 us at 8 rows for the host-overhead model's 256-wide
+projections, while the 8,192-row LM head runs 2x faster packed (293 against 556 us). So the provider times both
+on the first call of each weight shape and row-count bucket (`CPU_CHOICES`, the best of a few alternating runs
+on that call's operands) and keeps the faster for the process; `COMPILED_LLM_CPU_MM=onednn|mm` pins one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
+
+log = logging.getLogger("compiled_llm")
 
 SKINNY_MAX_ROWS = 16  # one 16-row block of the kernel: past it the weight would be read once per block
 SKINNY_MIN_ELEMENTS = 1 << 21  # smaller weights (4 MB in bf16) are launch-bound either way: not measured
@@ -129,12 +139,71 @@ def _packed(w: torch.Tensor) -> torch.Tensor | None:
     return hit[1]
 
 
+CPU_MM_ENV = "COMPILED_LLM_CPU_MM"  # onednn | mm: the CPU product's library pinned (default: measured per shape)
+CPU_CHOICES: dict[tuple, str] = {}  # (N, K, dtype, row bucket) -> "onednn" | "mm", measured once in the process
+MEASURE_BUDGET_S = 2e-3  # a choice's timed runs of each library take about this long (at least MEASURE_MIN_RUNS)
+MEASURE_MIN_RUNS, MEASURE_MAX_RUNS = 3, 25
+MAX_BUCKET = 4096  # row counts past this share the choice measured at the first of them
+
+
+def row_bucket(rows: int) -> int:
+    """The rows' power of two (capped): a decode batch of 5 to 8 rows takes the choice of the first such call."""
+    return min(MAX_BUCKET, 1 << max(0, rows - 1).bit_length())
+
+
+def faster(times_mm: list[float], times_onednn: list[float]) -> str:
+    """The library with the lower best time (the best of alternating runs: this shared host's noise only adds)."""
+    return "onednn" if min(times_onednn) < min(times_mm) else "mm"
+
+
+def _measure(x: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> tuple[str, float, float]:
+    def mm():
+        torch.mm(x, w.t())
+
+    def dnn():
+        torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+    dnn()  # oneDNN's primitive made and cached, MKL's first call: not timed
+    t0 = time.perf_counter()
+    mm()
+    once = time.perf_counter() - t0
+    runs = max(MEASURE_MIN_RUNS, min(MEASURE_MAX_RUNS, int(MEASURE_BUDGET_S / max(once, 1e-7))))
+    times = {mm: [], dnn: []}
+    for _ in range(runs):
+        for f in (mm, dnn):
+            t0 = time.perf_counter()
+            f()
+            times[f].append(time.perf_counter() - t0)
+    return faster(times[mm], times[dnn]), min(times[mm]), min(times[dnn])
+
+
+def cpu_choice(x: torch.Tensor, w: torch.Tensor) -> str:
+    """"onednn" or "mm" for x @ w^T on the CPU: COMPILED_LLM_CPU_MM's where set, else the one measured faster on the
+    first call of its (shape, dtype, row bucket), kept for the process."""
+    pinned = os.environ.get(CPU_MM_ENV)
+    if pinned:
+        if pinned not in ("onednn", "mm"):
+            raise ValueError(f"{CPU_MM_ENV}={pinned!r}: expected onednn or mm")
+        return pinned
+    key = (w.shape[0], w.shape[1], w.dtype, row_bucket(x.shape[0]))
+    choice = CPU_CHOICES.get(key)
+    if choice is None:
+        choice, t_mm, t_dnn = _measure(x, w, _packed(w))
+        CPU_CHOICES[key] = choice
+        log.debug("skinny_mm on the CPU, %d rows x %s: torch.mm %.1f us, oneDNN packed %.1f us -> %s", key[3],
+                  tuple(w.shape), t_mm * 1e6, t_dnn * 1e6, choice)
+    return choice
+
+
 def packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The CPU provider: x @ w^T through w's oneDNN copy (torch.mm for a weight that is not a parameter)."""
-    p = _packed(w)
-    if p is None:
+    """The CPU provider: x @ w^T through w's oneDNN copy or torch.mm, whichever cpu_choice measured faster for
+    this shape (torch.mm for a weight that is not a parameter)."""
+    if not isinstance(w, torch.nn.Parameter):
         return torch.mm(x, w.t())
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), p, None, "none", [], "")
+    x = x.contiguous()
+    if cpu_choice(x, w) == "mm":
+        return torch.mm(x, w.t())
+    return torch.ops.mkldnn._linear_pointwise(x, _packed(w), None, "none", [], "")
 
 
 SKINNY_MM = register(OpSpec("skinny_mm", "x [M <= 16, K] @ W [N, K]^T: a decode batch's weight-streaming "
