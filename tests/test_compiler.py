@@ -97,7 +97,7 @@ def test_cpu_projections_and_lm_head_stream_packed_weights(compiled, monkeypatch
     graph handed over as something other than the parameter, every step would repack)."""
     from compiled_llm.ops import linear
 
-    monkeypatch.setenv(linear.CPU_MM_ENV, "onednn")
+    monkeypatch.setattr(linear, "PINNED", "onednn")
     llm, hf = compiled("dense")
     assert linear.SKINNY_MM.provider_name() == "onednn"
     ps = [{"prompt_token_ids": p} for p in prompts(hf.config.vocab_size)]

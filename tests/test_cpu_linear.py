@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture
 def pinned_onednn(monkeypatch):
-    monkeypatch.setenv(linear.CPU_MM_ENV, "onednn")
+    monkeypatch.setattr(linear, "PINNED", "onednn")
 
 
 def test_packed_products_equal_mm_and_each_parameter_is_packed_once(pinned_onednn):
@@ -79,7 +79,7 @@ def test_prefill_rows_take_the_packed_weights_where_onednn_is_chosen(pinned_oned
 def test_the_cpu_product_is_measured_once_a_shape_and_row_bucket(monkeypatch):
     """Unpinned, the first call of a (weight shape, dtype, row bucket) times torch.mm against oneDNN's packed copy and
     every later call of that key takes the faster; a weight whose shape chose torch.mm is never packed."""
-    monkeypatch.delenv(linear.CPU_MM_ENV, raising=False)
+    monkeypatch.setattr(linear, "PINNED", None)
     monkeypatch.setattr(linear, "CPU_CHOICES", {})
     verdict, measured = {}, []
 
@@ -108,10 +108,10 @@ def test_the_cpu_product_is_measured_once_a_shape_and_row_bucket(monkeypatch):
     assert not calls and "_onednn_packed" not in twin.__dict__  # not packed, not measured again
     linear.packed_mm(torch.randn(7, 32, generator=g), fast_dnn)
     assert calls == [1]
-    monkeypatch.setenv(linear.CPU_MM_ENV, "onednn")  # the pin overrides a measured choice
+    monkeypatch.setattr(linear, "PINNED", "onednn")  # the pin overrides a measured choice
     linear.packed_mm(torch.randn(7, 32, generator=g), twin)
     assert calls == [1, 1] and "_onednn_packed" in twin.__dict__
-    monkeypatch.setenv(linear.CPU_MM_ENV, "mkl")
+    monkeypatch.setattr(linear, "PINNED", "mkl")
     with pytest.raises(ValueError, match="onednn or mm"):
         linear.packed_mm(torch.randn(7, 32, generator=g), twin)
 
@@ -119,8 +119,21 @@ def test_the_cpu_product_is_measured_once_a_shape_and_row_bucket(monkeypatch):
 def test_faster_takes_the_lower_best_time_and_measuring_returns_a_verdict():
     assert linear.faster([3.0, 1.0], [1.5, 1.2]) == "mm"
     assert linear.faster([3.0, 2.0], [9.0, 1.9]) == "onednn"
-    assert [linear.row_bucket(m) for m in (1, 2, 3, 8, 9, 16, 17, 5000)] == [1, 2, 4, 8, 16, 16, 32, 4096]
+    assert [linear.row_bucket(m) for m in (0, 1, 2, 3, 8, 9, 16, 17, 4096, 5000)] == [1, 1, 2, 4, 8, 16, 16, 32, 4096,
+                                                                                     4096]
     w = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
     x = torch.randn(8, 32)
     choice, t_mm, t_dnn = linear._measure(x, w, linear._packed(w))
     assert choice in ("mm", "onednn") and t_mm > 0 and t_dnn > 0
+
+
+def test_the_env_var_pins_the_library_in_a_new_process():
+    import subprocess
+    import sys
+
+    code = ("import torch; from compiled_llm.ops import linear; "
+            "w = torch.nn.Parameter(torch.randn(8, 4), requires_grad=False); "
+            "linear.packed_mm(torch.randn(2, 4), w); print(linear.PINNED, '_onednn_packed' in w.__dict__)")
+    env = dict(__import__("os").environ, COMPILED_LLM_CPU_MM="onednn")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["onednn", "True"]

@@ -140,15 +140,17 @@ def _packed(w: torch.Tensor) -> torch.Tensor | None:
 
 
 CPU_MM_ENV = "COMPILED_LLM_CPU_MM"  # onednn | mm: the CPU product's library pinned (default: measured per shape)
+PINNED = os.environ.get(CPU_MM_ENV) or None  # read once (the env var's value; tests set this)
 CPU_CHOICES: dict[tuple, str] = {}  # (N, K, dtype, row bucket) -> "onednn" | "mm", measured once in the process
 MEASURE_BUDGET_S = 2e-3  # a choice's timed runs of each library take about this long (at least MEASURE_MIN_RUNS)
 MEASURE_MIN_RUNS, MEASURE_MAX_RUNS = 3, 25
 MAX_BUCKET = 4096  # row counts past this share the choice measured at the first of them
+_BUCKETS = [1] + [min(MAX_BUCKET, 1 << (m - 1).bit_length()) for m in range(1, MAX_BUCKET + 1)]
 
 
 def row_bucket(rows: int) -> int:
     """The rows' power of two (capped): a decode batch of 5 to 8 rows takes the choice of the first such call."""
-    return min(MAX_BUCKET, 1 << max(0, rows - 1).bit_length())
+    return _BUCKETS[rows] if rows <= MAX_BUCKET else MAX_BUCKET
 
 
 def faster(times_mm: list[float], times_onednn: list[float]) -> str:
@@ -179,19 +181,24 @@ def _measure(x: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> tuple[str, fl
 
 def cpu_choice(x: torch.Tensor, w: torch.Tensor) -> str:
     """"onednn" or "mm" for x @ w^T on the CPU: COMPILED_LLM_CPU_MM's where set, else the one measured faster on the
-    first call of its (shape, dtype, row bucket), kept for the process."""
-    pinned = os.environ.get(CPU_MM_ENV)
-    if pinned:
-        if pinned not in ("onednn", "mm"):
-            raise ValueError(f"{CPU_MM_ENV}={pinned!r}: expected onednn or mm")
-        return pinned
-    key = (w.shape[0], w.shape[1], w.dtype, row_bucket(x.shape[0]))
+    first call of its (shape, dtype, row bucket), kept for the process (and on the parameter, by bucket: a step's
+    ~25 calls each look it up)."""
+    if PINNED:
+        if PINNED not in ("onednn", "mm"):
+            raise ValueError(f"{CPU_MM_ENV}={PINNED!r}: expected onednn or mm")
+        return PINNED
+    bucket = row_bucket(x.shape[0])
+    mine = w.__dict__.get("_cpu_mm")
+    if mine is not None and bucket in mine:
+        return mine[bucket]
+    key = (w.shape[0], w.shape[1], w.dtype, bucket)
     choice = CPU_CHOICES.get(key)
     if choice is None:
         choice, t_mm, t_dnn = _measure(x, w, _packed(w))
         CPU_CHOICES[key] = choice
-        log.debug("skinny_mm on the CPU, %d rows x %s: torch.mm %.1f us, oneDNN packed %.1f us -> %s", key[3],
+        log.debug("skinny_mm on the CPU, %d rows x %s: torch.mm %.1f us, oneDNN packed %.1f us -> %s", bucket,
                   tuple(w.shape), t_mm * 1e6, t_dnn * 1e6, choice)
+    w.__dict__.setdefault("_cpu_mm", {})[bucket] = choice
     return choice
 
 
