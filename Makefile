@@ -11,14 +11,15 @@ SERVE_ARGS ?=
 COMPILER_TESTS ?= tests/passes tests/test_audit.py
 # private torch APIs whose presence differs by version, checked under 2.11 too (OmniKV offload's device view, the
 # compile's guard filter and the direct call of its compiled code, the CPU kernels beside custom_op's, the C++
-# decode attention built through Inductor's C++ toolchain);
+# decode attention and KV write built through Inductor's C++ toolchain);
 # compiled Qwen3.5 against transformers under 2.11 (its Inductor dropped a view's offset in as_strided: wrong
 # tokens on the GPU for six sessions while 2.14 passed)
 TORCH_API_TESTS := tests/test_sparse_kv.py::test_device_view_aliases_the_host_bytes tests/test_qwen3_5_graph.py \
 	tests/test_compiler.py::test_forward_guards_skip_the_models_modules_and_keep_the_inputs \
 	tests/test_compiler.py::test_compiled_forward_runs_without_dynamo_after_the_same_guards \
 	tests/test_op_providers.py::test_cpu_calls_reach_each_op_function_without_custom_ops_wrappers \
-	tests/test_op_providers.py::test_cpu_decode_kernel_equals_the_reference
+	tests/test_op_providers.py::test_cpu_decode_kernel_equals_the_reference \
+	tests/test_op_providers.py::test_cpu_kv_write_equals_the_reference_write
 # every Triton kernel start-up builds on an H200, built for sm_90 by the GPU's Triton (3.6) as well as 3.8: the
 # interpreter tests run a kernel's Python, not Triton's compiler (session 34: a kernel they passed failed its first
 # H200 build); the CLI's table runs once, in the main suite

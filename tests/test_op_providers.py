@@ -46,9 +46,10 @@ def test_resolver_on_cpu_picks_reference_and_reports_why():
     assert set(table) >= {"attention", "kv_cache_write", "rms_norm", "fused_add_rms_norm", "qk_norm_rope_kv_write",
                           "router_topk", "geglu_moe", "allreduce_rms_norm"}
     # the reference everywhere, but for the projections' product (oneDNN's packed weights, tests/test_cpu_linear.py)
-    # and the decode attention (the C++ kernel, ops/cpu_attention.py)
+    # and the decode attention and the KV write (the C++ kernels, ops/cpu_attention.py)
     assert table.pop("skinny_mm") == {None: "onednn" if torch.backends.mkldnn.is_available() else "reference"}
     assert table.pop("attention") == {0: "cpu", 1: "cpu", 2: "cpu"}  # resolved per layer
+    assert table.pop("kv_cache_write") == {None: "cpu"}  # the C++ KV write
     assert all(p == "reference" for by_key in table.values() for p in by_key.values())
     caps = Capabilities("cpu", None, frozenset({"triton"}))
     _, skipped = OPS["attention"].resolve(caps, {"layer": _specs()[0], "source": _specs()[0], "block_size": 16})
@@ -388,6 +389,42 @@ def test_cpu_decode_kernel_equals_the_reference():
         finally:
             C.kernel = real
         assert len(calls) == (3 if all(new == 1 for new, _ in seqs) else 0)  # prompt rows: the reference
+
+
+def test_cpu_kv_write_equals_the_reference_write():
+    """The CPU's C++ KV write (ops/cpu_attention.py kv_cache_write) leaves the caches as the reference write does:
+    key and value rows that are column slices of one projection (row strides past the row), a padding slot (-1)
+    and padding rows past the slot mapping left out, float32 and bfloat16 (rows copied as bytes), one call of the
+    kernel a writing layer; a K=V layer's write goes to the reference."""
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops import cpu_attention as C
+    from compiled_llm.ops.context import set_forward_context
+
+    d = 32
+    specs = {0: A.AttentionSpec(0, 4, 2, d, None, 0), 1: A.AttentionSpec(1, 4, 2, d, 5, 1),
+             2: A.AttentionSpec(2, 4, 1, d, None, 2, k_eq_v=True)}
+    for dtype in (torch.float32, torch.bfloat16):
+        ctx = _context(specs, dtype=dtype)
+        n = ctx.attn_metadata.query_start_loc[-1]
+        for group in ctx.attn_metadata.groups.values():
+            group.slot_mapping[3] = -1  # a padded slot: nothing written for that row
+        want = {i: c.clone() for i, c in ctx.kv_caches.items()}
+        qkv = torch.randn(n + 2, 8 * d, generator=torch.Generator().manual_seed(3)).to(dtype)  # 2 padding rows
+        calls = []
+        real = C.write_kernel
+        C.write_kernel = lambda: (lambda *a: calls.append(1) or real()(*a))
+        try:
+            with set_forward_context(ctx):
+                for layer, spec in specs.items():
+                    width = spec.num_kv_heads * d
+                    k, v = qkv[:, 4 * d:4 * d + width], qkv[:, 6 * d:6 * d + width]
+                    C.kv_cache_write(None if spec.k_eq_v else k, v, layer)
+                    group = ctx.attn_metadata.groups[spec.kv_group]
+                    A.write_kv(want[layer], None if spec.k_eq_v else k, v, group.slot_mapping, spec)
+                    assert torch.equal(ctx.kv_caches[layer], want[layer]), (dtype, layer)
+        finally:
+            C.write_kernel = real
+        assert len(calls) == 2  # the K=V layer through the reference
 
 
 def test_decode_slots_on_the_host_equal_the_device_formulation():

@@ -368,6 +368,12 @@ def _cpu_attention(caps: Capabilities, shape: dict) -> str | None:
     return unsupported(caps, shape)
 
 
+def _cpu_kv_write(caps: Capabilities, shape: dict) -> str | None:
+    from compiled_llm.ops.cpu_attention import write_unsupported
+
+    return write_unsupported(caps, shape)
+
+
 ATTENTION = register(OpSpec("attention", "paged attention over the cache: prefill, decode, sliding window, soft-cap", [
     Provider("triton", "compiled_llm.ops.triton.providers:attention", _triton_attention, capturable=True),
     Provider("cpu", "compiled_llm.ops.cpu_attention:attention", _cpu_attention),
@@ -376,6 +382,7 @@ ATTENTION = register(OpSpec("attention", "paged attention over the cache: prefil
 
 KV_CACHE_WRITE = register(OpSpec("kv_cache_write", "scatter this step's k/v into their cache slots", [
     Provider("triton", "compiled_llm.ops.triton.qk_norm_rope:kv_cache_write", lambda caps, shape: caps.triton_ok()),
+    Provider("cpu", "compiled_llm.ops.cpu_attention:kv_cache_write", _cpu_kv_write),
     Provider("reference", "compiled_llm.ops.attention:ref_kv_cache_write", syncs=True),  # write_kv's padding check
 ]))
 
