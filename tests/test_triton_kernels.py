@@ -608,6 +608,9 @@ def _check_moe_start(T, E, H, I, k, gemma: bool, seed: int):
         slots = P.moe_start(x, proj, None, None, x, gu, dn, k, 0.0, 1.0, 0, "silu", True)
     assert slots.shape == (T, H)  # the routed output, its top-k sum included (in the down kernel at decode sizes)
     _close(f"moe_start T={T} gemma={gemma}", slots, want, rtol=1e-5, atol=1e-5)
+    picks = P.moe_start(x, proj, scale if gemma else None, pes if gemma else None, x, gu, dn, k, 1e-6 if gemma else 0.0,
+                        H ** -0.5 if gemma else 1.0, 0, "gelu_tanh" if gemma else "silu", not gemma, True)
+    assert picks.shape == (T, k, H) and torch.equal(picks.float().sum(1).to(slots.dtype), slots)  # the sum left out
     # the router's last program aligning the picks (one token block) against the separate alignment launch
     from compiled_llm.ops.triton import moe as M
 

@@ -73,15 +73,16 @@ def route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size,
 
 
 def ref_moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k: int, eps: float,
-                  root_size: float, first: int, activation: str, cast: bool) -> torch.Tensor:
+                  root_size: float, first: int, activation: str, cast: bool, slots: bool = False) -> torch.Tensor:
     """The routed output [T, H] in x's dtype: each pick's weighted expert output (one routed sum per pick, in
-    x's dtype) added in float32."""
+    x's dtype) added in float32. slots: those picks themselves, [T, k, H], for the graph to add (the consumer's
+    kernel then reads them: passes/moe_overlap.py)."""
     w, ids = route(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size, x.dtype, cast, first,
                    ref_router_topk, ref_softmax_router_topk)
     act = ACTIVATIONS[activation]
     picks = torch.stack([ref_gated_moe(x, w[:, j:j + 1], ids[:, j:j + 1], gate_up_proj, down_proj, act)
                          for j in range(top_k)], dim=1)
-    return picks.float().sum(1).to(x.dtype)
+    return picks if slots else picks.float().sum(1).to(x.dtype)
 
 
 def _triton(caps: Capabilities, shape: dict) -> str | None:
@@ -98,9 +99,9 @@ MOE_START = register(OpSpec("moe_start", "router and routed experts (their top-k
 def moe_start(router_x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Tensor | None,
               per_expert_scale: torch.Tensor | None, x: torch.Tensor, gate_up_proj: torch.Tensor,
               down_proj: torch.Tensor, top_k: int, eps: float, root_size: float, first: int, activation: str,
-              cast: bool) -> torch.Tensor:
+              cast: bool, slots: bool = False) -> torch.Tensor:
     args = (router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k, eps, root_size, first,
-            activation, cast)
+            activation, cast, slots)
     if not x.is_cuda or x.shape[0] > OVERLAP_MAX_TOKENS:
         return MOE_START.impl()(*args)
     side = side_stream(x.device)
@@ -111,8 +112,8 @@ def moe_start(router_x: torch.Tensor, proj_weight: torch.Tensor, scale: torch.Te
 
 @moe_start.register_fake
 def _(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k, eps, root_size, first,
-      activation, cast):
-    return torch.empty_like(x)
+      activation, cast, slots=False):
+    return x.new_empty(x.shape[0], top_k, x.shape[1]) if slots else torch.empty_like(x)
 
 
 # Declared as writing `routed` (it writes nothing): Inductor then orders every read of the start's output after it

@@ -20,7 +20,7 @@ from compiled_llm.ops import OPS, linear
 from compiled_llm.ops.registry import INDUCTOR
 from compiled_llm.passes.base import INDUCTOR_SETTINGS, FusionPass
 from compiled_llm.passes import skinny_mm
-from compiled_llm.passes.moe_overlap import enabled_by_default
+from compiled_llm.passes.moe_overlap import UNROLL_SLOTS, enabled_by_default, sum_in_graph
 
 log = logging.getLogger("compiled_llm")
 
@@ -106,8 +106,10 @@ class PassManager(CustomGraphPass):
         self.unfused = tuple(p.name for p in self.passes if _left_to_inductor(p))
         # the GPU model's measured wide shapes decide some of skinny_mm's rewrites (ops/linear.py WIDE_MEASURED)
         wide = tuple(sorted(linear.wide_shapes(linear.device_name(device)))) if "skinny_mm" in names else ()
+        # the MoE overlap's picks added in the graph (COMPILED_LLM_MOE_SUM_IN_NORM: an A/B, read once here)
+        self.moe_sum_in_graph = "moe_overlap" in names and sum_in_graph()
         self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only, self.unfused,
-                       codegen_key, wide)
+                       codegen_key, wide) + (("moe_sum_in_graph",) if self.moe_sum_in_graph else ())
         self._uuid = None
         self.calls = 0  # graphs the passes ran on (an FX-cache hit runs none)
         self.last_input = ""  # the last graph as the passes received it, for a report of a missed fusion
@@ -118,6 +120,8 @@ class PassManager(CustomGraphPass):
         counted = self.count_only()
         for p in self.passes:
             p.count_only = p.name in counted
+            if p.name == "moe_overlap":
+                p.sum_in_graph = self.moe_sum_in_graph
             try:
                 p(graph)
             finally:
@@ -148,6 +152,8 @@ class PassManager(CustomGraphPass):
             # Inductor's peak-memory reordering moved the join ahead of the dense branch (seen on the CPU's
             # code): the graph's own order, which the overlap pass set, is what runs the branches side by side
             extra["reorder_for_peak_memory"] = False
+        if self.moe_sum_in_graph:
+            extra["unroll_reductions_threshold"] = UNROLL_SLOTS
         return {"post_grad_custom_pre_pass": self, **INDUCTOR_SETTINGS, **extra}
 
     def fusions(self) -> dict[str, str]:

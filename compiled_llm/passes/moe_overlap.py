@@ -15,6 +15,12 @@ whose router outputs feed nothing else:
 What Inductor then emits keeps that order (the pass's test reads the generated code). One match per MoE layer,
 counted like a fusion (`compiled_llm.moe_overlap@+layer`). Off on the CPU, which has no streams, unless a
 compile names it; on CUDA `COMPILED_LLM_MOE_OVERLAP=0` turns it off (an A/B of the saving).
+
+`COMPILED_LLM_MOE_SUM_IN_NORM=1` (an A/B, off by default): the start returns each pick's weighted output
+[T, k, H] and the graph adds them after the join (`float().sum(1).to(dtype)`, which Inductor unrolls into the
+loads of the norm kernel that reads the routed output: `unroll_reductions_threshold` is raised past k), so the
+side stream's top-k sum launch goes. Session 22 tried this form once and got a separate reduction kernel on the
+GPU (Inductor unrolls only reductions shorter than its threshold, 8, and k is 8).
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ from torch.utils._pytree import tree_map
 from compiled_llm.passes.base import count_matches, first_layer, node_layers
 
 ENV = "COMPILED_LLM_MOE_OVERLAP"
+SUM_ENV = "COMPILED_LLM_MOE_SUM_IN_NORM"
+UNROLL_SLOTS = 9  # Inductor's unroll_reductions_threshold with the sum in the graph: sums over k <= 8 picks unrolled
+
+
+def sum_in_graph() -> bool:
+    return os.environ.get(SUM_ENV, "0") == "1"
 
 
 def enabled_by_default(device: str) -> bool:
@@ -64,6 +76,7 @@ class MoEOverlapPass:
 
     def __init__(self, dtypes: tuple[torch.dtype, ...] = (), device: str = "cpu"):
         self.count_only = False  # set per graph by the pass manager
+        self.sum_in_graph = False  # set per graph by the pass manager (COMPILED_LLM_MOE_SUM_IN_NORM)
 
     def _match(self, routed: torch.fx.Node):
         """(router node, start args) for a routed op this pass can split, else None."""
@@ -108,7 +121,7 @@ class MoEOverlapPass:
             after = max((a for a in tensors if a.op != "placeholder"), key=order.get, default=None)
             where = graph.inserting_after(after) if after is not None else graph.inserting_before(router)
             with where:
-                start = graph.call_function(ops.moe_start.default, args)
+                start = graph.call_function(ops.moe_start.default, args + ((True,) if self.sum_in_graph else ()))
             _with_val(start, near)
             # the routed output's dtype casts follow the join wherever it lands: the join goes before the first
             # node past them (a fusion's replacement sits early in the graph, where the casts follow it at once)
@@ -120,7 +133,13 @@ class MoEOverlapPass:
             keep = [a for a in dict.fromkeys((args[0], args[4])) if a.op != "placeholder"]
             with graph.inserting_before(first_user):
                 _with_val(graph.call_function(ops.moe_join.default, (start, keep)), near)
-            routed.replace_all_uses_with(start)
+                out = start
+                if self.sum_in_graph:  # the picks added in float32, in pick order, rounded to the routed dtype
+                    convert, dtype = torch.ops.prims.convert_element_type.default, routed.meta["val"].dtype
+                    out = _with_val(graph.call_function(convert, (start, torch.float32)), near)
+                    out = _with_val(graph.call_function(torch.ops.aten.sum.dim_IntList, (out, [1])), near)
+                    out = _with_val(graph.call_function(convert, (out, dtype)), near)
+            routed.replace_all_uses_with(out)
             for cast_node in casts:
                 first_user.prepend(cast_node)
             order = {n: i for i, n in enumerate(graph.nodes)}

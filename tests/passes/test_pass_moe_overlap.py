@@ -131,6 +131,31 @@ def test_the_routed_output_is_read_after_the_join(model, dtype):
     torch.testing.assert_close(out, fn(*args), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("model, dtype", [("gemma", torch.bfloat16), ("qwen", torch.bfloat16)])
+def test_the_picks_added_in_the_graph_fuse_into_the_join_s_norm(monkeypatch, model, dtype):
+    """COMPILED_LLM_MOE_SUM_IN_NORM=1: the start returns each pick's weighted output [T, k, H] and the graph adds
+    them after the join, inside the kernel that reads the routed output: as many kernels as with the start's own
+    top-k sum, the start called with slots, the compile keyed apart, and the output equal to eager's."""
+    import re
+
+    from compiled_llm.passes.manager import PassManager
+    from compiled_llm.passes.moe_overlap import SUM_ENV, UNROLL_SLOTS
+
+    monkeypatch.delenv(SUM_ENV, raising=False)
+    _, _, _, before = _compiled(model, dtype)
+    default = PassManager(PASSES, dtype, "cpu")
+    monkeypatch.setenv(SUM_ENV, "1")
+    fn, args, out, code = _compiled(model, dtype)
+    slots = PassManager(PASSES, dtype, "cpu")
+    assert slots.uuid() != default.uuid() and slots.inductor_config()["unroll_reductions_threshold"] == UNROLL_SLOTS
+    assert "unroll_reductions_threshold" not in default.inductor_config()
+    call = lambda c: re.search(r"moe_start\.default\(([^\n]*)\)", c).group(1).split(", ")  # noqa: E731
+    assert call(code)[-1] == "True" and len(call(code)) == len(call(before)) + 1  # the arguments, then slots
+    kernels = lambda c: re.findall(r"\n\s*(cpp_fused_\w+)\(", c)  # noqa: E731
+    assert len(kernels(code)) == len(kernels(before)), (kernels(code), kernels(before))
+    torch.testing.assert_close(out, fn(*args), atol=3e-2, rtol=3e-2)
+
+
 def test_expert_parallel_shift_moves_into_the_start():
     args = gemma_inputs(experts=E // 2)
     matches, out = fuse(gemma_ffn_ep, args, PASSES)

@@ -138,9 +138,9 @@ ROUTER_ALIGN = os.environ.get("COMPILED_LLM_ROUTER_ALIGN", "0") == "1"
 
 
 def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k: int, eps: float,
-              root_size: float, first: int, activation: str, cast: bool):
+              root_size: float, first: int, activation: str, cast: bool, slots: bool = False):
     """The routed branch [T, H] (ops/moe_overlap.py): the same router, grouped-GEMM and top-k sum kernels as
-    router_topk / geglu_moe (swiglu_moe)."""
+    router_topk / geglu_moe (swiglu_moe); slots: each pick's weighted output [T, k, H], no top-k sum."""
     num_tokens, hidden = x.shape
     pol = moe_launch_policy(num_tokens, top_k, gate_up_proj.shape[0], hidden, gate_up_proj.shape[1] // 2)
     exact_root = scale is None or abs(root_size - router_x.shape[-1] ** -0.5) <= 1e-12 * root_size
@@ -164,7 +164,7 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
     name = "geglu_moe" if activation == "gelu_tanh" else "swiglu_moe"
     MONITOR.note(name, (x.dtype, gate_up_proj.shape, ids.shape[1]))
     fn = fused_geglu_moe if activation == "gelu_tanh" else fused_swiglu_moe
-    return fn(x.contiguous(), gate_up_proj, down_proj, w, ids, alignment=alignment, policy=pol)
+    return fn(x.contiguous(), gate_up_proj, down_proj, w, ids, alignment=alignment, policy=pol, sum_slots=not slots)
 
 
 # ---- JIT warm-up ---------------------------------------------------------------------------------
