@@ -48,8 +48,8 @@ def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
         assert per_layer(r, shape) == {i: GEMMA_MOE for i in range(30)}, shape
     assert (r.graphs, r.pieces, r.attention_ops) == (1, 31, 30)
     assert r.layers[0] == "sliding d256" and r.layers[5] == "full d512 k=v"
-    # the largest tensor of an 8192-token prefill is no [128 experts, tokens, hidden] dense expert sum: the routed
-    # experts' per-pick outputs stay inside the MoE overlap's start, which returns their top-k sum
+    # the largest tensor of an 8192-token prefill is no [128 experts, tokens, hidden] dense expert sum: the MoE
+    # overlap's start returns the k routed picks of each token, [tokens, 8, hidden], which the next norm adds
     big = r.largest["dynamic"]
     assert big.dtype == torch.bfloat16 and big.shape[0] == 8192 and math.prod(big.shape) <= 8192 * 8 * 2816, big
     assert r.largest["8"].shape[0] == 8 and math.prod(r.largest["8"].shape) <= 8 * 8 * 2816
@@ -60,10 +60,9 @@ def test_gemma4_26b_a4b_every_layer_fuses_on_the_gpu_graph_in_every_compile():
     pytest.param("gemma-4-31b", GEMMA_DENSE, (8192, 43008), id="gemma-4-31b"),  # merged [gate; up] (2 x 21504)
     pytest.param("gemma-4-e4b", GEMMA_DENSE, (8192, 20480), id="gemma-4-e4b"),  # merged [gate; up] (2 x 10240)
     # every layer: both add + norms, the softmax router and the SwiGLU MoE; layers 3, 7, ..., 39 (full attention)
-    # QK-norm + M-RoPE + KV write too. The largest tensor: the linear-attention layers' merged in_proj output
-    # [tokens, qkv + z + b + a], not a [256 experts, tokens, hidden] dense expert sum (the routed experts' per-pick
-    # outputs stay inside the MoE overlap's start, which returns their sum)
-    pytest.param("qwen3.5-35b-a3b", lambda i: QWEN_MOE_FULL if i % 4 == 3 else QWEN_MOE, (8192, 12352),
+    # QK-norm + M-RoPE + KV write too. The largest tensor: the MoE overlap's start's k routed picks of each token
+    # [tokens, 8, hidden], which the next norm adds, not a [256 experts, tokens, hidden] dense expert sum
+    pytest.param("qwen3.5-35b-a3b", lambda i: QWEN_MOE_FULL if i % 4 == 3 else QWEN_MOE, (8192, 8, 2048),
                  id="qwen3.5-35b-a3b"),
 ])
 def test_released_configs_fuse_as_declared(name, declared, shape):

@@ -1,5 +1,6 @@
-"""The CPU's paged cache kernels. The decode attention: one C++ kernel that reads each sequence's keys and values where they lie in
-the cache, through its block table, and keeps a running softmax over them (no gathered copy, no slot plan).
+"""The CPU's paged cache kernels. The decode attention: one C++ kernel that reads each sequence's keys and values
+where they lie in the cache, through its block table, and keeps a running softmax over them (no gathered copy, no
+slot plan).
 
 The reference provider gathers a decode batch's keys and values into a padded copy (1 MB a layer at 8 x 128
 tokens of the host-overhead model) and runs SDPA on it, after a slot plan made a KV group a step: ~130 us a

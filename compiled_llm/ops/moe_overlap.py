@@ -5,8 +5,9 @@ shared expert). In a decode step the branches' kernels are short and latency-bou
 alignment, the dense GEMMs' ramp-up and tail), so running them one after the other leaves the GPU half idle
 at each kernel boundary. `moe_start` forks a side stream from the current one, launches the router and the
 grouped expert GEMMs on it and returns at once with the routed output [T, H] (each token's k weighted picks
-added by the top-k sum kernel, on the side stream too); the compiled graph's dense branch runs meanwhile on the
-main stream; `moe_join` makes the main stream wait for the side stream. It is
+added by the top-k sum kernel, on the side stream too), or with `slots` those picks themselves [T, k, H], which
+the compiled graph adds inside the kernel that reads them (the MoE overlap pass's default); the compiled graph's
+dense branch runs meanwhile on the main stream; `moe_join` makes the main stream wait for the side stream. It is
 declared to write the start's output (it writes nothing), so that every read of that output in the compiled
 graph follows it. The fork and the join are event waits, which CUDA-graph capture records as graph edges; the
 side stream's allocations during a capture go to the graph's pool (torch routes every stream of a capture

@@ -106,7 +106,7 @@ class PassManager(CustomGraphPass):
         self.unfused = tuple(p.name for p in self.passes if _left_to_inductor(p))
         # the GPU model's measured wide shapes decide some of skinny_mm's rewrites (ops/linear.py WIDE_MEASURED)
         wide = tuple(sorted(linear.wide_shapes(linear.device_name(device)))) if "skinny_mm" in names else ()
-        # the MoE overlap's picks added in the graph (COMPILED_LLM_MOE_SUM_IN_NORM: an A/B, read once here)
+        # the MoE overlap's picks added in the graph (COMPILED_LLM_MOE_SUM_IN_NORM=0 turns it off; read once here)
         self.moe_sum_in_graph = "moe_overlap" in names and sum_in_graph()
         self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only, self.unfused,
                        codegen_key, wide) + (("moe_sum_in_graph",) if self.moe_sum_in_graph else ())

@@ -16,11 +16,13 @@ What Inductor then emits keeps that order (the pass's test reads the generated c
 counted like a fusion (`compiled_llm.moe_overlap@+layer`). Off on the CPU, which has no streams, unless a
 compile names it; on CUDA `COMPILED_LLM_MOE_OVERLAP=0` turns it off (an A/B of the saving).
 
-`COMPILED_LLM_MOE_SUM_IN_NORM=1` (an A/B, off by default): the start returns each pick's weighted output
-[T, k, H] and the graph adds them after the join (`float().sum(1).to(dtype)`, which Inductor unrolls into the
-loads of the norm kernel that reads the routed output: `unroll_reductions_threshold` is raised past k), so the
-side stream's top-k sum launch goes. Session 22 tried this form once and got a separate reduction kernel on the
-GPU (Inductor unrolls only reductions shorter than its threshold, 8, and k is 8).
+The start returns each pick's weighted output [T, k, H] and the graph adds them after the join
+(`float().sum(1).to(dtype)`, which Inductor unrolls into the loads of the norm kernel that reads the routed
+output: `unroll_reductions_threshold` is raised past k), so the side stream has no top-k sum launch. Session 22
+tried this form once and got a separate reduction kernel on the GPU (Inductor unrolls only reductions shorter
+than its threshold, 8, and Gemma 4's and Qwen3.5's k is 8). H100, Gemma 4 26B-A4B (benchmarks/NOTES.md, session
+45): batch 1 +1.0%, 1024x8x256 +0.2%, 8192x4x512 +0.6%. `COMPILED_LLM_MOE_SUM_IN_NORM=0` keeps the start's own
+top-k sum (an A/B).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ UNROLL_SLOTS = 9  # Inductor's unroll_reductions_threshold with the sum in the g
 
 
 def sum_in_graph() -> bool:
-    return os.environ.get(SUM_ENV, "0") == "1"
+    return os.environ.get(SUM_ENV, "1") != "0"
 
 
 def enabled_by_default(device: str) -> bool:
@@ -76,7 +78,7 @@ class MoEOverlapPass:
 
     def __init__(self, dtypes: tuple[torch.dtype, ...] = (), device: str = "cpu"):
         self.count_only = False  # set per graph by the pass manager
-        self.sum_in_graph = False  # set per graph by the pass manager (COMPILED_LLM_MOE_SUM_IN_NORM)
+        self.sum_in_graph = True  # set per graph by the pass manager (COMPILED_LLM_MOE_SUM_IN_NORM)
 
     def _match(self, routed: torch.fx.Node):
         """(router node, start args) for a routed op this pass can split, else None."""

@@ -114,9 +114,9 @@ def test_the_generated_code_runs_the_dense_branch_between_start_and_join(model, 
 
 @pytest.mark.parametrize("model, dtype", [("gemma", torch.float32), ("qwen", torch.bfloat16)])
 def test_the_routed_output_is_read_after_the_join(model, dtype):
-    """moe_start returns the routed output itself (its top-k sum included); the join only waits, and is declared
-    to write that output, so every kernel that reads it comes after the join in the generated code (on the GPU
-    the side stream's work on it is done by then)."""
+    """moe_start returns the routed picks (the graph adds them); the join only waits, and is declared to write the
+    start's output, so every kernel that reads it comes after the join in the generated code (on the GPU the side
+    stream's work on it is done by then)."""
     import re
 
     fn, args, out, code = _compiled(model, dtype)
@@ -133,22 +133,23 @@ def test_the_routed_output_is_read_after_the_join(model, dtype):
 
 @pytest.mark.parametrize("model, dtype", [("gemma", torch.bfloat16), ("qwen", torch.bfloat16)])
 def test_the_picks_added_in_the_graph_fuse_into_the_join_s_norm(monkeypatch, model, dtype):
-    """COMPILED_LLM_MOE_SUM_IN_NORM=1: the start returns each pick's weighted output [T, k, H] and the graph adds
-    them after the join, inside the kernel that reads the routed output: as many kernels as with the start's own
-    top-k sum, the start called with slots, the compile keyed apart, and the output equal to eager's."""
+    """By default the start returns each pick's weighted output [T, k, H] and the graph adds them after the join,
+    inside the kernel that reads the routed output: as many kernels as with the start's own top-k sum
+    (COMPILED_LLM_MOE_SUM_IN_NORM=0), the start called with slots, the compiles keyed apart, and the output equal
+    to eager's."""
     import re
 
     from compiled_llm.passes.manager import PassManager
     from compiled_llm.passes.moe_overlap import SUM_ENV, UNROLL_SLOTS
 
-    monkeypatch.delenv(SUM_ENV, raising=False)
+    monkeypatch.setenv(SUM_ENV, "0")
     _, _, _, before = _compiled(model, dtype)
-    default = PassManager(PASSES, dtype, "cpu")
-    monkeypatch.setenv(SUM_ENV, "1")
+    summed = PassManager(PASSES, dtype, "cpu")
+    monkeypatch.delenv(SUM_ENV)
     fn, args, out, code = _compiled(model, dtype)
     slots = PassManager(PASSES, dtype, "cpu")
-    assert slots.uuid() != default.uuid() and slots.inductor_config()["unroll_reductions_threshold"] == UNROLL_SLOTS
-    assert "unroll_reductions_threshold" not in default.inductor_config()
+    assert slots.uuid() != summed.uuid() and slots.inductor_config()["unroll_reductions_threshold"] == UNROLL_SLOTS
+    assert "unroll_reductions_threshold" not in summed.inductor_config()
     call = lambda c: re.search(r"moe_start\.default\(([^\n]*)\)", c).group(1).split(", ")  # noqa: E731
     assert call(code)[-1] == "True" and len(call(code)) == len(call(before)) + 1  # the arguments, then slots
     kernels = lambda c: re.findall(r"\n\s*(cpp_fused_\w+)\(", c)  # noqa: E731
