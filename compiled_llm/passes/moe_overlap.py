@@ -21,8 +21,8 @@ The start returns each pick's weighted output [T, k, H] and the graph adds them 
 output: `unroll_reductions_threshold` is raised past k), so the side stream has no top-k sum launch. Session 22
 tried this form once and got a separate reduction kernel on the GPU (Inductor unrolls only reductions shorter
 than its threshold, 8, and Gemma 4's and Qwen3.5's k is 8). H100, Gemma 4 26B-A4B (benchmarks/NOTES.md, session
-45): batch 1 +1.0%, 1024x8x256 +0.2%, 8192x4x512 +0.6%. `COMPILED_LLM_MOE_SUM_IN_NORM=0` keeps the start's own
-top-k sum (an A/B).
+45): batch 1 +1.0%, 1024x8x256 +0.2%, 8192x4x512 +0.6%. More than 8 picks a token, and
+`COMPILED_LLM_MOE_SUM_IN_NORM=0` (an A/B), keep the start's own top-k sum.
 """
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ class MoEOverlapPass:
             after = max((a for a in tensors if a.op != "placeholder"), key=order.get, default=None)
             where = graph.inserting_after(after) if after is not None else graph.inserting_before(router)
             with where:
-                start = graph.call_function(ops.moe_start.default, args + ((True,) if self.sum_in_graph else ()))
+                # k picks Inductor would not unroll stay summed by the start (a reduction kernel of their own is slower)
+                slots = self.sum_in_graph and args[7] < UNROLL_SLOTS
+                start = graph.call_function(ops.moe_start.default, args + ((True,) if slots else ()))
             _with_val(start, near)
             # the routed output's dtype casts follow the join wherever it lands: the join goes before the first
             # node past them (a fusion's replacement sits early in the graph, where the casts follow it at once)
@@ -136,7 +138,7 @@ class MoEOverlapPass:
             with graph.inserting_before(first_user):
                 _with_val(graph.call_function(ops.moe_join.default, (start, keep)), near)
                 out = start
-                if self.sum_in_graph:  # the picks added in float32, in pick order, rounded to the routed dtype
+                if slots:  # the picks added in float32, in pick order, rounded to the routed dtype
                     convert, dtype = torch.ops.prims.convert_element_type.default, routed.meta["val"].dtype
                     out = _with_val(graph.call_function(convert, (start, torch.float32)), near)
                     out = _with_val(graph.call_function(torch.ops.aten.sum.dim_IntList, (out, [1])), near)

@@ -157,6 +157,39 @@ def test_the_picks_added_in_the_graph_fuse_into_the_join_s_norm(monkeypatch, mod
     torch.testing.assert_close(out, fn(*args), atol=3e-2, rtol=3e-2)
 
 
+def test_more_picks_than_inductor_unrolls_stay_summed_by_the_start():
+    """Nine picks a token: past the unroll threshold the graph's sum would be a reduction kernel of its own, so
+    the start keeps its top-k sum (no slots argument) and the output is eager's."""
+    import re
+
+    g = torch.Generator().manual_seed(2)
+    experts = 12
+    x, router_w = torch.randn(5, H, generator=g), torch.randn(experts, H, generator=g)
+    shared = [0.2 * torch.randn(*shape, generator=g) for shape in ((2 * D, H), (H, D), (1, H))]
+    gate_up, down = 0.2 * torch.randn(experts, 2 * I, H, generator=g), 0.2 * torch.randn(experts, H, I, generator=g)
+
+    def block(x, router_w, shared_gu, shared_d, shared_gate, gate_up, down):
+        w, ids = ref_softmax_router_topk(x, router_w, 9)
+        g_, u = F.linear(x, shared_gu).chunk(2, dim=-1)
+        y = torch.sigmoid(F.linear(x, shared_gate)) * F.linear(F.silu(g_) * u, shared_d)
+        return dense_gated_moe(x, w.to(x.dtype), ids, gate_up, down, F.silu, experts).to(x.dtype) + y
+
+    from torch._inductor.compile_fx import compile_fx
+
+    from compiled_llm.passes.manager import PassManager
+
+    args = [x, router_w, *shared, gate_up, down]
+    torch._dynamo.reset()
+    pm = PassManager(PASSES, torch.float32, "cpu")
+    assert pm.moe_sum_in_graph
+    compiled = torch.compile(block, backend=lambda gm, ex: compile_fx(gm, ex, config_patches=pm.inductor_config()))
+    with torch.inference_mode():
+        out, codes = run_and_get_code(compiled, *args)
+    call = re.search(r"moe_start\.default\(([^\n]*)\)", "\n".join(codes)).group(1).split(", ")
+    assert call[7] == "9" and call[-1] == "False"  # ..., top_k, eps, root, first, activation, cast: no slots
+    torch.testing.assert_close(out, block(*args), atol=1e-5, rtol=1e-5)
+
+
 def test_expert_parallel_shift_moves_into_the_start():
     args = gemma_inputs(experts=E // 2)
     matches, out = fuse(gemma_ffn_ep, args, PASSES)
