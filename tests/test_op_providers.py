@@ -5,6 +5,7 @@ test checks that group's result."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -349,6 +350,18 @@ def test_reference_decode_attention_batched_equals_one_sequence_at_a_time():
             assert len(masks) == 2 and all((m is None) == (len(set(seqs)) == 1) for m in masks)
 
 
+@contextlib.contextmanager
+def _counted(module, name: str):
+    """The module's built-kernel getter `name` wrapped so that each call of the built kernel is counted (the list
+    yielded); the getter restored afterwards."""
+    calls, real = [], getattr(module, name)
+    setattr(module, name, lambda: (lambda *a: calls.append(1) or real()(*a)))
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)
+
+
 def test_cpu_decode_kernel_equals_the_reference():
     """The CPU's C++ decode attention (ops/cpu_attention.py) reads keys and values through the block tables where
     they lie: it must equal the reference's per-sequence attention for plain GQA, a window shorter than some contexts
@@ -373,21 +386,15 @@ def test_cpu_decode_kernel_equals_the_reference():
             ctx.attn_metadata.groups[5].block_tables[2, 0] = -1  # released: out of the 5-token window at 12 tokens
         n = ctx.attn_metadata.query_start_loc[-1]
         q = torch.randn(n + 2, 8 * d, generator=torch.Generator().manual_seed(1))  # 2 padding rows
-        calls = []
-        real = C.kernel
-        C.kernel = lambda: (lambda *a: calls.append(1) or real()(*a))
-        try:
-            with set_forward_context(ctx):
-                for layer, spec in specs.items():
-                    rows = q[:, :spec.num_heads * d].contiguous()
-                    got = C.attention(rows, layer)
-                    cache, group = ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
-                    want = A._ref_attention_each(rows, spec, specs[spec.cache_layer], cache, group, ctx.attn_metadata)
-                    assert not got.isnan().any()
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-                    assert got[n:].abs().max() == 0
-        finally:
-            C.kernel = real
+        with _counted(C, "kernel") as calls, set_forward_context(ctx):
+            for layer, spec in specs.items():
+                rows = q[:, :spec.num_heads * d].contiguous()
+                got = C.attention(rows, layer)
+                cache, group = ctx.kv_caches[spec.cache_layer], ctx.attn_metadata.groups[spec.kv_group]
+                want = A._ref_attention_each(rows, spec, specs[spec.cache_layer], cache, group, ctx.attn_metadata)
+                assert not got.isnan().any()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                assert got[n:].abs().max() == 0
         assert len(calls) == (3 if all(new == 1 for new, _ in seqs) else 0)  # prompt rows: the reference
 
 
@@ -410,20 +417,14 @@ def test_cpu_kv_write_equals_the_reference_write():
             group.slot_mapping[3] = -1  # a padded slot: nothing written for that row
         want = {i: c.clone() for i, c in ctx.kv_caches.items()}
         qkv = torch.randn(n + 2, 8 * d, generator=torch.Generator().manual_seed(3)).to(dtype)  # 2 padding rows
-        calls = []
-        real = C.write_kernel
-        C.write_kernel = lambda: (lambda *a: calls.append(1) or real()(*a))
-        try:
-            with set_forward_context(ctx):
-                for layer, spec in specs.items():
-                    width = spec.num_kv_heads * d
-                    k, v = qkv[:, 4 * d:4 * d + width], qkv[:, 6 * d:6 * d + width]
-                    C.kv_cache_write(None if spec.k_eq_v else k, v, layer)
-                    group = ctx.attn_metadata.groups[spec.kv_group]
-                    A.write_kv(want[layer], None if spec.k_eq_v else k, v, group.slot_mapping, spec)
-                    assert torch.equal(ctx.kv_caches[layer], want[layer]), (dtype, layer)
-        finally:
-            C.write_kernel = real
+        with _counted(C, "write_kernel") as calls, set_forward_context(ctx):
+            for layer, spec in specs.items():
+                width = spec.num_kv_heads * d
+                k, v = qkv[:, 4 * d:4 * d + width], qkv[:, 6 * d:6 * d + width]
+                C.kv_cache_write(None if spec.k_eq_v else k, v, layer)
+                group = ctx.attn_metadata.groups[spec.kv_group]
+                A.write_kv(want[layer], None if spec.k_eq_v else k, v, group.slot_mapping, spec)
+                assert torch.equal(ctx.kv_caches[layer], want[layer]), (dtype, layer)
         assert len(calls) == 2  # the K=V layer through the reference
 
 

@@ -151,15 +151,21 @@ def write_kernel():
     return CppPythonBindingsCodeCache.load_pybinding(WRITE_ARGTYPES, WRITE_SOURCE)
 
 
+def _build_error(build) -> str | None:
+    """Why a kernel's build failed (None: it built). No C++ compiler Inductor can use: the reference serves, and
+    the provider table says why."""
+    try:
+        build()
+    except Exception as e:
+        return f"the C++ kernel did not build ({type(e).__name__}: {e})"
+    return None
+
+
 def write_unsupported(caps, shape: dict) -> str | None:
     """Why the C++ KV write cannot serve this engine (None: it can)."""
     if caps.device_type != "cpu":
         return "the C++ KV write serves CPU engines"
-    try:
-        write_kernel()
-    except Exception as e:
-        return f"the C++ kernel did not build ({type(e).__name__}: {e})"
-    return None
+    return _build_error(write_kernel)
 
 
 def kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
@@ -191,11 +197,7 @@ def unsupported(caps, shape: dict) -> str | None:
         return f"{layer.num_heads // layer.num_kv_heads} query heads a KV head: the kernel takes up to {MAX_GROUP}"
     if layer.head_dim > MAX_HEAD_DIM:
         return f"head_dim {layer.head_dim}: the kernel takes up to {MAX_HEAD_DIM}"
-    try:
-        kernel()
-    except Exception as e:  # no C++ compiler Inductor can use: the reference serves, and the table says why
-        return f"the C++ kernel did not build ({type(e).__name__}: {e})"
-    return None
+    return _build_error(kernel)
 
 
 def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
