@@ -110,3 +110,24 @@ def test_a_piece_inside_the_whole_forward_capture_runs_inline():
         assert len(pieces) == 1 and len(whole) == 1
         assert torch.equal(g.out, x * 2 + 2)
         assert str(CG.BatchDescriptor(8, whole=True)) == "whole decode, 8 tokens"
+
+
+def test_only_the_whole_forwards_capture_lets_an_op_leave_work_to_a_later_op():
+    """ops/context.py later_op_runs_with_this: inside a piece's capture the attention op between pieces runs after
+    the graph, eagerly, so an op of the piece must not leave its kernel to it (qk_norm_rope_kv_write's deferral);
+    inside the whole forward's capture both are recorded together; outside any capture both run eagerly."""
+    from compiled_llm.ops.context import WHOLE_CAPTURE, later_op_runs_with_this
+
+    cuda = torch.device("cuda")
+    with _patched():
+        seen = []
+
+        def fn(x):
+            seen.append((bool(_capturing), later_op_runs_with_this(cuda)))
+            return x + 1
+
+        x = torch.zeros(2)
+        CG.CUDAGraphWrapper("piece 0", pool=lambda: None).capture(CG.BatchDescriptor(2), fn, [x])
+        CG.CUDAGraphWrapper("whole forward", pool=lambda: None).capture(CG.BatchDescriptor(2, whole=True), fn, [x])
+    assert seen == [(False, True), (True, False), (False, True), (True, True)]
+    assert WHOLE_CAPTURE == [False]  # reset after the capture

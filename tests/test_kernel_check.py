@@ -86,6 +86,8 @@ def test_every_kernel_start_up_builds_on_an_h200_builds_for_sm90(name):
     assert {"_decode_kernel", "_prefill_kernel", "_gate_up_kernel", "_down_kernel", "_skinny_kernel"} <= names
     if name.startswith("gemma"):  # its 8,192-token prefill reaches the MoE's top tier (a persistent down kernel)
         assert "_down_persistent_kernel" in names
+        # the sliding layers' decode with their QK-norm + RoPE + KV write inside (ops/triton/qk_norm_rope.py)
+        assert any(b.launch.kwargs.get("QK") for b in built if b.launch.name == "_decode_kernel")
     assert any(b.wgmma for b in built if b.launch.name == "_gate_up_kernel")
     assert all(b.registers > 0 for b in built)  # ptxas read each one
 

@@ -568,3 +568,45 @@ def test_qk_norm_rope_warm_up_builds_the_launches_a_forward_makes(monkeypatch):
     forward(300)
     assert any(name == "_qk_norm_rope_heads_kernel" for name, _ in seen["forward"])
     assert seen["forward"] <= seen["warm-up"], seen["forward"] - seen["warm-up"]
+
+
+def test_decode_qk_norm_is_deferred_to_the_decode_kernel_only_where_that_kernel_runs_after_it(monkeypatch):
+    """At a decode step a K!=V layer's QK-norm + RoPE + KV write is left to the Triton decode attention kernel
+    (ops/triton/qk_norm_rope.py DEFERRED_QK): only where the layer's attention provider is Triton, on a decode batch,
+    for a layer with its own cache, and never inside a compiled piece's CUDA-graph capture (the attention op runs
+    after that graph, outside it; in the whole forward's capture it runs inside). The attention op refuses a
+    query that is not the deferred op's output (its rows were never written)."""
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops import context as C
+    from compiled_llm.ops.triton import providers
+    from compiled_llm.ops.triton import qk_norm_rope as QK
+
+    specs = {0: A.AttentionSpec(0, 4, 2, 16, None, 0), 1: A.AttentionSpec(1, 4, 2, 16, None, 0),  # 1 reads 0's
+             2: A.AttentionSpec(2, 4, 2, 16, None, 2, k_eq_v=True)}
+    decode, prefill = _context(specs, seqs=((1, 5), (1, 9))), _context(specs)
+    q, kv = torch.zeros(2, 4, 16), torch.zeros(2, 2, 16)
+    for layer in specs:
+        monkeypatch.setitem(A.ATTENTION.chosen, layer, ("triton", providers.attention))
+    with C.set_forward_context(decode):
+        assert QK._defers(q, kv, kv, 0)
+        assert not QK._defers(q, None, kv, 2) and not QK._defers(q, kv, kv, 1)  # K=V; another layer's cache
+        monkeypatch.setenv(QK.DECODE_QK_ENV, "0")
+        assert not QK._defers(q, kv, kv, 0)
+        monkeypatch.delenv(QK.DECODE_QK_ENV)
+        monkeypatch.setitem(A.ATTENTION.chosen, 0, ("reference", A.ref_attention))
+        assert not QK._defers(q, kv, kv, 0)
+        monkeypatch.setitem(A.ATTENTION.chosen, 0, ("triton", providers.attention))
+        out = QK.qk_norm_rope_kv_write(q, kv, kv, torch.zeros(2, dtype=torch.long), torch.ones(8), torch.ones(16),
+                                       torch.ones(16), 1e-6, True, 0)
+        with pytest.raises(RuntimeError, match="not the deferred QK-norm's output"):
+            providers.attention(torch.zeros_like(out).view(2, -1), 0)
+    with C.set_forward_context(prefill):
+        assert not QK._defers(torch.zeros(15, 4, 16), torch.zeros(15, 2, 16), torch.zeros(15, 2, 16), 0)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not C.later_op_runs_with_this(cuda) and C.later_op_runs_with_this(torch.device("cpu"))
+    with C.whole_capture():
+        assert C.later_op_runs_with_this(cuda)
+    assert not C.later_op_runs_with_this(cuda)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert C.later_op_runs_with_this(cuda)

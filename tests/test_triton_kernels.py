@@ -19,7 +19,8 @@ from interp_groups import check, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST = ["gelu", "logits_softcap", "argmax_rows", "rot_keys", "decode", "prefill", "moe", "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
+FAST = ["gelu", "logits_softcap", "argmax_rows", "rot_keys", "decode", "decode_qk", "prefill", "moe",
+        "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
 SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
 
 
@@ -357,6 +358,87 @@ SPLIT_D_CASES = [
 def check_decode():
     for case in DECODE_CASES:
         _check_attention("decode", **case)
+
+
+def _decode_qk_step(deferred, dtype, *, seq_lens, page, kv_heads, group, head_dim, window, softcap, splits,
+                    norm_v, pad_seq, device="cpu"):
+    """One decode step of a layer through the ops as the compiled graph calls them: the Triton qk_norm_rope_kv_write
+    (deferred to the decode kernel, or its own launch: COMPILED_LLM_DECODE_QK=0), then the Triton attention
+    provider. The new tokens' cache rows start NaN (a kernel reading them before they are written fails);
+    sequence pad_seq's slot is -1 (CUDA-graph padding: no write). Returns (output, cache)."""
+    import torch
+
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops import context as C
+    from compiled_llm.ops.rope import rope_inv_freq
+    from compiled_llm.ops.triton import paged_attention as PA
+    from compiled_llm.ops.triton import providers, qk_norm_rope as QK
+
+    g = torch.Generator().manual_seed(7)
+    q, cache, bt, _ = _attn_case(seq_lens, [1] * len(seq_lens), page=page, kv_heads=kv_heads, group=group,
+                                 head_dim=head_dim, window=window, softcap=softcap, seed=3)
+    cache = cache.to(dtype)
+    slots = []
+    for i, L in enumerate(seq_lens):
+        s = int(bt[i, (L - 1) // page]) * page + (L - 1) % page
+        cache.view(cache.shape[0], -1, kv_heads, head_dim)[:, s] = float("nan")
+        slots.append(-1 if i == pad_seq else s)
+    n = len(seq_lens) + 1  # a padding token past the batch, as in a CUDA graph of a larger size
+    q = torch.randn(n, kv_heads * group, head_dim, generator=g).to(dtype) * 3
+    k, v = (torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) * 2 for _ in range(2))
+    pos = torch.tensor([L - 1 for L in seq_lens] + [0])
+    inv = rope_inv_freq(head_dim, 10000.0, "default")
+    qw = (1.0 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype)
+    kw = (0.8 + 0.2 * torch.rand(head_dim, generator=g)).to(dtype)
+    q, k, v, pos, inv, qw, kw, cache, bt = (t.to(device) for t in (q, k, v, pos, inv, qw, kw, cache, bt))
+    spec = A.AttentionSpec(0, kv_heads * group, kv_heads, head_dim, window, 0, head_dim ** -0.5, softcap)
+    meta = C.AttentionMetadata(list(range(len(seq_lens) + 1)), list(seq_lens), page, {window: C.GroupMetadata(
+        bt, torch.tensor(slots + [-1], device=device))})
+    ctx = C.ForwardContext(meta, {0: cache}, {0: spec})
+    os.environ[QK.DECODE_QK_ENV] = "1" if deferred else "0"
+    PA_policy = PA.attention_launch_policy
+    PA_fixed = lambda *a, **kw: PA.AttnLaunch(num_splits=splits, block_n=16)  # noqa: E731
+    saved = dict(A.ATTENTION.chosen)
+    A.ATTENTION.chosen[0] = ("triton", providers.attention)
+    providers.attention_launch_policy = PA_fixed
+    try:
+        with C.set_forward_context(ctx):
+            q_out = QK.qk_norm_rope_kv_write(q, k, v, pos, inv, qw, kw, 1e-6, norm_v, 0)
+            assert (0 in ctx.extra[QK.DEFERRED_QK]) == deferred, "the decode step's QK-norm deferred"
+            out = providers.attention(q_out.reshape(n, -1), 0)
+            assert not ctx.extra[QK.DEFERRED_QK], "the attention op took the deferred work"
+    finally:
+        providers.attention_launch_policy = PA_policy
+        A.ATTENTION.chosen.clear()
+        A.ATTENTION.chosen.update(saved)
+        os.environ.pop(QK.DECODE_QK_ENV)
+    return out.view(n, -1, head_dim), cache, slots
+
+
+def check_decode_qk():
+    """The decode step's QK-norm + RoPE + KV write inside the decode kernel (ops/triton/qk_norm_rope.py DEFERRED_QK)
+    gives the outputs and the cache rows of the op's own launch followed by the plain decode, at one split and
+    several, with a window and a soft-cap, with and without the value norm, in float32 and bfloat16; a padding
+    slot (-1) is not written."""
+    import torch
+
+    cases = [dict(seq_lens=[37, 5, 70], page=4, kv_heads=2, group=2, head_dim=32, window=None, softcap=None, splits=1),
+             dict(seq_lens=[37, 5, 70], page=4, kv_heads=2, group=2, head_dim=64, window=13, softcap=30.0, splits=3),
+             dict(seq_lens=[1, 50], page=16, kv_heads=1, group=4, head_dim=32, window=None, softcap=None, splits=4)]
+    for case in cases:
+        for dtype, norm_v in ((torch.float32, True), (torch.bfloat16, True), (torch.float32, False)):
+            pad = len(case["seq_lens"]) - 1
+            ref, ref_cache, slots = _decode_qk_step(False, dtype, **case, norm_v=norm_v, pad_seq=pad)
+            got, cache, _ = _decode_qk_step(True, dtype, **case, norm_v=norm_v, pad_seq=pad)
+            name = f"decode qk {dtype} norm_v={norm_v} {case}"
+            live = list(range(pad))
+            tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+            _close(name, got[live].float(), ref[live].float(), *tol)
+            assert torch.equal(got[pad].isnan(), ref[pad].isnan()) and (got[pad + 1] == 0).all(), name + ": padding"
+            flat, ref_flat = (c.view(c.shape[0], -1, c.shape[3], c.shape[4]) for c in (cache, ref_cache))
+            for i in live:
+                assert torch.equal(flat[:, slots[i]], ref_flat[:, slots[i]]), f"{name}: cache row of sequence {i}"
+            assert torch.equal(flat.isnan(), ref_flat.isnan()), name + ": rows written"  # the padding slot too
 
 
 def _check_split_d_same(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, window=None, softcap=None,

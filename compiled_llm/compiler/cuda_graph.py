@@ -11,12 +11,14 @@ graphs replay one at a time.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
+from compiled_llm.ops.context import whole_capture
 from compiled_llm.ops.jit import MONITOR
 
 
@@ -72,7 +74,8 @@ class CUDAGraphWrapper:
     def capture(self, desc: BatchDescriptor, fn: Callable, args=()) -> CapturedGraph:
         fn(*args)  # outside the graph first
         MONITOR.compile_event("cudagraph", f"{self.name} ({desc})")
-        graph = self.graphs[desc] = CapturedGraph(fn, list(args), self.pool())
+        with whole_capture() if desc.whole else contextlib.nullcontext():  # ops/context.py later_op_runs_with_this
+            graph = self.graphs[desc] = CapturedGraph(fn, list(args), self.pool())
         return graph
 
     def replay(self, desc: BatchDescriptor, args=()) -> Any:

@@ -73,6 +73,28 @@ def current_forward_context() -> ForwardContext | None:
     return _CONTEXT
 
 
+# True while the compiler's CUDA-graph wrapper captures the whole forward of a decode batch (compiler/cuda_graph.py).
+# An op may leave its kernel to a later op of the same forward (qk_norm_rope_kv_write to the decode attention) only
+# where both run in one graph or both eagerly: a compiled piece's own capture replays without the op between
+# pieces, which runs eagerly after it.
+WHOLE_CAPTURE = [False]
+
+
+@contextlib.contextmanager
+def whole_capture():
+    prev, WHOLE_CAPTURE[0] = WHOLE_CAPTURE[0], True
+    try:
+        yield
+    finally:
+        WHOLE_CAPTURE[0] = prev
+
+
+def later_op_runs_with_this(device: torch.device) -> bool:
+    """Whether an op of this forward that runs after the caller also runs where the caller's kernels do: eagerly,
+    or in the whole forward's capture (not in a compiled piece's capture)."""
+    return WHOLE_CAPTURE[0] or device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
 # Compiled pieces carry the layer indices of the ops inside them relative to the piece's first layer, so that
 # the pieces of look-alike layers are one graph and compile once (compiler/piecewise.py); the piece runner sets
 # the base around each call. Outside a piece it is 0 and indices are absolute.

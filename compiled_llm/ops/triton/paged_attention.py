@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from compiled_llm.ops.rope import rotated_block  # noqa: F401  (the decode kernel's ROT; sparse_attention imports it here)
+from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rows
 from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, _reduce_angle, _tanh, decode_pdl_steps, dot_f32,
                                              dot_precision)
 
@@ -169,6 +170,34 @@ def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _write_new_kv(KNew, VNew, KNorm, K, V, Slots, seq, kvh, d, dmask, cos, sin, eps, norm_v, stride_kn, stride_knh,
+                  stride_vn, stride_vnh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  HALF: tl.constexpr, PAGE: tl.constexpr):
+    """The decode's QK form (see _decode_kernel): the new token's key and value made from its rows as
+    _qk_norm_rope_kernel makes them, stored at its slot (< 0: padding, nothing stored)."""
+    slot = tl.load(Slots + seq)
+    if slot >= 0:
+        kp = KNew + seq * stride_kn + kvh * stride_knh + d
+        w1 = tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        k1, k2 = _norm(tl.load(kp, mask=dmask, other=0.0), tl.load(kp + HALF, mask=dmask, other=0.0), w1, w2, eps,
+                       2 * HALF, True)
+        k1 = k1.to(K.dtype.element_ty).to(tl.float32)
+        k2 = k2.to(K.dtype.element_ty).to(tl.float32)
+        vp = VNew + seq * stride_vn + kvh * stride_vnh + d
+        v1 = tl.load(vp, mask=dmask, other=0.0).to(tl.float32)
+        v2 = tl.load(vp + HALF, mask=dmask, other=0.0).to(tl.float32)
+        if norm_v != 0:
+            v1, v2 = _norm(v1, v2, v1, v2, eps, 2 * HALF, False)
+        kc = K + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kvh * stride_kh + d
+        vc = V + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + kvh * stride_vh + d
+        tl.store(kc, (k1 * cos - k2 * sin).to(K.dtype.element_ty), mask=dmask)
+        tl.store(kc + HALF, (k2 * cos + k1 * sin).to(K.dtype.element_ty), mask=dmask)
+        tl.store(vc, v1.to(V.dtype.element_ty), mask=dmask)
+        tl.store(vc + HALF, v2.to(V.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
 def split_range(SeqLens, seq, split, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
     """A decode split's key range [start, end) of sequence `seq`: a whole number of BLOCK_N tiles of the keys it
     sees (the window's, SLIDING), split `split` of num_splits."""
@@ -181,7 +210,7 @@ def split_range(SeqLens, seq, split, window, num_splits, BLOCK_N: tl.constexpr, 
     return start, tl.minimum(start + chunk, seq_len)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "norm_v"])
 def _decode_kernel(
     Q, K, V, BlockTables, SeqLens, KNorm, InvFreq, Out, MidO, MidLse, Raw,
     stride_qs, stride_qh,
@@ -195,7 +224,17 @@ def _decode_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr, PARTIAL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
     RAW: tl.constexpr = False, F32: tl.constexpr = False, ROT_CACHED: tl.constexpr = False,
+    KNew=None, VNew=None, Pos=None, QW=None, Slots=None, stride_kn=0, stride_knh=0, stride_vn=0, stride_vnh=0,
+    eps=0.0, norm_v=0, QK: tl.constexpr = False,
 ):
+    # QK (DecodeQK): Q holds the step's query rows before their norm and RoPE, KNew / VNew its key and value rows
+    # before theirs, KNorm / InvFreq the layer's k-norm weight and frequencies, QW the q-norm weight. Each program
+    # normalises and rotates its group's query heads itself; the program whose split ends at the sequence's last
+    # key first makes that key and value (k RMS-normed and rotated, v RMS-normed without weight when norm_v) and
+    # stores them at the token's slot (Slots; < 0: padding, no store), then reads its keys as always: no earlier
+    # launch writes the cache. The op qk_norm_rope_kv_write was, at decode, a launch of its own before this one
+    # (ops/triton/qk_norm_rope.py defers it here). The new key at the end of the loop from registers instead took
+    # 32 more registers (137, sm_90), a CTA fewer an SM at batch 8.
     # ROT_CACHED (with PARTIAL: AttentionSpec.rot_keys): each cached row keeps, after the value's 2 HALF
     # elements, the rotated keys of the first ROT dims of each half, [k1 | k2]: read, not rebuilt.
     # RAW (OmniKV filter layers, ops/triton/sparse_attention.py): also store every key's log2-domain score per
@@ -219,6 +258,23 @@ def _decode_kernel(
     q_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + d[None, :]
     q1 = tl.load(q_ptr, mask=qmask, other=0.0)
     q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
+    if QK:  # as _qk_norm_rope_kernel: the norm's output rounded to the input dtype, then rotated
+        ang = _reduce_angle(tl.load(Pos + seq).to(tl.float32) * tl.load(InvFreq + d, mask=dmask, other=0.0))
+        cos = tl.cos(ang)
+        sin = tl.sin(ang)
+        w1 = tl.load(QW + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(QW + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        x1, x2 = _norm_rows(q1, q2, w1, w2, eps, 2 * HALF, True)
+        qdt = q1.dtype
+        x1 = x1.to(qdt).to(tl.float32)
+        x2 = x2.to(qdt).to(tl.float32)
+        q1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qdt)
+        q2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qdt)
+        if (start < end) & (end == tl.load(SeqLens + seq)):  # this split reads the new token's key: write it first
+            _write_new_kv(KNew, VNew, KNorm, K, V, Slots, seq, kvh, d, dmask, cos, sin, eps, norm_v, stride_kn,
+                          stride_knh, stride_vn, stride_vnh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                          stride_vh, HALF, PAGE)
+        tl.debug_barrier()  # the program's stores precede its loads of the row (a CTA sees its own writes after it)
 
     if PARTIAL:
         r = tl.arange(0, ROT)
@@ -374,13 +430,30 @@ def _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim):
             inv_freq.to(device=q.device, dtype=torch.float32).contiguous())
 
 
+@dataclass
+class DecodeQK:
+    """The step's QK-norm + RoPE + KV write, done inside the decode kernel (ops/triton/qk_norm_rope.py defers it
+    here at decode): q (paged_decode's q) and k, v [tokens, kv_heads, head_dim] before their norms, positions
+    [tokens], inv_freq [head_dim / 2] float32, the norms' weights (v's norm has none: norm_v) and the slots."""
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    slots: torch.Tensor
+    eps: float
+    norm_v: bool
+
+
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
                  scale: float, sliding_window: int | None = None, softcap: float | None = None,
                  k_eq_v: bool = False, k_norm_weight: torch.Tensor | None = None,
                  inv_freq: torch.Tensor | None = None, num_kv_heads: int, head_dim: int,
                  max_seq_len: int | None = None, policy: AttnLaunch | None = None,
                  out: torch.Tensor | None = None, rotated_pairs: int | None = None,
-                 raw: torch.Tensor | None = None, lse: torch.Tensor | None = None, rot_keys: int = 0) -> torch.Tensor:
+                 raw: torch.Tensor | None = None, lse: torch.Tensor | None = None, rot_keys: int = 0,
+                 qk: DecodeQK | None = None) -> torch.Tensor:
     """One query token per sequence (at position seq_len - 1). q: [num_seqs, num_heads(*head_dim)];
     seq_lens: [num_seqs] int32 on the device. Returns [num_seqs, num_heads, head_dim]. rotated_pairs (K=V):
     inv_freq's leading nonzero angles, the rest zero (None: all rotate). rot_keys (K=V, AttentionSpec.rot_keys):
@@ -388,7 +461,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
     filter layers): raw [num_seqs, num_heads, >= the block-table width x page] float32 (or float16, rounded on
     the store) receives every key's
     log2-domain score at [seq, head, pos] (positions past seq_len untouched), lse [num_seqs, num_heads]
-    float32 each head's log2-domain log-sum-exp, so softmax(scores)[pos] = exp2(raw - lse)."""
+    float32 each head's log2-domain log-sum-exp, so softmax(scores)[pos] = exp2(raw - lse). qk (DecodeQK): q is
+    before its norm and RoPE, and the kernel also writes the step's keys and values (K!=V layers)."""
     assert (raw is None) == (lse is None), "raw scores and log-sum-exps come together"
     num_seqs = seq_lens.shape[0]
     q = q.view(num_seqs, -1, head_dim)
@@ -424,6 +498,14 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
     rot = rotated_block(rotated_pairs, half) if k_eq_v else half
     if rot_keys:
         assert k_eq_v and rot_keys == rot < half, (rot_keys, rot, half)
+    extra = {}
+    if qk is not None:  # q, k and v before their norms and RoPE (DecodeQK)
+        assert not k_eq_v and raw is None and qk.k.stride(-1) == 1 and qk.v.stride(-1) == 1
+        knw, inv = qk.k_weight, qk.inv_freq
+        assert inv.dtype == torch.float32 and inv.numel() == half and knw.numel() == head_dim
+        extra = dict(KNew=qk.k, VNew=qk.v, Pos=qk.positions, QW=qk.q_weight, Slots=qk.slots,
+                     stride_kn=qk.k.stride(0), stride_knh=qk.k.stride(1), stride_vn=qk.v.stride(0),
+                     stride_vnh=qk.v.stride(1), eps=float(qk.eps), norm_v=int(qk.norm_v), QK=True)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, knw, inv, out, mid_o, mid_lse, rw,
         q.stride(0), q.stride(1),
@@ -437,7 +519,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         BLOCK_D=triton.next_power_of_2(half), PAGE=page, BLOCK_N=pol.block_n, ROT=rot, PARTIAL=k_eq_v and rot < half,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, DIRECT=direct,
         PREC=dot_precision(q.dtype), RAW=raw is not None, F32=dot_f32(q.dtype), ROT_CACHED=rot_keys > 0,
-        num_warps=pol.num_warps, num_stages=pol.num_stages,
+        num_warps=pol.num_warps, num_stages=pol.num_stages, **extra,
     )
     if not direct:
         combine_splits(mid_o, mid_lse, out, lse)

@@ -24,7 +24,8 @@ from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.moe_overlap import route
 from compiled_llm.ops.triton.moe import (fused_geglu_moe, fused_moe, fused_router_topk, fused_swiglu_moe,
                                          launch_variants, moe_align, moe_launch_policy)
-from compiled_llm.ops.triton.paged_attention import attention_launch_policy, paged_decode, paged_prefill
+from compiled_llm.ops.triton.paged_attention import DecodeQK, attention_launch_policy, paged_decode, paged_prefill
+from compiled_llm.ops.triton.qk_norm_rope import DEFERRED_QK
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,14 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         policy = attention_launch_policy(num_seqs, max_len, spec.head_dim, num_kv_heads=spec.num_kv_heads,
                                          sliding_window=spec.sliding_window, k_eq_v=source.k_eq_v,
                                          rotated_pairs=source.rotated_pairs, rot_keys=bool(source.rot_keys))
-        MONITOR.note("paged_decode", key + (policy.num_splits,))
+        qk = _deferred_qk(ctx, q, layer_idx)
+        MONITOR.note("paged_decode", key + (policy.num_splits,) + (("qk",) if qk else ()))
         out = torch.empty(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
         if q.shape[0] > num_seqs:  # padding rows past the batch come back as zeros (no fill kernel otherwise)
             out[num_seqs:].zero_()
-        paged_decode(q[:num_seqs], cache, tables, seq_lens, policy=policy, out=out[:num_seqs],
-                     rotated_pairs=source.rotated_pairs, rot_keys=source.rot_keys, **kw)
+        q_in, qk = qk if qk else (q, None)
+        paged_decode(q_in[:num_seqs], cache, tables, seq_lens, policy=policy, out=out[:num_seqs],
+                     rotated_pairs=source.rotated_pairs, rot_keys=source.rot_keys, qk=qk, **kw)
     else:
         MONITOR.note("paged_prefill", key)
         # the kernel writes every token's row; only the padding past them is zeroed (a zero fill of the whole
@@ -81,6 +84,18 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         spans = _span_bounds(ctx, q.shape[0], q.device) if spec.sliding_window is not None else None
         paged_prefill(q, cache, tables, qsl, seq_lens, out=out, spans=spans, **kw)
     return out.view(q.shape[0], -1)
+
+
+def _deferred_qk(ctx: ForwardContext, q: torch.Tensor, layer_idx: int):
+    """(q before its norm and RoPE, the DecodeQK) where this layer's qk_norm_rope_kv_write left its work to the
+    decode kernel (ops/triton/qk_norm_rope.py DEFERRED_QK), else None."""
+    hit = ctx.extra.get(DEFERRED_QK, {}).pop(layer_idx, None)
+    if hit is None:
+        return None
+    q_out, qk, q_raw = hit
+    if q_out.data_ptr() != q.data_ptr():  # its unwritten output reached this op through another tensor
+        raise RuntimeError(f"layer {layer_idx}: the attention's query is not the deferred QK-norm's output")
+    return q_raw, qk
 
 
 def _span_bounds(ctx: ForwardContext, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -212,10 +227,22 @@ def _attention_compile(key, device) -> None:
         attention(torch.zeros(6, group * head_dim, dtype=dtype, device=device), 0)
     for splits in SPLITS:
         width = max(1, splits * 256 // 16)  # a context long enough for the policy to pick this split count
-        with scratch_context(head_dim, dtype, device, num_seqs=1, width=width, **kw) as ctx:
-            ctx.attn_metadata.seq_lens = [width * 16]
-            ctx.attn_metadata.seq_lens_tensor = torch.tensor([width * 16], dtype=torch.int32, device=device)
-            attention(torch.zeros(1, group * head_dim, dtype=dtype, device=device), 0)
+        for qk in (False, True) if not k_eq_v else (False,):  # and the form with the deferred QK-norm (K!=V)
+            with scratch_context(head_dim, dtype, device, num_seqs=1, width=width, **kw) as ctx:
+                ctx.attn_metadata.seq_lens = [width * 16]
+                ctx.attn_metadata.seq_lens_tensor = torch.tensor([width * 16], dtype=torch.int32, device=device)
+                q = torch.zeros(1, group * head_dim, dtype=dtype, device=device)
+                if qk:
+                    ctx.extra[DEFERRED_QK] = {0: (q, _scratch_qk(ctx, head_dim, dtype, device), q.view(1, group, -1))}
+                attention(q, 0)
+
+
+def _scratch_qk(ctx: ForwardContext, head_dim: int, dtype, device) -> DecodeQK:
+    """A stand-in DecodeQK for warm-up's builds (its values are never looked at)."""
+    kv, w = torch.zeros(2, 1, 1, head_dim, dtype=dtype, device=device), torch.ones(head_dim, dtype=dtype, device=device)
+    inv = torch.zeros(head_dim // 2, device=device)
+    slots = next(iter(ctx.attn_metadata.groups.values())).slot_mapping
+    return DecodeQK(kv[0], kv[1], torch.zeros(1, dtype=torch.long, device=device), inv, w, w, slots, 1e-6, True)
 
 
 def _moe_keys(op: str):

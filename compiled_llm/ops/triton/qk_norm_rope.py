@@ -15,12 +15,14 @@ model), the other channels passed through; k and v stored for KV heads.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from compiled_llm.ops.attention import token_positions
-from compiled_llm.ops.context import layer_cache
+from compiled_llm.ops.attention import ATTENTION, decode_batch, token_positions
+from compiled_llm.ops.context import current_forward_context, later_op_runs_with_this, layer_cache
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
 from compiled_llm.ops.triton._common import _reduce_angle
 
@@ -244,9 +246,47 @@ def heads_per_program(num_tokens: int) -> int:
     return 1 if num_tokens < PREFILL_HEADS_MIN_TOKENS else 8
 
 
+# At a decode step the op's work on a K!=V layer that owns its cache goes into the decode attention kernel: the op
+# leaves its output unwritten and its inputs in the forward context (DEFERRED_QK: layer -> (that output, the
+# kernel's paged_attention.DecodeQK, q)), and the Triton attention provider hands them to paged_decode, which
+# normalises and rotates q per program and k / v in the program that reads the new key, and writes the cache.
+# One launch less a layer; the output's only reader is the attention op (checked there by address).
+# COMPILED_LLM_DECODE_QK=0: the op's own launch at decode too (an A/B).
+DECODE_QK_ENV = "COMPILED_LLM_DECODE_QK"
+DEFERRED_QK = "deferred_qk"
+
+
+def _defers(q: torch.Tensor, k, v, layer_idx: int) -> bool:
+    """Whether this call's work goes into the layer's decode attention kernel (see DEFERRED_QK)."""
+    if k is None or v is None or os.environ.get(DECODE_QK_ENV, "1") == "0" or not later_op_runs_with_this(q.device):
+        return False
+    ctx = current_forward_context()
+    if ctx is None or not decode_batch(ctx) or q.shape[0] < len(ctx.attn_metadata.seq_lens):
+        return False
+    spec = ctx.layers.get(layer_idx)
+    return (spec is not None and not (spec.k_eq_v or spec.rot_keys or spec.sink_tokens or spec.omnikv is not None)
+            and spec.cache_layer == layer_idx and ATTENTION.provider_name(layer_idx) == "triton")
+
+
+def _defer(q, k, v, positions, inv_freq, q_weight, k_weight, eps, norm_v, layer_idx) -> torch.Tensor:
+    from compiled_llm.ops.triton.paged_attention import DecodeQK
+
+    q_out = torch.empty_like(q)
+    slots = layer_cache(layer_idx)[3].slot_mapping
+    inv = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+    current_forward_context().extra[DEFERRED_QK][layer_idx] = (
+        q_out, DecodeQK(k, v, positions, inv, q_weight, k_weight, slots, eps, norm_v), q)
+    return q_out
+
+
 def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, positions: torch.Tensor,
                           inv_freq: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None, eps: float,
                           norm_v: bool, layer_idx: int) -> torch.Tensor:
+    ctx = current_forward_context()
+    if ctx is not None:
+        ctx.extra.setdefault(DEFERRED_QK, {}).pop(layer_idx, None)  # an earlier run's (a capture's eager first run)
+    if _defers(q, k, v, layer_idx):
+        return _defer(q, k, v, positions, inv_freq, q_weight, k_weight, eps, norm_v, layer_idx)
     if v is not None and layer_cache(layer_idx)[1].rot_keys:
         # rows that keep rotated keys (AttentionSpec.rot_keys): the value and those keys go through kv_cache_write,
         # which rotates them. (Gemma 4's graphs fuse only q here; the value's norm stays Inductor's.)
