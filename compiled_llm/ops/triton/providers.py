@@ -65,12 +65,11 @@ def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         policy = attention_launch_policy(num_seqs, max_len, spec.head_dim, num_kv_heads=spec.num_kv_heads,
                                          sliding_window=spec.sliding_window, k_eq_v=source.k_eq_v,
                                          rotated_pairs=source.rotated_pairs, rot_keys=bool(source.rot_keys))
-        qk = _deferred_qk(ctx, q, layer_idx)
+        q_in, qk = _deferred_qk(ctx, q, layer_idx) or (q, None)
         MONITOR.note("paged_decode", key + (policy.num_splits,) + (("qk",) if qk else ()))
         out = torch.empty(q.shape[0], spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
         if q.shape[0] > num_seqs:  # padding rows past the batch come back as zeros (no fill kernel otherwise)
             out[num_seqs:].zero_()
-        q_in, qk = qk if qk else (q, None)
         paged_decode(q_in[:num_seqs], cache, tables, seq_lens, policy=policy, out=out[:num_seqs],
                      rotated_pairs=source.rotated_pairs, rot_keys=source.rot_keys, qk=qk, **kw)
     else:
@@ -233,15 +232,15 @@ def _attention_compile(key, device) -> None:
                 ctx.attn_metadata.seq_lens_tensor = torch.tensor([width * 16], dtype=torch.int32, device=device)
                 q = torch.zeros(1, group * head_dim, dtype=dtype, device=device)
                 if qk:
-                    ctx.extra[DEFERRED_QK] = {0: (q, _scratch_qk(ctx, head_dim, dtype, device), q.view(1, group, -1))}
+                    ctx.extra[DEFERRED_QK] = {0: (q, _scratch_qk(head_dim, dtype, device), q.view(1, group, -1))}
                 attention(q, 0)
 
 
-def _scratch_qk(ctx: ForwardContext, head_dim: int, dtype, device) -> DecodeQK:
+def _scratch_qk(head_dim: int, dtype, device) -> DecodeQK:
     """A stand-in DecodeQK for warm-up's builds (its values are never looked at)."""
     kv, w = torch.zeros(2, 1, 1, head_dim, dtype=dtype, device=device), torch.ones(head_dim, dtype=dtype, device=device)
     inv = torch.zeros(head_dim // 2, device=device)
-    slots = next(iter(ctx.attn_metadata.groups.values())).slot_mapping
+    slots = layer_cache(0)[3].slot_mapping
     return DecodeQK(kv[0], kv[1], torch.zeros(1, dtype=torch.long, device=device), inv, w, w, slots, 1e-6, True)
 
 

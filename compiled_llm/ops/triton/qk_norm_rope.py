@@ -261,19 +261,18 @@ def _defers(q: torch.Tensor, k, v, layer_idx: int) -> bool:
     if k is None or v is None or os.environ.get(DECODE_QK_ENV, "1") == "0" or not later_op_runs_with_this(q.device):
         return False
     ctx = current_forward_context()
-    if ctx is None or not decode_batch(ctx) or q.shape[0] < len(ctx.attn_metadata.seq_lens):
+    if ctx is None or not decode_batch(ctx):
         return False
     spec = ctx.layers.get(layer_idx)
     return (spec is not None and not (spec.k_eq_v or spec.rot_keys or spec.sink_tokens or spec.omnikv is not None)
             and spec.cache_layer == layer_idx and ATTENTION.provider_name(layer_idx) == "triton")
 
 
-def _defer(q, k, v, positions, inv_freq, q_weight, k_weight, eps, norm_v, layer_idx) -> torch.Tensor:
-    from compiled_llm.ops.triton.paged_attention import DecodeQK
+def _defer(q, k, v, positions, inv, q_weight, k_weight, eps, norm_v, layer_idx) -> torch.Tensor:
+    from compiled_llm.ops.triton.paged_attention import DecodeQK  # (paged_attention imports this module)
 
     q_out = torch.empty_like(q)
     slots = layer_cache(layer_idx)[3].slot_mapping
-    inv = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     current_forward_context().extra[DEFERRED_QK][layer_idx] = (
         q_out, DecodeQK(k, v, positions, inv, q_weight, k_weight, slots, eps, norm_v), q)
     return q_out
@@ -285,8 +284,9 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
     ctx = current_forward_context()
     if ctx is not None:
         ctx.extra.setdefault(DEFERRED_QK, {}).pop(layer_idx, None)  # an earlier run's (a capture's eager first run)
+    inv = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     if _defers(q, k, v, layer_idx):
-        return _defer(q, k, v, positions, inv_freq, q_weight, k_weight, eps, norm_v, layer_idx)
+        return _defer(q, k, v, positions, inv, q_weight, k_weight, eps, norm_v, layer_idx)
     if v is not None and layer_cache(layer_idx)[1].rot_keys:
         # rows that keep rotated keys (AttentionSpec.rot_keys): the value and those keys go through kv_cache_write,
         # which rotates them. (Gemma 4's graphs fuse only q here; the value's norm stays Inductor's.)
@@ -313,7 +313,6 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
     has_k = k is not None
     kk = k if has_k else q
     vv = v if has_v else q
-    inv = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     block = triton.next_power_of_2(half)
     hpp = heads_per_program(n)
     # (each kernel its own key: a warm-up forward of a few tokens notes the one-head kernel's only)
