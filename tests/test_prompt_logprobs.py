@@ -83,11 +83,16 @@ def test_async_scheduling_engine_gives_the_same_entries(model, tiny_ckpt):
 
 def test_completions_echo_with_logprobs(model):
     llm, _ = model
+    # the offline answer before the server starts: the server's engine thread steps this engine too, and two
+    # threads stepping one engine race on the forward context (a CI run's engine thread died of it)
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    ids = want.prompt_token_ids
+    msgs = [{"role": "user", "content": PROMPT}]  # (the chat case's offline answer too)
+    chat_ids = llm.get_tokenizer().encode(llm.engine.apply_chat_template(msgs), add_special_tokens=False)
+    chat_want = llm.generate({"prompt_token_ids": chat_ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
     with TestClient(create_app(llm.engine, tokenizer_info_endpoint=True)) as client:
         oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
         name = llm.engine.model_name
-        want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
-        ids = want.prompt_token_ids
         out = oai.completions.create(model=name, prompt=PROMPT, echo=True, logprobs=1, max_tokens=1, temperature=0)
         lp = out.choices[0].logprobs
         assert out.choices[0].text.startswith(PROMPT) and len(lp.tokens) == len(ids) + 1
@@ -132,10 +137,8 @@ def test_completions_echo_with_logprobs(model):
         assert err.value.body["param"] == "prompt_logprobs"
 
         # chat (vLLM's): the rendered conversation's entries at the response's top level
-        msgs = [{"role": "user", "content": PROMPT}]
         chat = oai.chat.completions.create(model=name, messages=msgs, max_tokens=1, extra_body={"prompt_logprobs": 2})
-        ids = llm.get_tokenizer().encode(llm.engine.apply_chat_template(msgs), add_special_tokens=False)
-        want = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+        ids, want = chat_ids, chat_want
         entries = chat.model_extra["prompt_logprobs"]
         assert chat.usage.prompt_tokens == len(ids) == len(entries) and entries[0] is None
         for p in range(1, len(ids)):
