@@ -186,3 +186,29 @@ def test_inductor_shape_padding_cannot_hide_a_fusion(tiny_ckpt, monkeypatch):
     cfg = json.loads((tiny_ckpt("moe")[0] / "config.json").read_text())
     r = audit(cfg, device="cuda", dtype=torch.float32, tokens=64, batch_sizes=[1, 2], dedupe=False)
     assert r.mismatches == []
+
+
+def test_k_eq_v_layers_fuse_the_value_norm_and_cache_write_with_the_query(tiny_ckpt, monkeypatch):
+    """Gemma 4's K=V layers: the query's norm + RoPE and the value's norm + cache write are two branches of one
+    split that share no node, which Inductor's multi-output matching cannot pair by itself (passes/base.py
+    _LayerAnchored pairs them within a layer). On the GPU's graph every layer that writes a cache takes the fused
+    op with its value, the K=V ones without a key, and no separate cache write stays behind."""
+    from compiled_llm.passes.qk_norm_rope import QKNormRopeKVWritePass
+
+    graphs = []
+    real = QKNormRopeKVWritePass.__call__
+
+    def spy(self, graph):
+        n = real(self, graph)
+        graphs.append([(node.target, node.args) for node in graph.nodes if node.op == "call_function"])
+        return n
+
+    monkeypatch.setattr(QKNormRopeKVWritePass, "__call__", spy)
+    cfg = json.loads((tiny_ckpt("k_eq_v")[0] / "config.json").read_text())
+    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=8, dedupe=False)
+    assert r.mismatches == []
+    calls = [c for g in graphs for c in g]
+    fused = [args for target, args in calls if target == torch.ops.compiled_llm.qk_norm_rope_kv_write.default]
+    assert len(fused) == 4 and all(args[2] is not None for args in fused)  # every layer with its value
+    assert sum(args[1] is None for args in fused) == 2  # the two global (K=V) layers: no key
+    assert not any(target == torch.ops.compiled_llm.kv_cache_write.default for target, _ in calls)

@@ -86,8 +86,13 @@ def test_every_kernel_start_up_builds_on_an_h200_builds_for_sm90(name):
     assert {"_decode_kernel", "_prefill_kernel", "_gate_up_kernel", "_down_kernel", "_skinny_kernel"} <= names
     if name.startswith("gemma"):  # its 8,192-token prefill reaches the MoE's top tier (a persistent down kernel)
         assert "_down_persistent_kernel" in names
-        # the sliding layers' decode with their QK-norm + RoPE + KV write inside (ops/triton/qk_norm_rope.py)
-        assert any(b.launch.kwargs.get("QK") for b in built if b.launch.name == "_decode_kernel")
+        # the decode with the QK-norm + RoPE + KV write inside (ops/triton/qk_norm_rope.py): the sliding layers',
+        # and the global layers' whose rows keep their rotated keys (the engine marks them: kv_plan.mark_rot_keys)
+        qk = [b.launch.kwargs for b in built if b.launch.name == "_decode_kernel" and b.launch.kwargs.get("QK")]
+        assert {bool(kw.get("ROT_CACHED")) for kw in qk} == {False, True}
+        # and the op's own kernels, which a decode step inside a compiled piece's capture and a prefill launch
+        qk_own = [b.launch.kwargs for b in built if b.launch.name.startswith("_qk_norm_rope")]
+        assert {(kw["HAS_K"], kw.get("ROT", 0)) for kw in qk_own} == {(True, 0), (False, 64)}
     assert any(b.wgmma for b in built if b.launch.name == "_gate_up_kernel")
     assert all(b.registers > 0 for b in built)  # ptxas read each one
 

@@ -582,26 +582,30 @@ def test_decode_qk_norm_is_deferred_to_the_decode_kernel_only_where_that_kernel_
     from compiled_llm.ops.triton import qk_norm_rope as QK
 
     specs = {0: A.AttentionSpec(0, 4, 2, 16, None, 0), 1: A.AttentionSpec(1, 4, 2, 16, None, 0),  # 1 reads 0's
-             2: A.AttentionSpec(2, 4, 2, 16, None, 2, k_eq_v=True)}
+             2: A.AttentionSpec(2, 4, 2, 16, None, 2, k_eq_v=True),
+             3: A.AttentionSpec(3, 4, 2, 16, None, 3, k_eq_v=True, rotated_pairs=2, rot_keys=2)}  # keeps its keys
     decode, prefill = _context(specs, seqs=((1, 5), (1, 9))), _context(specs)
     q, kv = torch.zeros(2, 4, 16), torch.zeros(2, 2, 16)
     for layer in specs:
         monkeypatch.setitem(A.ATTENTION.chosen, layer, ("triton", providers.attention))
     with C.set_forward_context(decode):
-        assert QK._defers(q, kv, kv, 0)
-        assert not QK._defers(q, None, kv, 2) and not QK._defers(q, kv, kv, 1)  # K=V; another layer's cache
+        assert QK._defers(q, kv, kv, True, 0) and QK._defers(q, None, kv, True, 3)
+        # K=V rebuilding its keys; another layer's cache; no value norm where the rows keep keys; no write
+        assert not QK._defers(q, None, kv, True, 2) and not QK._defers(q, kv, kv, True, 1)
+        assert not QK._defers(q, None, kv, False, 3) and not QK._defers(q, None, None, False, 3)
         monkeypatch.setenv(QK.DECODE_QK_ENV, "0")
-        assert not QK._defers(q, kv, kv, 0)
+        assert not QK._defers(q, kv, kv, True, 0) and not QK._defers(q, None, kv, True, 3)
         monkeypatch.delenv(QK.DECODE_QK_ENV)
         monkeypatch.setitem(A.ATTENTION.chosen, 0, ("reference", A.ref_attention))
-        assert not QK._defers(q, kv, kv, 0)
+        assert not QK._defers(q, kv, kv, True, 0)
         monkeypatch.setitem(A.ATTENTION.chosen, 0, ("triton", providers.attention))
         out = QK.qk_norm_rope_kv_write(q, kv, kv, torch.zeros(2, dtype=torch.long), torch.ones(8), torch.ones(16),
                                        torch.ones(16), 1e-6, True, 0)
         with pytest.raises(RuntimeError, match="not the deferred QK-norm's output"):
             providers.attention(torch.zeros_like(out).view(2, -1), 0)
     with C.set_forward_context(prefill):
-        assert not QK._defers(torch.zeros(15, 4, 16), torch.zeros(15, 2, 16), torch.zeros(15, 2, 16), 0)
+        assert not QK._defers(torch.zeros(15, 4, 16), torch.zeros(15, 2, 16), torch.zeros(15, 2, 16), True, 0)
+        assert not QK._defers(torch.zeros(15, 4, 16), None, torch.zeros(15, 2, 16), True, 3)
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not C.later_op_runs_with_this(cuda) and C.later_op_runs_with_this(torch.device("cpu"))

@@ -19,8 +19,8 @@ from interp_groups import check, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST = ["gelu", "logits_softcap", "argmax_rows", "rot_keys", "decode", "decode_qk", "prefill", "moe",
-        "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
+FAST = ["gelu", "logits_softcap", "argmax_rows", "rot_keys", "decode", "decode_qk", "decode_qk_rot", "prefill",
+        "moe", "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
 SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
 
 
@@ -371,8 +371,7 @@ def _decode_qk_step(deferred, dtype, *, seq_lens, page, kv_heads, group, head_di
     from compiled_llm.ops import attention as A
     from compiled_llm.ops import context as C
     from compiled_llm.ops.rope import rope_inv_freq
-    from compiled_llm.ops.triton import paged_attention as PA
-    from compiled_llm.ops.triton import providers, qk_norm_rope as QK
+    from compiled_llm.ops.triton import qk_norm_rope as QK
 
     g = torch.Generator().manual_seed(7)
     q, cache, bt, _ = _attn_case(seq_lens, [1] * len(seq_lens), page=page, kv_heads=kv_heads, group=group,
@@ -395,24 +394,36 @@ def _decode_qk_step(deferred, dtype, *, seq_lens, page, kv_heads, group, head_di
     meta = C.AttentionMetadata(list(range(len(seq_lens) + 1)), list(seq_lens), page, {window: C.GroupMetadata(
         bt, torch.tensor(slots + [-1], device=device))})
     ctx = C.ForwardContext(meta, {0: cache}, {0: spec})
+    out = _qk_then_attention(ctx, lambda: QK.qk_norm_rope_kv_write(q, k, v, pos, inv, qw, kw, 1e-6, norm_v, 0),
+                             deferred, splits)
+    return out.view(n, -1, head_dim), cache, slots
+
+
+def _qk_then_attention(ctx, qk_op, deferred: bool, splits: int):
+    """qk_op() (the QK-norm op of layer 0) and then the Triton attention provider on its output, in ctx, with the
+    op's decode deferral on or off and the decode on `splits` splits of 16-key tiles; checks the deferral happened
+    (or not) and was taken. Returns the attention's output."""
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops import context as C
+    from compiled_llm.ops.triton import paged_attention as PA
+    from compiled_llm.ops.triton import providers, qk_norm_rope as QK
+
     os.environ[QK.DECODE_QK_ENV] = "1" if deferred else "0"
-    PA_policy = PA.attention_launch_policy
-    PA_fixed = lambda *a, **kw: PA.AttnLaunch(num_splits=splits, block_n=16)  # noqa: E731
-    saved = dict(A.ATTENTION.chosen)
+    saved, policy = dict(A.ATTENTION.chosen), providers.attention_launch_policy
     A.ATTENTION.chosen[0] = ("triton", providers.attention)
-    providers.attention_launch_policy = PA_fixed
+    providers.attention_launch_policy = lambda *a, **kw: PA.AttnLaunch(num_splits=splits, block_n=16)
     try:
         with C.set_forward_context(ctx):
-            q_out = QK.qk_norm_rope_kv_write(q, k, v, pos, inv, qw, kw, 1e-6, norm_v, 0)
-            assert (0 in ctx.extra[QK.DEFERRED_QK]) == deferred, "the decode step's QK-norm deferred"
-            out = providers.attention(q_out.reshape(n, -1), 0)
-            assert not ctx.extra[QK.DEFERRED_QK], "the attention op took the deferred work"
+            q_out = qk_op()
+            assert (0 in ctx.extra.get(QK.DEFERRED_QK, {})) == deferred, "the decode step's QK-norm deferred"
+            out = providers.attention(q_out.reshape(q_out.shape[0], -1), 0)
+            assert not ctx.extra.get(QK.DEFERRED_QK), "the attention op took the deferred work"
     finally:
-        providers.attention_launch_policy = PA_policy
+        providers.attention_launch_policy = policy
         A.ATTENTION.chosen.clear()
         A.ATTENTION.chosen.update(saved)
         os.environ.pop(QK.DECODE_QK_ENV)
-    return out.view(n, -1, head_dim), cache, slots
+    return out
 
 
 def check_decode_qk():
@@ -439,6 +450,132 @@ def check_decode_qk():
             for i in live:
                 assert torch.equal(flat[:, slots[i]], ref_flat[:, slots[i]]), f"{name}: cache row of sequence {i}"
             assert torch.equal(flat.isnan(), ref_flat.isnan()), name + ": rows written"  # the padding slot too
+
+
+def _decode_qk_rot_step(mode, dtype, *, lens, page, kv_heads, group, head_dim, softcap, splits, pad_seq,
+                        device="cpu"):
+    """One decode step of a K=V layer whose rows keep their rotated keys (Gemma 4's global layers), through the
+    Triton qk_norm_rope_kv_write (q, v) and attention provider: mode "deferred" (the work in the decode kernel),
+    "launch" (the op's own kernel first) or "reference" (the PyTorch op, then the Triton attention). The new
+    tokens' rows start NaN; sequence pad_seq's slot is -1. Returns (output, whole cache rows, slots)."""
+    import torch
+
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops import context as C
+    from compiled_llm.ops.qk_norm_rope import ref_qk_norm_rope_kv_write
+    from compiled_llm.ops.rope import rope_inv_freq, rotated_pairs
+    from compiled_llm.ops.triton import qk_norm_rope as QK
+
+    g = torch.Generator().manual_seed(11)
+    spec = A.AttentionSpec(0, kv_heads * group, kv_heads, head_dim, None, 0, head_dim ** -0.5, softcap, True,
+                           rotated_pairs=rotated_pairs(head_dim, "proportional", 0.25))
+    spec.rot_keys = A.cached_rot_keys(spec)
+    spec.k_norm_weight = (0.5 + torch.rand(head_dim, generator=g)).to(dtype)
+    spec.inv_freq = rope_inv_freq(head_dim, 10_000.0, "proportional", 0.25)
+    nblk = [-(-n // page) for n in lens]
+    perm = torch.randperm(sum(nblk), generator=g)
+    bt = torch.full((len(lens), max(nblk)), -1, dtype=torch.int32)
+    off = 0
+    for i, nb in enumerate(nblk):
+        bt[i, :nb] = perm[off:off + nb].int()
+        off += nb
+    rows = torch.randn(1, sum(nblk), page, kv_heads, spec.cache_dim, generator=g).to(dtype)
+    slots = []
+    for i, L in enumerate(lens):
+        s = int(bt[i, (L - 1) // page]) * page + (L - 1) % page
+        rows.view(-1, kv_heads, spec.cache_dim)[s] = float("nan")
+        slots.append(-1 if i == pad_seq else s)
+    cache = rows[..., :head_dim]
+    n = len(lens) + 1  # a padding token past the batch
+    q = torch.randn(n, kv_heads * group, head_dim, generator=g).to(dtype) * 3
+    v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) * 2
+    pos = torch.tensor([L - 1 for L in lens] + [0])
+    qw = (1.0 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype)
+    rows, bt, q, v, pos, qw = (t.to(device) for t in (rows, bt, q, v, pos, qw))
+    cache = rows[..., :head_dim]
+    spec.k_norm_weight, spec.inv_freq = spec.k_norm_weight.to(device), spec.inv_freq.to(device)
+    meta = C.AttentionMetadata(list(range(n)), list(lens), page,
+                               {None: C.GroupMetadata(bt, torch.tensor(slots + [-1], device=device))}, positions=pos)
+    ctx = C.ForwardContext(meta, {0: cache}, {0: spec})
+    op = ref_qk_norm_rope_kv_write if mode == "reference" else QK.qk_norm_rope_kv_write
+    out = _qk_then_attention(ctx, lambda: op(q, None, v, pos, spec.inv_freq, qw, None, 1e-6, True, 0),
+                             mode == "deferred", splits)
+    return out.view(n, -1, head_dim), rows, slots
+
+
+def check_decode_qk_rot():
+    """Gemma 4's global layers (K=V, rows that keep their rotated keys): the op's own kernel writes the rows the
+    PyTorch reference writes (the value exactly, the kept keys to rounding), and the decode step with the op's
+    work inside the decode kernel gives the outputs and rows of the op's launch followed by the plain decode
+    (bitwise rows), at one split and several, in float32 and bfloat16; a padding slot is not written."""
+    import torch
+
+    cases = [dict(lens=[37, 5, 70], page=4, kv_heads=2, group=4, head_dim=64, softcap=None, splits=1),
+             dict(lens=[37, 50, 9], page=16, kv_heads=1, group=8, head_dim=64, softcap=30.0, splits=3)]
+    for case in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            pad = len(case["lens"]) - 1
+            live = list(range(pad))
+            ref, ref_rows, slots = _decode_qk_rot_step("reference", dtype, **case, pad_seq=pad)
+            own, own_rows, _ = _decode_qk_rot_step("launch", dtype, **case, pad_seq=pad)
+            got, rows, _ = _decode_qk_rot_step("deferred", dtype, **case, pad_seq=pad)
+            name = f"decode qk rot {dtype} {case}"
+            d = case["head_dim"]
+            flat, own_flat, ref_flat = (r.view(-1, r.shape[3], r.shape[4]) for r in (rows, own_rows, ref_rows))
+            tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+            for i in live:  # the launch against the reference: the value, then the kept keys
+                v_tol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 1e-2)
+                _close(f"{name}: launch's value, sequence {i}", own_flat[slots[i], :, :d], ref_flat[slots[i], :, :d],
+                       *v_tol)
+                _close(f"{name}: launch's kept keys, sequence {i}", own_flat[slots[i], :, d:],
+                       ref_flat[slots[i], :, d:], *tol)
+                assert torch.equal(flat[slots[i]], own_flat[slots[i]]), f"{name}: deferred row of sequence {i}"
+            _close(name + ": launch vs reference", own[live].float(), ref[live].float(), *tol)
+            _close(name + ": deferred vs launch", got[live].float(), own[live].float(), 1e-6, 1e-6)
+            assert torch.equal(flat.isnan(), own_flat.isnan()), name + ": rows written"  # the padding slot too
+            assert torch.equal(flat.isnan(), ref_flat.isnan()), name + ": rows written by the reference"
+            assert (got[pad + 1] == 0).all(), name + ": padding row"
+    _check_qk_rot_prefill()
+
+
+def _check_qk_rot_prefill():
+    """The op's prefill kernel (8 heads a program, from PREFILL_HEADS_MIN_TOKENS tokens) writes a K=V layer's rows
+    with their kept keys as the reference does, and rotates q alike."""
+    import torch
+
+    from compiled_llm.ops import attention as A
+    from compiled_llm.ops import context as C
+    from compiled_llm.ops.qk_norm_rope import ref_qk_norm_rope_kv_write
+    from compiled_llm.ops.rope import rope_inv_freq, rotated_pairs
+    from compiled_llm.ops.triton import qk_norm_rope as QK
+
+    g = torch.Generator().manual_seed(12)
+    QK.PREFILL_HEADS_MIN_TOKENS, threshold = 32, QK.PREFILL_HEADS_MIN_TOKENS  # (fewer programs to interpret)
+    n, d, kvh, page = 40, 64, 2, 16
+    assert QK.heads_per_program(n) > 1
+    spec = A.AttentionSpec(0, 4 * kvh, kvh, d, None, 0, d ** -0.5, None, True,
+                           rotated_pairs=rotated_pairs(d, "proportional", 0.25))
+    spec.rot_keys = A.cached_rot_keys(spec)
+    spec.k_norm_weight = 0.5 + torch.rand(d, generator=g)
+    spec.inv_freq = rope_inv_freq(d, 10_000.0, "proportional", 0.25)
+    blocks = -(-n // page)
+    bt = torch.randperm(blocks, generator=g).int()[None]
+    pos = torch.arange(n)
+    slots = bt[0, pos // page].long() * page + pos % page
+    meta = C.AttentionMetadata([0, n], [n], page, {None: C.GroupMetadata(bt, slots)}, positions=pos)
+    q = torch.randn(n, 4 * kvh, d, generator=g) * 3
+    v = torch.randn(n, kvh, d, generator=g) * 2
+    qw = 1.0 + 0.2 * torch.randn(d, generator=g)
+    outs = []
+    for op in (QK.qk_norm_rope_kv_write, ref_qk_norm_rope_kv_write):
+        rows = torch.full((1, blocks, page, kvh, spec.cache_dim), float("nan"))
+        with C.set_forward_context(C.ForwardContext(meta, {0: rows[..., :d]}, {0: spec})):
+            outs.append((op(q, None, v, pos, spec.inv_freq, qw, None, 1e-6, True, 0), rows))
+    QK.PREFILL_HEADS_MIN_TOKENS = threshold
+    (q_got, rows), (q_ref, ref_rows) = outs
+    _close("qk rot prefill: q", q_got, q_ref, 1e-5, 1e-5)
+    _close("qk rot prefill: rows", rows.view(-1, kvh, spec.cache_dim)[slots],
+           ref_rows.view(-1, kvh, spec.cache_dim)[slots], 1e-5, 1e-5)
 
 
 def _check_split_d_same(dtype, *, seq_lens, q_lens, page, kv_heads, group, head_dim, window=None, softcap=None,

@@ -100,6 +100,30 @@ def to_pattern(gm: torch.fx.GraphModule, argnames: list[str], scalars: dict) -> 
     return pm.fx_to_pattern(gm, ignore_types=(torch.device, _Shape), argnames=argnames, scalar_workaround=scalars)
 
 
+class _LayerAnchored(pm.MultiOutputPattern):
+    """A multi-output pattern whose outputs share no node (Gemma 4's K=V layers: the query's norm and RoPE, and the
+    value's norm and cache write, two branches of one split). Inductor finds an output past the first only by
+    walking from nodes the outputs share, so such a pattern never matched; here, where that finds nothing, the
+    candidates are the graph's nodes of the output's target traced in the same model layers as the first output's
+    match."""
+
+    def _match_from_anchors(self, pattern, ctx):
+        m = super()._match_from_anchors(pattern, ctx)
+        if pm.is_match(m) or ctx.graph is None:
+            return m
+        taken = set(ctx.pattern_to_node.values())
+        layers = set().union(*(node_layers(n) for n in taken if isinstance(n, torch.fx.Node)))
+        prior = dict(ctx.pattern_to_node)
+        for node in ctx.graph.nodes:
+            if node in taken or not pattern._match_fns(node) or not layers or node_layers(node) != layers:
+                continue
+            m = ctx.match(pattern, node)
+            if pm.is_match(m):
+                return m
+            ctx.pattern_to_node = dict(prior)
+        return m
+
+
 def node_layers(node: torch.fx.Node) -> set[int]:
     """The model layers (`...layers[i]...` in Dynamo's module stack) a node was traced in."""
     return {int(m) for path, _ in (node.meta.get("nn_module_stack") or {}).values() for m in _LAYER_RE.findall(str(path))}
@@ -267,8 +291,10 @@ class FusionPass:
         raise NotImplementedError
 
     def add(self, search: Callable, replace: Callable, example_inputs: list, scalars: dict | None = None,
-            stage: int = 0, check: Callable[[pm.Match], bool] | None = None, tokens: int | None = None) -> None:
+            stage: int = 0, check: Callable[[pm.Match], bool] | None = None, tokens: int | None = None,
+            disjoint: bool = False) -> None:
         """check(match): what the pattern's wildcard sizes must satisfy for the match to mean the fusion.
+        disjoint: the search's outputs share no node (_LayerAnchored pairs them within a model layer).
         tokens: the token count of the example inputs (those whose first dim it is); the pattern is then
         traced a second time at one token, since Inductor canonicalises size-1 dims differently (a bmm
         over one token becomes an mm), and a static batch size of 1 compiles exactly that graph."""
@@ -277,13 +303,15 @@ class FusionPass:
             variants.append([empty(1, *x.shape[1:], dtype=x.dtype) if x.dim() and x.shape[0] == tokens else x
                              for x in example_inputs])
         for inputs in variants:
-            self._add(search, replace, inputs, scalars or {}, stage, check)
+            self._add(search, replace, inputs, scalars or {}, stage, check, disjoint)
 
-    def _add(self, search, replace, example_inputs, scalars, stage, check) -> None:
+    def _add(self, search, replace, example_inputs, scalars, stage, check, disjoint=False) -> None:
         argnames = [*inspect.signature(search).parameters]  # tensors first, the scalars last
         tensors = iter(example_inputs)
         args = [scalars[name] if name in scalars else next(tensors) for name in argnames]
         pattern = to_pattern(trace_fn(search, args), argnames, scalars)
+        if disjoint:
+            pattern = _LayerAnchored(pattern.outputs)
 
         def accept(match: pm.Match) -> bool:
             if check is not None and not check(match):

@@ -168,6 +168,7 @@ def h100_facts(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block_size:
     from compiled_llm.models.interfaces import recurrent_state_specs
     from compiled_llm.models.registry import resolve_model_class
     from compiled_llm.ops.registry import model_facts, preserved_choices, select_providers
+    from compiled_llm.runtime.kv_plan import mark_rot_keys
 
     model_cls = resolve_model_class(hf_config)
     cfg = model_cls.config_from_hf(hf_config)
@@ -175,6 +176,7 @@ def h100_facts(hf_config: dict, dtype: torch.dtype = torch.bfloat16, block_size:
         with torch.device("meta"):
             model = model_cls(cfg)
         specs = model.attention_specs()
+        mark_rot_keys(specs)  # as the engine marks them before its cache and warm-up (its default)
         facts = model_facts(cfg, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, tp_size=1,
                             states=recurrent_state_specs(model))
         select_providers(torch.device("cuda"), dtype, specs, facts, caps=H100_CAPS)

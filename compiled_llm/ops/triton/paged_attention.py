@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from compiled_llm.ops.rope import rotated_block  # noqa: F401  (the decode kernel's ROT; sparse_attention imports it here)
-from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rows
+from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rows, _rot_keys
 from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, _reduce_angle, _tanh, decode_pdl_steps, dot_f32,
                                              dot_precision)
 
@@ -198,6 +198,25 @@ def _write_new_kv(KNew, VNew, KNorm, K, V, Slots, seq, kvh, d, dmask, cos, sin, 
 
 
 @triton.jit
+def _write_new_row(VNew, KNorm, InvFreq, V, Slots, Pos, seq, kvh, d, dmask, eps, stride_vn, stride_vnh, stride_vb,
+                   stride_vs, stride_vh, HALF: tl.constexpr, PAGE: tl.constexpr, ROT: tl.constexpr):
+    """The decode's QK form on a K=V layer whose rows keep rotated keys: the new token's row made from its value
+    as _qk_norm_rope_kernel makes it (the value RMS-normed without weight, then its kept keys), stored at its slot
+    (< 0: padding, nothing stored)."""
+    slot = tl.load(Slots + seq)
+    if slot >= 0:
+        vp = VNew + seq * stride_vn + kvh * stride_vnh + d
+        v1, v2 = _norm(tl.load(vp, mask=dmask, other=0.0), tl.load(vp + HALF, mask=dmask, other=0.0), 0.0, 0.0, eps,
+                       2 * HALF, False)
+        row = V + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + kvh * stride_vh + d
+        tl.store(row, v1.to(V.dtype.element_ty), mask=dmask)
+        tl.store(row + HALF, v2.to(V.dtype.element_ty), mask=dmask)
+        k1, k2 = _rot_keys(v1, v2, KNorm, InvFreq, tl.load(Pos + seq).to(tl.float32), d, HALF, V.dtype.element_ty)
+        tl.store(row + 2 * HALF, k1, mask=d < ROT)
+        tl.store(row + 2 * HALF + ROT, k2, mask=d < ROT)
+
+
+@triton.jit
 def split_range(SeqLens, seq, split, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
     """A decode split's key range [start, end) of sequence `seq`: a whole number of BLOCK_N tiles of the keys it
     sees (the window's, SLIDING), split `split` of num_splits."""
@@ -234,7 +253,9 @@ def _decode_kernel(
     # stores them at the token's slot (Slots; < 0: padding, no store), then reads its keys as always: no earlier
     # launch writes the cache. The op qk_norm_rope_kv_write was, at decode, a launch of its own before this one
     # (ops/triton/qk_norm_rope.py defers it here). The new key at the end of the loop from registers instead took
-    # 32 more registers (137, sm_90), a CTA fewer an SM at batch 8.
+    # 32 more registers (137, sm_90), a CTA fewer an SM at batch 8. With ROT_CACHED (K=V, no KNew) the new row is
+    # the normed value and its kept keys (_write_new_row), and the rotated dims' queries are normed and rotated
+    # from their raw rows.
     # ROT_CACHED (with PARTIAL: AttentionSpec.rot_keys): each cached row keeps, after the value's 2 HALF
     # elements, the rotated keys of the first ROT dims of each half, [k1 | k2]: read, not rebuilt.
     # RAW (OmniKV filter layers, ops/triton/sparse_attention.py): also store every key's log2-domain score per
@@ -268,12 +289,20 @@ def _decode_kernel(
         qdt = q1.dtype
         x1 = x1.to(qdt).to(tl.float32)
         x2 = x2.to(qdt).to(tl.float32)
+        if PARTIAL:  # the rows' norm factors, for the rotated dims' queries below (as _norm_rows makes them)
+            qf1 = q1.to(tl.float32)
+            qf2 = q2.to(tl.float32)
+            rq = 1.0 / tl.sqrt((tl.sum(qf1 * qf1, 1) + tl.sum(qf2 * qf2, 1)) / (2 * HALF) + eps)
         q1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qdt)
         q2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qdt)
         if (start < end) & (end == tl.load(SeqLens + seq)):  # this split reads the new token's key: write it first
-            _write_new_kv(KNew, VNew, KNorm, K, V, Slots, seq, kvh, d, dmask, cos, sin, eps, norm_v, stride_kn,
-                          stride_knh, stride_vn, stride_vnh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                          stride_vh, HALF, PAGE)
+            if ROT_CACHED:
+                _write_new_row(VNew, KNorm, InvFreq, V, Slots, Pos, seq, kvh, d, dmask, eps, stride_vn, stride_vnh,
+                               stride_vb, stride_vs, stride_vh, HALF, PAGE, ROT)
+            else:
+                _write_new_kv(KNew, VNew, KNorm, K, V, Slots, seq, kvh, d, dmask, cos, sin, eps, norm_v, stride_kn,
+                              stride_knh, stride_vn, stride_vnh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                              stride_vh, HALF, PAGE)
         tl.debug_barrier()  # the program's stores precede its loads of the row (a CTA sees its own writes after it)
 
     if PARTIAL:
@@ -286,6 +315,16 @@ def _decode_kernel(
         qr_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + r[None, :]
         q1r = tl.load(qr_ptr, mask=hmask[:, None], other=0.0)
         q2r = tl.load(qr_ptr + HALF, mask=hmask[:, None], other=0.0)
+        if QK:  # Q is before its norm and RoPE: those dims normed and rotated as above
+            wq1 = tl.load(QW + r).to(tl.float32)
+            wq2 = tl.load(QW + HALF + r).to(tl.float32)
+            x1r = (q1r.to(tl.float32) * rq[:, None] * wq1[None, :]).to(q1r.dtype).to(tl.float32)
+            x2r = (q2r.to(tl.float32) * rq[:, None] * wq2[None, :]).to(q1r.dtype).to(tl.float32)
+            angr = _reduce_angle(tl.load(Pos + seq).to(tl.float32) * tl.load(InvFreq + r))
+            cr = tl.cos(angr)[None, :]
+            sr = tl.sin(angr)[None, :]
+            q1r = (x1r * cr - x2r * sr).to(q1r.dtype)
+            q2r = (x2r * cr + x1r * sr).to(q1r.dtype)
         if not ROT_CACHED:
             w1r = tl.load(KNorm + r).to(tl.float32)
             w2r = tl.load(KNorm + HALF + r).to(tl.float32)
@@ -434,8 +473,9 @@ def _rope_args(q, k_eq_v, k_norm_weight, inv_freq, head_dim):
 class DecodeQK:
     """The step's QK-norm + RoPE + KV write, done inside the decode kernel (ops/triton/qk_norm_rope.py defers it
     here at decode): q (paged_decode's q) and k, v [tokens, kv_heads, head_dim] before their norms, positions
-    [tokens], inv_freq [head_dim / 2] float32, the norms' weights (v's norm has none: norm_v) and the slots."""
-    k: torch.Tensor
+    [tokens], inv_freq [head_dim / 2] float32, the norms' weights (v's norm has none: norm_v) and the slots. K=V
+    layers whose rows keep rotated keys: k None, k_weight the layer's k-norm weight (the kept keys')."""
+    k: torch.Tensor | None
     v: torch.Tensor
     positions: torch.Tensor
     inv_freq: torch.Tensor
@@ -462,7 +502,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
     the store) receives every key's
     log2-domain score at [seq, head, pos] (positions past seq_len untouched), lse [num_seqs, num_heads]
     float32 each head's log2-domain log-sum-exp, so softmax(scores)[pos] = exp2(raw - lse). qk (DecodeQK): q is
-    before its norm and RoPE, and the kernel also writes the step's keys and values (K!=V layers)."""
+    before its norm and RoPE, and the kernel also writes the step's keys and values (K!=V layers) or rows (K=V
+    layers with rot_keys)."""
     assert (raw is None) == (lse is None), "raw scores and log-sum-exps come together"
     num_seqs = seq_lens.shape[0]
     q = q.view(num_seqs, -1, head_dim)
@@ -500,11 +541,14 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         assert k_eq_v and rot_keys == rot < half, (rot_keys, rot, half)
     extra = {}
     if qk is not None:  # q, k and v before their norms and RoPE (DecodeQK)
-        assert not k_eq_v and raw is None and qk.k.stride(-1) == 1 and qk.v.stride(-1) == 1
+        # K=V: rows that keep their rotated keys, made from the normed value (no k)
+        assert (qk.k is None and qk.norm_v and rot_keys) if k_eq_v else qk.k is not None
+        kn = qk.k if qk.k is not None else qk.v
+        assert raw is None and kn.stride(-1) == 1 and qk.v.stride(-1) == 1
         knw, inv = qk.k_weight, qk.inv_freq
         assert inv.dtype == torch.float32 and inv.numel() == half and knw.numel() == head_dim
-        extra = dict(KNew=qk.k, VNew=qk.v, Pos=qk.positions, QW=qk.q_weight, Slots=qk.slots,
-                     stride_kn=qk.k.stride(0), stride_knh=qk.k.stride(1), stride_vn=qk.v.stride(0),
+        extra = dict(KNew=kn, VNew=qk.v, Pos=qk.positions, QW=qk.q_weight, Slots=qk.slots,
+                     stride_kn=kn.stride(0), stride_knh=kn.stride(1), stride_vn=qk.v.stride(0),
                      stride_vnh=qk.v.stride(1), eps=float(qk.eps), norm_v=int(qk.norm_v), QK=True)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, knw, inv, out, mid_o, mid_lse, rw,

@@ -226,22 +226,25 @@ def _attention_compile(key, device) -> None:
         attention(torch.zeros(6, group * head_dim, dtype=dtype, device=device), 0)
     for splits in SPLITS:
         width = max(1, splits * 256 // 16)  # a context long enough for the policy to pick this split count
-        for qk in (False, True) if not k_eq_v else (False,):  # and the form with the deferred QK-norm (K!=V)
+        # and the form with the deferred QK-norm (K!=V, and K=V rows that keep rotated keys)
+        for qk in (False, True) if not k_eq_v or rot else (False,):
             with scratch_context(head_dim, dtype, device, num_seqs=1, width=width, **kw) as ctx:
                 ctx.attn_metadata.seq_lens = [width * 16]
                 ctx.attn_metadata.seq_lens_tensor = torch.tensor([width * 16], dtype=torch.int32, device=device)
                 q = torch.zeros(1, group * head_dim, dtype=dtype, device=device)
                 if qk:
-                    ctx.extra[DEFERRED_QK] = {0: (q, _scratch_qk(head_dim, dtype, device), q.view(1, group, -1))}
+                    ctx.extra[DEFERRED_QK] = {0: (q, _scratch_qk(head_dim, dtype, device, k_eq_v),
+                                                  q.view(1, group, -1))}
                 attention(q, 0)
 
 
-def _scratch_qk(head_dim: int, dtype, device) -> DecodeQK:
+def _scratch_qk(head_dim: int, dtype, device, k_eq_v: bool) -> DecodeQK:
     """A stand-in DecodeQK for warm-up's builds (its values are never looked at)."""
     kv, w = torch.zeros(2, 1, 1, head_dim, dtype=dtype, device=device), torch.ones(head_dim, dtype=dtype, device=device)
     inv = torch.zeros(head_dim // 2, device=device)
     slots = layer_cache(0)[3].slot_mapping
-    return DecodeQK(kv[0], kv[1], torch.zeros(1, dtype=torch.long, device=device), inv, w, w, slots, 1e-6, True)
+    return DecodeQK(None if k_eq_v else kv[0], kv[1], torch.zeros(1, dtype=torch.long, device=device), inv, w, w,
+                    slots, 1e-6, True)
 
 
 def _moe_keys(op: str):

@@ -16,6 +16,7 @@ model), the other channels passed through; k and v stored for KV heads.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 import triton
@@ -41,12 +42,30 @@ def _norm(x1, x2, w1, w2, eps, D: tl.constexpr, HAS_W: tl.constexpr):
 
 
 @triton.jit
+def _rot_keys(v1, v2, KW, Inv, pos, d, HALF: tl.constexpr, dtype):
+    """A K=V row's kept keys (AttentionSpec.rot_keys) from its stored value: rope(v * k_norm_weight) on the rows'
+    first dims of each half, as _kv_write_kernel makes them (the value rounded to the cache dtype first, the angle
+    with its product's exact residual). d: the dims of the tiles (masked by the caller's stores)."""
+    dm = d < HALF
+    x1 = v1.to(dtype).to(tl.float32) * tl.load(KW + d, mask=dm, other=0.0).to(tl.float32)
+    x2 = v2.to(dtype).to(tl.float32) * tl.load(KW + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    inv = tl.load(Inv + d, mask=dm, other=0.0).to(tl.float32)
+    p = tl.zeros_like(x1) + pos
+    a = p * inv
+    a = _reduce_angle(a) + tl.fma(p, inv + tl.zeros_like(p), -a)
+    cs, sn = tl.cos(a), tl.sin(a)
+    return (x1 * cs - x2 * sn).to(dtype), (x2 * cs + x1 * sn).to(dtype)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
                          n_slots, eps,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_ot, stride_oh, stride_cs, stride_ch,
                          H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                         HAS_K: tl.constexpr, HAS_V: tl.constexpr, NORM_V: tl.constexpr):
+                         HAS_K: tl.constexpr, HAS_V: tl.constexpr, NORM_V: tl.constexpr, ROT: tl.constexpr = 0):
+    # ROT > 0 (K=V rows that keep rotated keys, AttentionSpec.rot_keys): after the value, its keys' first ROT dims
+    # of each half, [k1 | k2] (_rot_keys; KW is then the layer's k-norm weight)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
@@ -88,6 +107,10 @@ def _qk_norm_rope_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
                 v1, v2 = _norm(v1, v2, v1, v2, eps, 2 * HALF, False)
             tl.store(VC + c, v1.to(VC.dtype.element_ty), mask=dm)
             tl.store(VC + c + HALF, v2.to(VC.dtype.element_ty), mask=dm)
+            if ROT > 0:
+                k1, k2 = _rot_keys(v1, v2, KW, Inv, pos, d, HALF, VC.dtype.element_ty)
+                tl.store(VC + c + 2 * HALF, k1, mask=d < ROT)
+                tl.store(VC + c + 2 * HALF + ROT, k2, mask=d < ROT)
 
 
 @triton.jit
@@ -110,7 +133,7 @@ def _qk_norm_rope_heads_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
                                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                                stride_ot, stride_oh, stride_cs, stride_ch,
                                H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HPP: tl.constexpr,
-                               HAS_K: tl.constexpr, HAS_V: tl.constexpr, NORM_V: tl.constexpr):
+                               HAS_K: tl.constexpr, HAS_V: tl.constexpr, NORM_V: tl.constexpr, ROT: tl.constexpr = 0):
     # prefill: program (t, j) takes token t's heads [j * HPP, (j + 1) * HPP) of the NH query and KV heads as one
     # [HPP, half] tile each (the token's angles computed once for them); one program per (token, head) made
     # 196K one-warp programs at 8K tokens, bound by block scheduling rather than bytes (H200: 138 us a layer)
@@ -155,6 +178,11 @@ def _qk_norm_rope_heads_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
             v1, v2 = _norm_rows(v1, v2, v1, v2, eps, 2 * HALF, False)
         tl.store(VC + c, v1.to(VC.dtype.element_ty), mask=mkv)
         tl.store(VC + c + HALF, v2.to(VC.dtype.element_ty), mask=mkv)
+        if ROT > 0:  # (as _qk_norm_rope_kernel)
+            k1, k2 = _rot_keys(v1, v2, KW, Inv, pos, d[None, :], HALF, VC.dtype.element_ty)
+            mr = mkv & (d < ROT)[None, :]
+            tl.store(VC + c + 2 * HALF, k1, mask=mr)
+            tl.store(VC + c + 2 * HALF + ROT, k2, mask=mr)
 
 
 @triton.jit
@@ -246,33 +274,44 @@ def heads_per_program(num_tokens: int) -> int:
     return 1 if num_tokens < PREFILL_HEADS_MIN_TOKENS else 8
 
 
-# At a decode step the op's work on a K!=V layer that owns its cache goes into the decode attention kernel: the op
+# At a decode step the op's work on a layer that owns its cache goes into the decode attention kernel: the op
 # leaves its output unwritten and its inputs in the forward context (DEFERRED_QK: layer -> (that output, the
 # kernel's paged_attention.DecodeQK, q)), and the Triton attention provider hands them to paged_decode, which
 # normalises and rotates q per program and k / v in the program that reads the new key, and writes the cache.
-# One launch less a layer; the output's only reader is the attention op (checked there by address).
+# K!=V layers, and K=V layers whose rows keep their rotated keys (Gemma 4's global layers: the row is the normed
+# value and those keys). One launch less a layer; the output's only reader is the attention op (checked there by
+# address).
 # COMPILED_LLM_DECODE_QK=0: the op's own launch at decode too (an A/B).
 DECODE_QK_ENV = "COMPILED_LLM_DECODE_QK"
 DEFERRED_QK = "deferred_qk"
+_BUILDING = threading.local()  # .on: warm-up builds the op's own kernels (a scratch decode step would defer them)
 
 
-def _defers(q: torch.Tensor, k, v, layer_idx: int) -> bool:
+def _defers(q: torch.Tensor, k, v, norm_v: bool, layer_idx: int) -> bool:
     """Whether this call's work goes into the layer's decode attention kernel (see DEFERRED_QK)."""
-    if k is None or v is None or os.environ.get(DECODE_QK_ENV, "1") == "0" or not later_op_runs_with_this(q.device):
+    if v is None or os.environ.get(DECODE_QK_ENV, "1") == "0" or getattr(_BUILDING, "on", False):
+        return False
+    if not later_op_runs_with_this(q.device):
         return False
     ctx = current_forward_context()
     if ctx is None or not decode_batch(ctx):
         return False
     spec = ctx.layers.get(layer_idx)
-    return (spec is not None and not (spec.k_eq_v or spec.rot_keys or spec.sink_tokens or spec.omnikv is not None)
-            and spec.cache_layer == layer_idx and ATTENTION.provider_name(layer_idx) == "triton")
+    if spec is None or spec.sink_tokens or spec.omnikv is not None or spec.cache_layer != layer_idx:
+        return False
+    # K!=V layers, and K=V layers whose rows keep their rotated keys (normed values: Gemma 4's global layers)
+    kinds = (k is not None and not spec.k_eq_v) or (spec.k_eq_v and spec.rot_keys > 0 and norm_v)
+    return kinds and ATTENTION.provider_name(layer_idx) == "triton"
 
 
 def _defer(q, k, v, positions, inv, q_weight, k_weight, eps, norm_v, layer_idx) -> torch.Tensor:
     from compiled_llm.ops.triton.paged_attention import DecodeQK  # (paged_attention imports this module)
 
     q_out = torch.empty_like(q)
-    slots = layer_cache(layer_idx)[3].slot_mapping
+    _, spec, _, group = layer_cache(layer_idx)
+    slots = group.slot_mapping
+    if spec.k_eq_v:  # the kept keys: from the value and the layer's k-norm weight
+        k, k_weight = None, spec.k_norm_weight
     current_forward_context().extra[DEFERRED_QK][layer_idx] = (
         q_out, DecodeQK(k, v, positions, inv, q_weight, k_weight, slots, eps, norm_v), q)
     return q_out
@@ -285,15 +324,8 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
     if ctx is not None:
         ctx.extra.setdefault(DEFERRED_QK, {}).pop(layer_idx, None)  # an earlier run's (a capture's eager first run)
     inv = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
-    if _defers(q, k, v, layer_idx):
+    if _defers(q, k, v, norm_v, layer_idx):
         return _defer(q, k, v, positions, inv, q_weight, k_weight, eps, norm_v, layer_idx)
-    if v is not None and layer_cache(layer_idx)[1].rot_keys:
-        # rows that keep rotated keys (AttentionSpec.rot_keys): the value and those keys go through kv_cache_write,
-        # which rotates them. (Gemma 4's graphs fuse only q here; the value's norm stays Inductor's.)
-        from compiled_llm.ops.norm import ref_rms_norm
-
-        kv_cache_write(None, (ref_rms_norm(v, None, eps) if norm_v else v).reshape(v.shape[0], -1), layer_idx)
-        return qk_norm_rope_kv_write(q, None, None, positions, inv_freq, q_weight, None, eps, False, -1)
     n, num_heads, head_dim = q.shape
     half = head_dim // 2
     q_out = torch.empty_like(q)
@@ -301,7 +333,7 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
     kv_heads = 0
     kc = vc = q_out
     slots = positions
-    n_slots, s_cs, s_ch = 0, 0, 0
+    n_slots, s_cs, s_ch, rot = 0, 0, 0, 0
     if has_v:
         _, spec, cache, group = layer_cache(layer_idx)
         kc, vc = _planes(cache, spec)
@@ -310,20 +342,23 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
         kv_heads = v.shape[1]
         if spec.k_eq_v:
             k = None
+        rot = spec.rot_keys  # rows that keep rotated keys: made from the value with the layer's k-norm weight
+        if rot:
+            k_weight = spec.k_norm_weight
     has_k = k is not None
     kk = k if has_k else q
     vv = v if has_v else q
     block = triton.next_power_of_2(half)
     hpp = heads_per_program(n)
     # (each kernel its own key: a warm-up forward of a few tokens notes the one-head kernel's only)
-    MONITOR.note("qk_norm_rope_kv_write", (q.dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp))
+    MONITOR.note("qk_norm_rope_kv_write", (q.dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp, rot))
     if n:
         heads = num_heads + kv_heads
         args = (q, kk, vv, positions, inv, q_weight, k_weight if k_weight is not None else q_weight, slots, q_out,
                 kc, vc, n_slots, float(eps))
         strides = (q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
                    q_out.stride(0), q_out.stride(1), s_cs, s_ch)
-        flags = dict(H=num_heads, HALF=half, BLOCK=block, HAS_K=has_k, HAS_V=has_v, NORM_V=norm_v)
+        flags = dict(H=num_heads, HALF=half, BLOCK=block, HAS_K=has_k, HAS_V=has_v, NORM_V=norm_v, ROT=rot)
         if hpp == 1:
             _qk_norm_rope_kernel[(n, heads)](*args, *strides, **flags, num_warps=1 if block <= 128 else 4)
         else:
@@ -393,25 +428,29 @@ def _qk_keys(facts: dict) -> list:
     for spec in layers.values():  # (the query head count is a constexpr of both kernels)
         for hpp in (heads_per_program(1), heads_per_program(PREFILL_HEADS_MIN_TOKENS)):  # decode's, prefill's
             if spec.writes_cache:
-                keys.add((dtype, spec.head_dim, not spec.k_eq_v, True, True, spec.num_heads, hpp))
+                keys.add((dtype, spec.head_dim, not spec.k_eq_v, True, True, spec.num_heads, hpp, spec.rot_keys))
             else:
-                keys.add((dtype, spec.head_dim, False, False, False, spec.num_heads, hpp))
+                keys.add((dtype, spec.head_dim, False, False, False, spec.num_heads, hpp, 0))
     return sorted(keys, key=repr)
 
 
 def _qk_compile(key, device) -> None:
-    dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp = key
-    if has_v:  # the KV path reads a forward context: launch on a throwaway one-layer cache
-        from compiled_llm.ops.triton.providers import scratch_context
+    dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp, rot = key
+    _BUILDING.on = True  # this kernel, not the decode kernel's deferred form (paged_attention's warm-up builds that)
+    try:
+        if has_v:  # the KV path reads a forward context: launch on a throwaway one-layer cache
+            from compiled_llm.ops.triton.providers import scratch_context
 
-        with scratch_context(head_dim, dtype, device, k_eq_v=not has_k):
-            _qk_launch(key, device, 0)
-    else:
-        _qk_launch(key, device, None)
+            with scratch_context(head_dim, dtype, device, k_eq_v=not has_k, rot_keys=rot):
+                _qk_launch(key, device, 0)
+        else:
+            _qk_launch(key, device, None)
+    finally:
+        _BUILDING.on = False
 
 
 def _qk_launch(key, device, layer):
-    dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp = key
+    dtype, head_dim, has_k, has_v, norm_v, num_heads, hpp, _ = key
     inv = torch.zeros(head_dim // 2, dtype=torch.float32, device=device)
     w = torch.ones(head_dim, dtype=dtype, device=device)
     n = 2 if hpp == 1 else PREFILL_HEADS_MIN_TOKENS  # the decode kernel, or prefill's kernel of several heads
