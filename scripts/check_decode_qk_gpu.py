@@ -28,7 +28,8 @@ def sliding() -> bool:
         lens = [ctx - 37 * i for i in range(seqs)] + [5]  # and a padding sequence (slot -1) last
         case = dict(seq_lens=lens, page=16, kv_heads=8, group=2, head_dim=256, window=1024, softcap=None,
                     splits=splits, norm_v=True, pad_seq=len(lens) - 1, device="cuda")
-        (ref, ref_cache, slots), (got, cache, _) = (_decode_qk_step(d, torch.bfloat16, **case) for d in (False, True))
+        (ref, ref_cache, slots, _), (got, cache, _, _) = (_decode_qk_step(d, torch.bfloat16, **case)
+                                                           for d in (False, True))
         live = list(range(seqs))
         err = (got[live].float() - ref[live].float()).abs().max().item()
         rows = all(torch.equal(cache.view(2, -1, 8, 256)[:, s], ref_cache.view(2, -1, 8, 256)[:, s])

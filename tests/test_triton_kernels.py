@@ -394,28 +394,29 @@ def _decode_qk_step(deferred, dtype, *, seq_lens, page, kv_heads, group, head_di
     meta = C.AttentionMetadata(list(range(len(seq_lens) + 1)), list(seq_lens), page, {window: C.GroupMetadata(
         bt, torch.tensor(slots + [-1], device=device))})
     ctx = C.ForwardContext(meta, {0: cache}, {0: spec})
-    out = _qk_then_attention(ctx, lambda: QK.qk_norm_rope_kv_write(q, k, v, pos, inv, qw, kw, 1e-6, norm_v, 0),
-                             deferred, splits)
-    return out.view(n, -1, head_dim), cache, slots
+    out, q_out = _qk_then_attention(ctx, lambda: QK.qk_norm_rope_kv_write(q, k, v, pos, inv, qw, kw, 1e-6, norm_v, 0),
+                                    deferred, splits)
+    return out.view(n, -1, head_dim), cache, slots, q_out
 
 
-def _qk_then_attention(ctx, qk_op, deferred: bool, splits: int):
+def _qk_then_attention(ctx, qk_op, deferred, splits: int):
     """qk_op() (the QK-norm op of layer 0) and then the Triton attention provider on its output, in ctx, with the
-    op's decode deferral on or off and the decode on `splits` splits of 16-key tiles; checks the deferral happened
-    (or not) and was taken. Returns the attention's output."""
+    op's decode deferral off (False), on (True) or in the kernel's write-back form ("back"), and the decode on
+    `splits` splits of 16-key tiles; checks the deferral happened (or not) and was taken. Returns the attention's
+    output and the op's."""
     from compiled_llm.ops import attention as A
     from compiled_llm.ops import context as C
     from compiled_llm.ops.triton import paged_attention as PA
     from compiled_llm.ops.triton import providers, qk_norm_rope as QK
 
-    os.environ[QK.DECODE_QK_ENV] = "1" if deferred else "0"
+    os.environ[QK.DECODE_QK_ENV] = {False: "0", True: "1", "back": "2"}[deferred]
     saved, policy = dict(A.ATTENTION.chosen), providers.attention_launch_policy
     A.ATTENTION.chosen[0] = ("triton", providers.attention)
     providers.attention_launch_policy = lambda *a, **kw: PA.AttnLaunch(num_splits=splits, block_n=16)
     try:
         with C.set_forward_context(ctx):
             q_out = qk_op()
-            assert (0 in ctx.extra.get(QK.DEFERRED_QK, {})) == deferred, "the decode step's QK-norm deferred"
+            assert (0 in ctx.extra.get(QK.DEFERRED_QK, {})) == bool(deferred), "the decode step's QK-norm deferred"
             out = providers.attention(q_out.reshape(q_out.shape[0], -1), 0)
             assert not ctx.extra.get(QK.DEFERRED_QK), "the attention op took the deferred work"
     finally:
@@ -423,7 +424,7 @@ def _qk_then_attention(ctx, qk_op, deferred: bool, splits: int):
         A.ATTENTION.chosen.clear()
         A.ATTENTION.chosen.update(saved)
         os.environ.pop(QK.DECODE_QK_ENV)
-    return out
+    return out, q_out
 
 
 def check_decode_qk():
@@ -439,8 +440,13 @@ def check_decode_qk():
     for case in cases:
         for dtype, norm_v in ((torch.float32, True), (torch.bfloat16, True), (torch.float32, False)):
             pad = len(case["seq_lens"]) - 1
-            ref, ref_cache, slots = _decode_qk_step(False, dtype, **case, norm_v=norm_v, pad_seq=pad)
-            got, cache, _ = _decode_qk_step(True, dtype, **case, norm_v=norm_v, pad_seq=pad)
+            ref, ref_cache, slots, ref_q = _decode_qk_step(False, dtype, **case, norm_v=norm_v, pad_seq=pad)
+            got, cache, _, _ = _decode_qk_step(True, dtype, **case, norm_v=norm_v, pad_seq=pad)
+            back, back_cache, _, back_q = _decode_qk_step("back", dtype, **case, norm_v=norm_v, pad_seq=pad)
+            n = len(case["seq_lens"])  # the write-back form: the op's output written as its launch writes it
+            assert torch.equal(back_q[:n], ref_q[:n]), "the write-back form's queries"
+            assert torch.equal(back.nan_to_num(), got.nan_to_num()), "the write-back form's output"
+            assert torch.equal(back_cache.nan_to_num(), cache.nan_to_num()), "the write-back form's rows"
             name = f"decode qk {dtype} norm_v={norm_v} {case}"
             live = list(range(pad))
             tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
@@ -498,8 +504,9 @@ def _decode_qk_rot_step(mode, dtype, *, lens, page, kv_heads, group, head_dim, s
                                {None: C.GroupMetadata(bt, torch.tensor(slots + [-1], device=device))}, positions=pos)
     ctx = C.ForwardContext(meta, {0: cache}, {0: spec})
     op = ref_qk_norm_rope_kv_write if mode == "reference" else QK.qk_norm_rope_kv_write
-    out = _qk_then_attention(ctx, lambda: op(q, None, v, pos, spec.inv_freq, qw, None, 1e-6, True, 0),
-                             mode == "deferred", splits)
+    deferred = {"reference": False, "launch": False, "deferred": True, "back": "back"}[mode]
+    out, _ = _qk_then_attention(ctx, lambda: op(q, None, v, pos, spec.inv_freq, qw, None, 1e-6, True, 0), deferred,
+                                splits)
     return out.view(n, -1, head_dim), rows, slots
 
 
@@ -519,6 +526,9 @@ def check_decode_qk_rot():
             ref, ref_rows, slots = _decode_qk_rot_step("reference", dtype, **case, pad_seq=pad)
             own, own_rows, _ = _decode_qk_rot_step("launch", dtype, **case, pad_seq=pad)
             got, rows, _ = _decode_qk_rot_step("deferred", dtype, **case, pad_seq=pad)
+            back, back_rows, _ = _decode_qk_rot_step("back", dtype, **case, pad_seq=pad)
+            assert torch.equal(back[live], got[live]) and torch.equal(back_rows.isnan(), rows.isnan())
+            assert torch.equal(back_rows.nan_to_num(), rows.nan_to_num()), "the write-back form's rows"
             name = f"decode qk rot {dtype} {case}"
             d = case["head_dim"]
             flat, own_flat, ref_flat = (r.view(-1, r.shape[3], r.shape[4]) for r in (rows, own_rows, ref_rows))

@@ -244,7 +244,7 @@ def _decode_kernel(
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
     RAW: tl.constexpr = False, F32: tl.constexpr = False, ROT_CACHED: tl.constexpr = False,
     KNew=None, VNew=None, Pos=None, QW=None, Slots=None, stride_kn=0, stride_knh=0, stride_vn=0, stride_vnh=0,
-    eps=0.0, norm_v=0, QK: tl.constexpr = False,
+    eps=0.0, norm_v=0, QK: tl.constexpr = False, QOut=None, stride_xs=0, stride_xh=0, GP: tl.constexpr = 1,
 ):
     # QK (DecodeQK): Q holds the step's query rows before their norm and RoPE, KNew / VNew its key and value rows
     # before theirs, KNorm / InvFreq the layer's k-norm weight and frequencies, QW the q-norm weight. Each program
@@ -256,6 +256,10 @@ def _decode_kernel(
     # 32 more registers (137, sm_90), a CTA fewer an SM at batch 8. With ROT_CACHED (K=V, no KNew) the new row is
     # the normed value and its kept keys (_write_new_row), and the rotated dims' queries are normed and rotated
     # from their raw rows.
+    # QOut (with QK; COMPILED_LLM_DECODE_QK=2, an A/B): the write-back form. Each program normalises and rotates
+    # only its group's GROUP real query heads ([GP, head_dim] tiles, not the BLOCK_H rows the dots pad them to),
+    # stores them in QOut (the op's output; the programs of one group store the same values), and after the
+    # barrier the plain kernel runs on QOut: the prologue's work is GROUP rows instead of BLOCK_H.
     # ROT_CACHED (with PARTIAL: AttentionSpec.rot_keys): each cached row keeps, after the value's 2 HALF
     # elements, the rotated keys of the first ROT dims of each half, [k1 | k2]: read, not rebuilt.
     # RAW (OmniKV filter layers, ops/triton/sparse_attention.py): also store every key's log2-domain score per
@@ -277,9 +281,27 @@ def _decode_kernel(
     dmask = d < HALF
     qmask = hmask[:, None] & dmask[None, :]
     q_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + d[None, :]
-    q1 = tl.load(q_ptr, mask=qmask, other=0.0)
-    q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
-    if QK:  # as _qk_norm_rope_kernel: the norm's output rounded to the input dtype, then rotated
+    WRITE_Q: tl.constexpr = QK and QOut is not None
+    if WRITE_Q:  # the write-back form (see QOut): the group's real heads to QOut, then the plain kernel reads them
+        g = tl.arange(0, GP)
+        gmask = (g < GROUP)[:, None] & dmask[None, :]
+        gq = Q + seq * stride_qs + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :]
+        ang = _reduce_angle(tl.load(Pos + seq).to(tl.float32) * tl.load(InvFreq + d, mask=dmask, other=0.0))
+        cos = tl.cos(ang)
+        sin = tl.sin(ang)
+        w1 = tl.load(QW + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(QW + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        a1 = tl.load(gq, mask=gmask, other=0.0)
+        x1, x2 = _norm_rows(a1, tl.load(gq + HALF, mask=gmask, other=0.0), w1, w2, eps, 2 * HALF, True)
+        x1 = x1.to(a1.dtype).to(tl.float32)
+        x2 = x2.to(a1.dtype).to(tl.float32)
+        go = QOut + seq * stride_xs + (kvh * GROUP + g)[:, None] * stride_xh + d[None, :]
+        tl.store(go, (x1 * cos[None, :] - x2 * sin[None, :]).to(QOut.dtype.element_ty), mask=gmask)
+        tl.store(go + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(QOut.dtype.element_ty), mask=gmask)
+    else:
+        q1 = tl.load(q_ptr, mask=qmask, other=0.0)
+        q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
+    if QK and not WRITE_Q:  # as _qk_norm_rope_kernel: the norm's output rounded to the input dtype, then rotated
         ang = _reduce_angle(tl.load(Pos + seq).to(tl.float32) * tl.load(InvFreq + d, mask=dmask, other=0.0))
         cos = tl.cos(ang)
         sin = tl.sin(ang)
@@ -295,6 +317,7 @@ def _decode_kernel(
             rq = 1.0 / tl.sqrt((tl.sum(qf1 * qf1, 1) + tl.sum(qf2 * qf2, 1)) / (2 * HALF) + eps)
         q1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qdt)
         q2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qdt)
+    if QK:
         if (start < end) & (end == tl.load(SeqLens + seq)):  # this split reads the new token's key: write it first
             if ROT_CACHED:
                 _write_new_row(VNew, KNorm, InvFreq, V, Slots, Pos, seq, kvh, d, dmask, eps, stride_vn, stride_vnh,
@@ -303,7 +326,11 @@ def _decode_kernel(
                 _write_new_kv(KNew, VNew, KNorm, K, V, Slots, seq, kvh, d, dmask, cos, sin, eps, norm_v, stride_kn,
                               stride_knh, stride_vn, stride_vnh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                               stride_vh, HALF, PAGE)
-        tl.debug_barrier()  # the program's stores precede its loads of the row (a CTA sees its own writes after it)
+        tl.debug_barrier()  # the CTA's stores (the row; the write-back form's queries) precede its loads of them
+    if WRITE_Q:
+        q_ptr = QOut + seq * stride_xs + head[:, None] * stride_xh + d[None, :]
+        q1 = tl.load(q_ptr, mask=qmask, other=0.0)
+        q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
 
     if PARTIAL:
         r = tl.arange(0, ROT)
@@ -312,10 +339,13 @@ def _decode_kernel(
         w2 = tl.load(KNorm + HALF + d, mask=plain, other=0.0).to(tl.float32)
         q1 = (q1.to(tl.float32) * w1[None, :]).to(q1.dtype)  # zero on the rotated dims
         q2 = (q2.to(tl.float32) * w2[None, :]).to(q2.dtype)
-        qr_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + r[None, :]
+        if WRITE_Q:
+            qr_ptr = QOut + seq * stride_xs + head[:, None] * stride_xh + r[None, :]
+        else:
+            qr_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + r[None, :]
         q1r = tl.load(qr_ptr, mask=hmask[:, None], other=0.0)
         q2r = tl.load(qr_ptr + HALF, mask=hmask[:, None], other=0.0)
-        if QK:  # Q is before its norm and RoPE: those dims normed and rotated as above
+        if QK and not WRITE_Q:  # Q is before its norm and RoPE: those dims normed and rotated as above
             wq1 = tl.load(QW + r).to(tl.float32)
             wq2 = tl.load(QW + HALF + r).to(tl.float32)
             x1r = (q1r.to(tl.float32) * rq[:, None] * wq1[None, :]).to(q1r.dtype).to(tl.float32)
@@ -484,6 +514,7 @@ class DecodeQK:
     slots: torch.Tensor
     eps: float
     norm_v: bool
+    q_out: torch.Tensor | None = None  # the write-back form (the decode kernel's QOut): the op's output
 
 
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
@@ -550,6 +581,11 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         extra = dict(KNew=kn, VNew=qk.v, Pos=qk.positions, QW=qk.q_weight, Slots=qk.slots,
                      stride_kn=kn.stride(0), stride_knh=kn.stride(1), stride_vn=qk.v.stride(0),
                      stride_vnh=qk.v.stride(1), eps=float(qk.eps), norm_v=int(qk.norm_v), QK=True)
+        if qk.q_out is not None:
+            qo = qk.q_out.view(qk.q_out.shape[0], num_heads, head_dim)
+            assert qo.stride(-1) == 1 and qo.dtype == q.dtype
+            extra.update(QOut=qo, stride_xs=qo.stride(0), stride_xh=qo.stride(1),
+                         GP=triton.next_power_of_2(group))
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, knw, inv, out, mid_o, mid_lse, rw,
         q.stride(0), q.stride(1),

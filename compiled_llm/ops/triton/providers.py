@@ -25,7 +25,7 @@ from compiled_llm.ops.moe_overlap import route
 from compiled_llm.ops.triton.moe import (fused_geglu_moe, fused_moe, fused_router_topk, fused_swiglu_moe,
                                          launch_variants, moe_align, moe_launch_policy)
 from compiled_llm.ops.triton.paged_attention import DecodeQK, attention_launch_policy, paged_decode, paged_prefill
-from compiled_llm.ops.triton.qk_norm_rope import DEFERRED_QK
+from compiled_llm.ops.triton.qk_norm_rope import DEFERRED_QK, writes_back
 
 log = logging.getLogger(__name__)
 
@@ -233,18 +233,19 @@ def _attention_compile(key, device) -> None:
                 ctx.attn_metadata.seq_lens_tensor = torch.tensor([width * 16], dtype=torch.int32, device=device)
                 q = torch.zeros(1, group * head_dim, dtype=dtype, device=device)
                 if qk:
-                    ctx.extra[DEFERRED_QK] = {0: (q, _scratch_qk(head_dim, dtype, device, k_eq_v),
+                    ctx.extra[DEFERRED_QK] = {0: (q, _scratch_qk(head_dim, dtype, device, k_eq_v, group),
                                                   q.view(1, group, -1))}
                 attention(q, 0)
 
 
-def _scratch_qk(head_dim: int, dtype, device, k_eq_v: bool) -> DecodeQK:
+def _scratch_qk(head_dim: int, dtype, device, k_eq_v: bool, group: int) -> DecodeQK:
     """A stand-in DecodeQK for warm-up's builds (its values are never looked at)."""
     kv, w = torch.zeros(2, 1, 1, head_dim, dtype=dtype, device=device), torch.ones(head_dim, dtype=dtype, device=device)
     inv = torch.zeros(head_dim // 2, device=device)
     slots = layer_cache(0)[3].slot_mapping
+    q_out = torch.zeros(1, group, head_dim, dtype=dtype, device=device) if writes_back() else None
     return DecodeQK(None if k_eq_v else kv[0], kv[1], torch.zeros(1, dtype=torch.long, device=device), inv, w, w,
-                    slots, 1e-6, True)
+                    slots, 1e-6, True, q_out)
 
 
 def _moe_keys(op: str):

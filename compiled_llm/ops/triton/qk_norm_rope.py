@@ -281,10 +281,16 @@ def heads_per_program(num_tokens: int) -> int:
 # K!=V layers, and K=V layers whose rows keep their rotated keys (Gemma 4's global layers: the row is the normed
 # value and those keys). One launch less a layer; the output's only reader is the attention op (checked there by
 # address).
-# COMPILED_LLM_DECODE_QK=0: the op's own launch at decode too (an A/B).
+# COMPILED_LLM_DECODE_QK=0: the op's own launch at decode too (an A/B); =2: the kernel's write-back form (it
+# normalises the group's real query heads only and writes them to the op's output; an A/B, not yet timed).
 DECODE_QK_ENV = "COMPILED_LLM_DECODE_QK"
 DEFERRED_QK = "deferred_qk"
 _BUILDING = threading.local()  # .on: warm-up builds the op's own kernels (a scratch decode step would defer them)
+
+
+def writes_back() -> bool:
+    """COMPILED_LLM_DECODE_QK=2: the decode kernel's write-back form (paged_attention._decode_kernel QOut)."""
+    return os.environ.get(DECODE_QK_ENV, "1") == "2"
 
 
 def _defers(q: torch.Tensor, k, v, norm_v: bool, layer_idx: int) -> bool:
@@ -312,8 +318,9 @@ def _defer(q, k, v, positions, inv, q_weight, k_weight, eps, norm_v, layer_idx) 
     slots = group.slot_mapping
     if spec.k_eq_v:  # the kept keys: from the value and the layer's k-norm weight
         k, k_weight = None, spec.k_norm_weight
+    back = q_out if writes_back() else None
     current_forward_context().extra[DEFERRED_QK][layer_idx] = (
-        q_out, DecodeQK(k, v, positions, inv, q_weight, k_weight, slots, eps, norm_v), q)
+        q_out, DecodeQK(k, v, positions, inv, q_weight, k_weight, slots, eps, norm_v, back), q)
     return q_out
 
 
