@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from compiled_llm.ops.rope import rotated_block  # noqa: F401  (the decode kernel's ROT; sparse_attention imports it here)
-from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rows, _rot_keys
+from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rope_rows, _rot_keys
 from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, _reduce_angle, _tanh, decode_pdl_steps, dot_f32,
                                              dot_precision)
 
@@ -282,41 +282,30 @@ def _decode_kernel(
     qmask = hmask[:, None] & dmask[None, :]
     q_ptr = Q + seq * stride_qs + head[:, None] * stride_qh + d[None, :]
     WRITE_Q: tl.constexpr = QK and QOut is not None
+    if QK:  # as _qk_norm_rope_kernel: the norm's output rounded to the input dtype, then rotated
+        ang = _reduce_angle(tl.load(Pos + seq).to(tl.float32) * tl.load(InvFreq + d, mask=dmask, other=0.0))
+        cos = tl.cos(ang)
+        sin = tl.sin(ang)
+        w1 = tl.load(QW + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(QW + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     if WRITE_Q:  # the write-back form (see QOut): the group's real heads to QOut, then the plain kernel reads them
         g = tl.arange(0, GP)
         gmask = (g < GROUP)[:, None] & dmask[None, :]
         gq = Q + seq * stride_qs + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :]
-        ang = _reduce_angle(tl.load(Pos + seq).to(tl.float32) * tl.load(InvFreq + d, mask=dmask, other=0.0))
-        cos = tl.cos(ang)
-        sin = tl.sin(ang)
-        w1 = tl.load(QW + d, mask=dmask, other=0.0).to(tl.float32)
-        w2 = tl.load(QW + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-        a1 = tl.load(gq, mask=gmask, other=0.0)
-        x1, x2 = _norm_rows(a1, tl.load(gq + HALF, mask=gmask, other=0.0), w1, w2, eps, 2 * HALF, True)
-        x1 = x1.to(a1.dtype).to(tl.float32)
-        x2 = x2.to(a1.dtype).to(tl.float32)
+        a1, a2 = _norm_rope_rows(tl.load(gq, mask=gmask, other=0.0), tl.load(gq + HALF, mask=gmask, other=0.0), w1,
+                                 w2, cos[None, :], sin[None, :], eps, HALF)
         go = QOut + seq * stride_xs + (kvh * GROUP + g)[:, None] * stride_xh + d[None, :]
-        tl.store(go, (x1 * cos[None, :] - x2 * sin[None, :]).to(QOut.dtype.element_ty), mask=gmask)
-        tl.store(go + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(QOut.dtype.element_ty), mask=gmask)
+        tl.store(go, a1, mask=gmask)
+        tl.store(go + HALF, a2, mask=gmask)
     else:
         q1 = tl.load(q_ptr, mask=qmask, other=0.0)
         q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
-    if QK and not WRITE_Q:  # as _qk_norm_rope_kernel: the norm's output rounded to the input dtype, then rotated
-        ang = _reduce_angle(tl.load(Pos + seq).to(tl.float32) * tl.load(InvFreq + d, mask=dmask, other=0.0))
-        cos = tl.cos(ang)
-        sin = tl.sin(ang)
-        w1 = tl.load(QW + d, mask=dmask, other=0.0).to(tl.float32)
-        w2 = tl.load(QW + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-        x1, x2 = _norm_rows(q1, q2, w1, w2, eps, 2 * HALF, True)
-        qdt = q1.dtype
-        x1 = x1.to(qdt).to(tl.float32)
-        x2 = x2.to(qdt).to(tl.float32)
+    if QK and not WRITE_Q:
         if PARTIAL:  # the rows' norm factors, for the rotated dims' queries below (as _norm_rows makes them)
             qf1 = q1.to(tl.float32)
             qf2 = q2.to(tl.float32)
             rq = 1.0 / tl.sqrt((tl.sum(qf1 * qf1, 1) + tl.sum(qf2 * qf2, 1)) / (2 * HALF) + eps)
-        q1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qdt)
-        q2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qdt)
+        q1, q2 = _norm_rope_rows(q1, q2, w1, w2, cos[None, :], sin[None, :], eps, HALF)
     if QK:
         if (start < end) & (end == tl.load(SeqLens + seq)):  # this split reads the new token's key: write it first
             if ROT_CACHED:

@@ -44,8 +44,8 @@ def _norm(x1, x2, w1, w2, eps, D: tl.constexpr, HAS_W: tl.constexpr):
 @triton.jit
 def _rot_keys(v1, v2, KW, Inv, pos, d, HALF: tl.constexpr, dtype):
     """A K=V row's kept keys (AttentionSpec.rot_keys) from its stored value: rope(v * k_norm_weight) on the rows'
-    first dims of each half, as _kv_write_kernel makes them (the value rounded to the cache dtype first, the angle
-    with its product's exact residual). d: the dims of the tiles (masked by the caller's stores)."""
+    first dims of each half (the value rounded to the cache dtype first, the angle with its product's exact residual,
+    which keeps large positions exact). d: the dims of the tiles (masked by the caller's stores)."""
     dm = d < HALF
     x1 = v1.to(dtype).to(tl.float32) * tl.load(KW + d, mask=dm, other=0.0).to(tl.float32)
     x2 = v2.to(dtype).to(tl.float32) * tl.load(KW + HALF + d, mask=dm, other=0.0).to(tl.float32)
@@ -127,6 +127,17 @@ def _norm_rows(x1, x2, w1, w2, eps, D: tl.constexpr, HAS_W: tl.constexpr):
     return x1, x2
 
 
+@triton.jit
+def _norm_rope_rows(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr):
+    """Query rows [rows, HALF] x 2: RMS-normed with weight, rounded to the input dtype, then rotated by cos / sin
+    (broadcast to the rows); in the input dtype."""
+    dt = x1.dtype
+    n1, n2 = _norm_rows(x1, x2, w1, w2, eps, 2 * HALF, True)
+    n1 = n1.to(dt).to(tl.float32)
+    n2 = n2.to(dt).to(tl.float32)
+    return (n1 * cos - n2 * sin).to(dt), (n2 * cos + n1 * sin).to(dt)
+
+
 @triton.jit(do_not_specialize=["NH"])
 def _qk_norm_rope_heads_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
                                n_slots, eps, NH,
@@ -149,13 +160,11 @@ def _qk_norm_rope_heads_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
     w1 = tl.load(QW + d, mask=dm, other=0.0).to(tl.float32)
     w2 = tl.load(QW + HALF + d, mask=dm, other=0.0).to(tl.float32)
     p = Q + t * stride_qt + hh[:, None] * stride_qh + d[None, :]
-    x1, x2 = _norm_rows(tl.load(p, mask=mq, other=0.0), tl.load(p + HALF, mask=mq, other=0.0), w1, w2, eps,
-                        2 * HALF, True)
-    x1 = x1.to(QOut.dtype.element_ty).to(tl.float32)
-    x2 = x2.to(QOut.dtype.element_ty).to(tl.float32)
+    y1, y2 = _norm_rope_rows(tl.load(p, mask=mq, other=0.0), tl.load(p + HALF, mask=mq, other=0.0), w1, w2, cos, sin,
+                             eps, HALF)
     o = QOut + t * stride_ot + hh[:, None] * stride_oh + d[None, :]
-    tl.store(o, (x1 * cos - x2 * sin).to(QOut.dtype.element_ty), mask=mq)
-    tl.store(o + HALF, (x2 * cos + x1 * sin).to(QOut.dtype.element_ty), mask=mq)
+    tl.store(o, y1.to(QOut.dtype.element_ty), mask=mq)
+    tl.store(o + HALF, y2.to(QOut.dtype.element_ty), mask=mq)
     if HAS_V:
         slot = tl.load(Slots + t, mask=t < n_slots, other=-1)
         kvh = tl.where(hh >= H, hh - H, 0)
@@ -394,17 +403,11 @@ def _kv_write_kernel(K, V, Slots, KC, VC, Pos, KNorm, InvFreq, stride_kt, stride
         if ROT > 0:
             r = tl.arange(0, ROT)
             v_row = V + t * stride_vt + h * stride_vh
-            x1 = tl.load(v_row + r).to(VC.dtype.element_ty).to(tl.float32) * tl.load(KNorm + r).to(tl.float32)
-            x2 = (tl.load(v_row + D // 2 + r).to(VC.dtype.element_ty).to(tl.float32)
-                  * tl.load(KNorm + D // 2 + r).to(tl.float32))
-            p = tl.zeros([ROT], tl.float32) + tl.load(Pos + t).to(tl.float32)
-            inv = tl.load(InvFreq + r).to(tl.float32)
-            a = p * inv
-            a = _reduce_angle(a) + tl.fma(p, inv, -a)  # the product's exact residual keeps large positions exact
-            cs, sn = tl.cos(a), tl.sin(a)
+            k1, k2 = _rot_keys(tl.load(v_row + r), tl.load(v_row + D // 2 + r), KNorm, InvFreq,
+                               tl.load(Pos + t).to(tl.float32), r, D // 2, VC.dtype.element_ty)
             base = slot * stride_cs + h * stride_ch + D
-            tl.store(VC + base + r, (x1 * cs - x2 * sn).to(VC.dtype.element_ty))
-            tl.store(VC + base + ROT + r, (x2 * cs + x1 * sn).to(VC.dtype.element_ty))
+            tl.store(VC + base + r, k1)
+            tl.store(VC + base + ROT + r, k2)
 
 
 def kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
