@@ -90,6 +90,7 @@ def test_every_kernel_start_up_builds_on_an_h200_builds_for_sm90(name):
         # and the global layers' whose rows keep their rotated keys (the engine marks them: kv_plan.mark_rot_keys)
         qk = [b.launch.kwargs for b in built if b.launch.name == "_decode_kernel" and b.launch.kwargs.get("QK")]
         assert {bool(kw.get("ROT_CACHED")) for kw in qk} == {False, True}
+        assert all(kw.get("QOut") is not None for kw in qk)  # the default write-back form
         # and the op's own kernels, which a decode step inside a compiled piece's capture and a prefill launch
         qk_own = [b.launch.kwargs for b in built if b.launch.name.startswith("_qk_norm_rope")]
         assert {(kw["HAS_K"], kw.get("ROT", 0)) for kw in qk_own} == {(True, 0), (False, 64)}

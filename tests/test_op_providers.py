@@ -601,6 +601,8 @@ def test_decode_qk_norm_is_deferred_to_the_decode_kernel_only_where_that_kernel_
         monkeypatch.setitem(A.ATTENTION.chosen, 0, ("triton", providers.attention))
         out = QK.qk_norm_rope_kv_write(q, kv, kv, torch.zeros(2, dtype=torch.long), torch.ones(8), torch.ones(16),
                                        torch.ones(16), 1e-6, True, 0)
+        # the default form writes the normalised queries back into the op's output (the kernel's QOut)
+        assert decode.extra[QK.DEFERRED_QK][0][1].q_out is out
         with pytest.raises(RuntimeError, match="not the deferred QK-norm's output"):
             providers.attention(torch.zeros_like(out).view(2, -1), 0)
     with C.set_forward_context(prefill):

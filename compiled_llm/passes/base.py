@@ -113,9 +113,11 @@ class _LayerAnchored(pm.MultiOutputPattern):
             return m
         taken = set(ctx.pattern_to_node.values())
         layers = set().union(*(node_layers(n) for n in taken if isinstance(n, torch.fx.Node)))
+        if not layers:
+            return m
         prior = dict(ctx.pattern_to_node)
         for node in ctx.graph.nodes:
-            if node in taken or not pattern._match_fns(node) or not layers or node_layers(node) != layers:
+            if node in taken or not pattern._match_fns(node) or node_layers(node) != layers:
                 continue
             m = ctx.match(pattern, node)
             if pm.is_match(m):

@@ -256,10 +256,11 @@ def _decode_kernel(
     # 32 more registers (137, sm_90), a CTA fewer an SM at batch 8. With ROT_CACHED (K=V, no KNew) the new row is
     # the normed value and its kept keys (_write_new_row), and the rotated dims' queries are normed and rotated
     # from their raw rows.
-    # QOut (with QK; COMPILED_LLM_DECODE_QK=2, an A/B): the write-back form. Each program normalises and rotates
-    # only its group's GROUP real query heads ([GP, head_dim] tiles, not the BLOCK_H rows the dots pad them to),
-    # stores them in QOut (the op's output; the programs of one group store the same values), and after the
-    # barrier the plain kernel runs on QOut: the prologue's work is GROUP rows instead of BLOCK_H.
+    # QOut (with QK; the default, COMPILED_LLM_DECODE_QK=2): the write-back form. Each program normalises and
+    # rotates only its group's GROUP real query heads ([GP, head_dim] tiles, not the BLOCK_H rows the dots pad them
+    # to), stores them in QOut (the op's output; the programs of one group store the same values), and after the
+    # barrier the plain kernel runs on QOut: the prologue's work is GROUP rows instead of BLOCK_H. Without QOut
+    # (=1) the BLOCK_H rows are normalised in registers (a global layer's kernel ~4 us slower on the H100).
     # ROT_CACHED (with PARTIAL: AttentionSpec.rot_keys): each cached row keeps, after the value's 2 HALF
     # elements, the rotated keys of the first ROT dims of each half, [k1 | k2]: read, not rebuilt.
     # RAW (OmniKV filter layers, ops/triton/sparse_attention.py): also store every key's log2-domain score per

@@ -290,21 +290,25 @@ def heads_per_program(num_tokens: int) -> int:
 # K!=V layers, and K=V layers whose rows keep their rotated keys (Gemma 4's global layers: the row is the normed
 # value and those keys). One launch less a layer; the output's only reader is the attention op (checked there by
 # address).
-# COMPILED_LLM_DECODE_QK=0: the op's own launch at decode too (an A/B); =2: the kernel's write-back form (it
-# normalises the group's real query heads only and writes them to the op's output; an A/B, not yet timed).
+# The kernel's form (COMPILED_LLM_DECODE_QK): 2, the default, the write-back form (each program normalises and
+# rotates only its group's real query heads, writes them to the op's output, then runs the plain kernel on it);
+# 1 the in-register form (the BLOCK_H rows the dots pad a group to, normalised in registers); 0 the op's own
+# launch at decode too. H100, session 48, alternating processes: 2 against 1 at batch 1 +0.9 / +1.2%, 1024x8x256
+# +0.2%, 8192x4x512 +0.4%; a global layer's decode kernel 14.4 -> 10.2-10.8 us, the sliding ones unchanged.
 DECODE_QK_ENV = "COMPILED_LLM_DECODE_QK"
 DEFERRED_QK = "deferred_qk"
 _BUILDING = threading.local()  # .on: warm-up builds the op's own kernels (a scratch decode step would defer them)
 
 
 def writes_back() -> bool:
-    """COMPILED_LLM_DECODE_QK=2: the decode kernel's write-back form (paged_attention._decode_kernel QOut)."""
-    return os.environ.get(DECODE_QK_ENV, "1") == "2"
+    """The decode kernel's write-back form (paged_attention._decode_kernel QOut): the default (2), not
+    COMPILED_LLM_DECODE_QK=1 (the in-register form)."""
+    return os.environ.get(DECODE_QK_ENV, "2") == "2"
 
 
 def _defers(q: torch.Tensor, k, v, norm_v: bool, layer_idx: int) -> bool:
     """Whether this call's work goes into the layer's decode attention kernel (see DEFERRED_QK)."""
-    if v is None or os.environ.get(DECODE_QK_ENV, "1") == "0" or getattr(_BUILDING, "on", False):
+    if v is None or os.environ.get(DECODE_QK_ENV, "2") == "0" or getattr(_BUILDING, "on", False):
         return False
     if not later_op_runs_with_this(q.device):
         return False
