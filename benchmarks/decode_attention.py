@@ -19,6 +19,10 @@ long shapes (1 x 8.5K, 8 x 4.4K, 4 x 8.5K). Per case:
               each value, read instead of rebuilt), the engine's launch and, unless --no-sweep, other tiles
   flashinfer  (sliding, when installed: WITH_FLASHINFER=1 and the carried wheels) FlashInfer's paged decode,
               CUDA-core and tensor-core kernels, over the same caches (issue 14 item 3)
+  qk          (--qk, sliding) the kernel with the step's QK-norm + RoPE + KV write inside, as a decode step runs
+              it (DecodeQK): the write-back form (the default), the in-register form, and the write-back form
+              with every slot -1 (the owner program skips the new key and value: timing only, what that work
+              costs), against the engine row's plain kernel on normed queries
   stream      (--stream) the engine launch's bytes streamed at its grid and tiles by a kernel that only loads
               and sums them, through the block table and with the pages computed: what the access pattern
               itself reaches, against which the attention's time (its combine launch included) is judged
@@ -139,6 +143,32 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
         us = float("nan") if args.dry_run else graph_time_us(plain, replays=args.replays, calls=1) / n
         rows.append(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate="no-rebuild (K!=V path, same bytes)",
                          us=us, gbps=per_layer / us / 1e3 if us == us else None))
+    if args.qk and not layer["k_eq_v"]:  # last: its kernels write the new keys and values into the caches
+        rows += qk_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, cands[0][1], args)
+    return rows
+
+
+def qk_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, pol, args) -> list[dict]:
+    """--qk: the engine's launch with the decode's QK work inside (see the module's docstring); outputs compared
+    with the write-back form's (the forms are bitwise equal; the timing-only row writes nothing, so its output
+    differs where the new key would have been)."""
+    g = torch.Generator(device=q.device).manual_seed(seqs * 11 + ctx)
+    kv, d = layer["kv_heads"], layer["head_dim"]
+    k_new, v_new = (torch.randn(seqs, kv, d, device=q.device, dtype=q.dtype, generator=g) for _ in range(2))
+    w = (1.0 + 0.2 * torch.randn(d, device=q.device, generator=g)).to(q.dtype)
+    last = seq_lens.long() - 1
+    slots = tables.long().gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE
+    inv = rope_inv_freq(d, 10000.0).to(q.device)
+    rows, ref = [], None
+    for name, back, write in (("qk write-back (default)", True, True), ("qk in-register (=1)", False, True),
+                              ("qk write-back, no new row (timing)", True, False)):
+        qk = PA.DecodeQK(k_new, v_new, last, inv, w, w, slots if write else torch.full_like(slots, -1), 1e-6, True,
+                         torch.empty_like(q) if back else None)
+        row, out = timed_row(dict(layer=layer["name"], seqs=seqs, ctx=ctx, candidate=name), pol, caches, n, per_layer,
+                             ref, args, lambda c, qk=qk: PA.paged_decode(q, c, tables, seq_lens, policy=pol, qk=qk,
+                                                                         **opts))
+        rows.append(row)
+        ref = out if ref is None else ref
     return rows
 
 
@@ -507,6 +537,8 @@ def main():
                     "attention (the access pattern's bandwidth), through the block table and without it")
     ap.add_argument("--ladder", action="store_true", help="the decode kernel rebuilt one piece at a time "
                     "(loads, scores, softmax, PV, partial stores) at the engine's grid: where its time over the stream goes")
+    ap.add_argument("--qk", action="store_true", help="the sliding layers' decode with its QK-norm + RoPE + KV "
+                    "write inside: both forms, and without the new row (timing only)")
     ap.add_argument("--cases", default=None, help="seqs x context pairs, e.g. 4x8500,8x1100 (default: all five)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out")
@@ -526,13 +558,14 @@ def main():
             rows += run_case(layer, seqs, ctx, args, dev, dtype)
             best = min((r for r in rows if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx
                         and r.get("us") == r.get("us") and "us" in r and "rebuild" not in r["candidate"]
-                        and not r["candidate"].startswith("stream") and not r["candidate"].startswith("ladder")),
+                        and not r["candidate"].startswith(("stream", "ladder", "qk"))),
                        key=lambda r: r["us"], default=None)
             for r in rows:
                 if r["layer"] == layer["name"] and r["seqs"] == seqs and r["ctx"] == ctx and \
                         (r["candidate"] in ("engine", "every key rebuilt (session 12)", "rot keys cached: engine")
                          or r is best
                          or "rebuild" in r["candidate"] or "flashinfer" in r["candidate"] or "error" in r
+                         or r["candidate"].startswith("qk")
                          or r["candidate"].startswith("stream") or r["candidate"].startswith("ladder")):
                     print(f"{r['layer']:8} S={seqs} ctx={ctx:5}  {r['candidate']:36} "
                           + (f"{r['us']:8.2f} us  {r['gbps'] or 0:7.0f} GB/s  diff {r.get('max_diff') or 0:.1e}"

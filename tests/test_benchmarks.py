@@ -383,12 +383,14 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     """benchmarks/decode_attention.py and pdl_chain.py run their whole path on the CPU (Triton interpreter,
     tiny shapes): every candidate agrees with the engine's launch (--ladder's top level too), the global layer's full key rebuild and
     the partial one agree, --stream's kernel sums exactly the rows the engine's launch reads (checked inside, with
-    and without the block table), and the chain's Triton GEMMs equal cuBLAS's (float32)."""
+    and without the block table), --qk's two forms of the decode with its QK-norm inside give equal outputs, and the
+    chain's Triton GEMMs equal cuBLAS's (float32)."""
     import subprocess
 
     out = tmp_path / "attn.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--dry-run", "--quick",
-                        "--stream", "--ladder", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "--stream", "--ladder", "--qk", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     checked = [row for row in rows if "max_diff" in row]
@@ -401,6 +403,9 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     assert [row["candidate"][:8] for row in ladder] == [f"ladder {i}" for i in range(5)] * 4
     assert {row["layer"] for row in ladder} == {"sliding", "global"}
     assert all(row["max_diff"] < 1e-4 for row in ladder if row["candidate"].startswith("ladder 4"))
+    qk = [row for row in rows if row["candidate"].startswith("qk")]  # the sliding layer's two cases, three rows each
+    assert len(qk) == 6 and {row["layer"] for row in qk} == {"sliding"}
+    assert all(row["max_diff"] == 0 for row in qk if "in-register" in row["candidate"])
     streams = [row for row in rows if row["candidate"].startswith("stream")]
     assert len(streams) == 2 * 2 * 2  # both layers, both cases, with and without the block table
     out = tmp_path / "pdl.json"
