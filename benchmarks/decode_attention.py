@@ -150,8 +150,8 @@ def run_case(layer, seqs, ctx, args, dev, dtype) -> list[dict]:
 
 def qk_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, pol, args) -> list[dict]:
     """--qk: the engine's launch with the decode's QK work inside (see the module's docstring); outputs compared
-    with the write-back form's (the forms are bitwise equal; the timing-only row writes nothing, so its output
-    differs where the new key would have been)."""
+    with the write-back form's (the forms are bitwise equal; the timing-only row writes nothing, but runs after
+    the others have written the new keys and values into every cache, so it reads them too)."""
     g = torch.Generator(device=q.device).manual_seed(seqs * 11 + ctx)
     kv, d = layer["kv_heads"], layer["head_dim"]
     k_new, v_new = (torch.randn(seqs, kv, d, device=q.device, dtype=q.dtype, generator=g) for _ in range(2))
@@ -565,8 +565,7 @@ def main():
                         (r["candidate"] in ("engine", "every key rebuilt (session 12)", "rot keys cached: engine")
                          or r is best
                          or "rebuild" in r["candidate"] or "flashinfer" in r["candidate"] or "error" in r
-                         or r["candidate"].startswith("qk")
-                         or r["candidate"].startswith("stream") or r["candidate"].startswith("ladder")):
+                         or r["candidate"].startswith(("qk", "stream", "ladder"))):
                     print(f"{r['layer']:8} S={seqs} ctx={ctx:5}  {r['candidate']:36} "
                           + (f"{r['us']:8.2f} us  {r['gbps'] or 0:7.0f} GB/s  diff {r.get('max_diff') or 0:.1e}"
                              if "us" in r else r["error"]) + ("  <- best" if r is best else ""), flush=True)

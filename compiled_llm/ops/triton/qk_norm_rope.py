@@ -300,15 +300,20 @@ DEFERRED_QK = "deferred_qk"
 _BUILDING = threading.local()  # .on: warm-up builds the op's own kernels (a scratch decode step would defer them)
 
 
+def _form() -> str:
+    """COMPILED_LLM_DECODE_QK, the default 2 when unset (see above)."""
+    return os.environ.get(DECODE_QK_ENV, "2")
+
+
 def writes_back() -> bool:
     """The decode kernel's write-back form (paged_attention._decode_kernel QOut): the default (2), not
     COMPILED_LLM_DECODE_QK=1 (the in-register form)."""
-    return os.environ.get(DECODE_QK_ENV, "2") == "2"
+    return _form() == "2"
 
 
 def _defers(q: torch.Tensor, k, v, norm_v: bool, layer_idx: int) -> bool:
     """Whether this call's work goes into the layer's decode attention kernel (see DEFERRED_QK)."""
-    if v is None or os.environ.get(DECODE_QK_ENV, "2") == "0" or getattr(_BUILDING, "on", False):
+    if v is None or _form() == "0" or getattr(_BUILDING, "on", False):
         return False
     if not later_op_runs_with_this(q.device):
         return False
