@@ -47,10 +47,11 @@ def test_resolver_on_cpu_picks_reference_and_reports_why():
     assert set(table) >= {"attention", "kv_cache_write", "rms_norm", "fused_add_rms_norm", "qk_norm_rope_kv_write",
                           "router_topk", "geglu_moe", "allreduce_rms_norm"}
     # the reference everywhere, but for the projections' product (oneDNN's packed weights, tests/test_cpu_linear.py)
-    # and the decode attention and the KV write (the C++ kernels, ops/cpu_attention.py)
+    # the decode attention and the KV write (the C++ kernels, ops/cpu_attention.py) and the greedy argmax
     assert table.pop("skinny_mm") == {None: "onednn" if torch.backends.mkldnn.is_available() else "reference"}
     assert table.pop("attention") == {0: "cpu", 1: "cpu", 2: "cpu"}  # resolved per layer
     assert table.pop("kv_cache_write") == {None: "cpu"}  # the C++ KV write
+    assert table.pop("argmax_rows") == {None: "cpu"}  # ops/cpu_logits.py
     assert all(p == "reference" for by_key in table.values() for p in by_key.values())
     caps = Capabilities("cpu", None, frozenset({"triton"}))
     _, skipped = OPS["attention"].resolve(caps, {"layer": _specs()[0], "source": _specs()[0], "block_size": 16})
@@ -396,6 +397,29 @@ def test_cpu_decode_kernel_equals_the_reference():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
                 assert got[n:].abs().max() == 0
         assert len(calls) == (3 if all(new == 1 for new, _ in seqs) else 0)  # prompt rows: the reference
+
+
+def test_cpu_argmax_equals_torch_argmax():
+    """The CPU's C++ greedy argmax (ops/cpu_logits.py) gives torch.argmax's index: the first of tied maxima, the
+    first NaN where a row has one, index 0 for a row of -inf; at row lengths that are not a multiple of the
+    vector width, on rows with a stride past their length, and at a vocabulary large enough for its threads.
+    Other dtypes go to torch.argmax."""
+    from compiled_llm.ops import cpu_logits as L
+
+    g = torch.Generator().manual_seed(0)
+    for rows, cols in ((8, 8192), (3, 17), (2, 1), (5, 40), (4, 300_000)):
+        x = torch.randn(rows, cols + 3, generator=g)[:, :cols]  # a row stride past the row
+        x[1 % rows] = x[1 % rows].round()  # ties: the first index wins
+        if rows > 2:
+            x[2, cols // 2] = float("nan")
+            x[2, -1] = float("nan")
+            x[rows - 1] = float("-inf")
+        with _counted(L, "kernel") as calls:
+            got = L.argmax_rows(x)
+        assert len(calls) == 1 and torch.equal(got, x.argmax(dim=-1)), (rows, cols)
+    x16 = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    with _counted(L, "kernel") as calls:
+        assert torch.equal(L.argmax_rows(x16), x16.argmax(dim=-1)) and not calls
 
 
 def test_cpu_kv_write_equals_the_reference_write():

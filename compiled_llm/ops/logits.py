@@ -8,7 +8,8 @@ the logits' dtype as those launches do, so its result is theirs.
 
 torch.argmax over a decode batch's float32 logits (8 x 262,144) was a memset and a 9.3 us reduction on the H200,
 at 0.9 TB/s; the Triton provider reads the rows in chunks with many programs and merges them in a second launch
-(ops/triton/logits.py), with torch's answer: the first index of the maximum, a NaN larger than any number.
+(ops/triton/logits.py), with torch's answer: the first index of the maximum, a NaN larger than any number. On
+the CPU a C++ kernel does the same (ops/cpu_logits.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,15 @@ def ref_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _cpu_argmax(caps: Capabilities, shape: dict) -> str | None:
+    from compiled_llm.ops.cpu_logits import unsupported
+
+    return unsupported(caps, shape)
+
+
 ARGMAX_ROWS = register(OpSpec("argmax_rows", "each row's first index of its maximum (NaN the largest), int64", [
     Provider("triton", "compiled_llm.ops.triton.logits:argmax_rows", _triton),
+    Provider("cpu", "compiled_llm.ops.cpu_logits:argmax_rows", _cpu_argmax),
     Provider("reference", "compiled_llm.ops.logits:ref_argmax_rows"),
 ]))
 
