@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from compiled_llm.ops.context import absolute_layer, current_forward_context, get_forward_context, layer_cache
+from compiled_llm.ops.context import (absolute_layer, current_forward_context, get_forward_context, layer_cache,
+                                      step_memo)
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
 from compiled_llm.ops.rope import apply_rope, rotated_block
 
@@ -183,10 +184,8 @@ def gather_kv_batched(cache: torch.Tensor, block_tables: torch.Tensor, pos: torc
 def ref_kv_cache_write(k: torch.Tensor | None, v: torch.Tensor, layer_idx: int) -> None:
     ctx, spec, cache, group = layer_cache(layer_idx)
     pos = token_positions(ctx.attn_metadata, group.slot_mapping.shape[0]) if spec.rot_keys else None
-    key = ("_ref_slots_live", id(group))  # whether every slot is real: the same for a KV group's layers
-    live = ctx.extra.get(key)
-    if live is None:
-        live = ctx.extra[key] = bool((group.slot_mapping >= 0).all())
+    # whether every slot is real: the same for a KV group's layers
+    live = step_memo(ctx, ("_ref_slots_live", id(group)), lambda: bool((group.slot_mapping >= 0).all()))
     write_kv(cache, k, v, group.slot_mapping, spec, pos, live)
 
 

@@ -68,6 +68,15 @@ def get_forward_context() -> ForwardContext:
     return _CONTEXT
 
 
+def step_memo(ctx: ForwardContext, key, make):
+    """make()'s value, once a step: ctx.extra is the step's, so what a step's layers share (a KV group's tables,
+    a check of its slots) is made by the first layer call that needs it."""
+    got = ctx.extra.get(key)
+    if got is None:
+        got = ctx.extra[key] = make()
+    return got
+
+
 def current_forward_context() -> ForwardContext | None:
     """The context if one is set (ops that only look at it, e.g. for an optional extra)."""
     return _CONTEXT

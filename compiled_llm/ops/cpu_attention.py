@@ -29,7 +29,7 @@ import functools
 import torch
 
 from compiled_llm.ops.attention import decode_batch, ref_attention, ref_kv_cache_write
-from compiled_llm.ops.context import layer_cache
+from compiled_llm.ops.context import layer_cache, step_memo
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 512  # the kernel's per-task accumulators: query heads a KV head, head_dim
 
@@ -260,7 +260,7 @@ def write_kernel():
     return CppPythonBindingsCodeCache.load_pybinding(WRITE_ARGTYPES, WRITE_SOURCE)
 
 
-def _build_error(build) -> str | None:
+def build_error(build) -> str | None:
     """Why a kernel's build failed (None: it built). No C++ compiler Inductor can use: the reference serves, and
     the provider table says why."""
     try:
@@ -274,16 +274,7 @@ def write_unsupported(caps, shape: dict) -> str | None:
     """Why the C++ KV write cannot serve this engine (None: it can)."""
     if caps.device_type != "cpu":
         return "the C++ KV write serves CPU engines"
-    return _build_error(write_kernel)
-
-
-def _step_memo(ctx, key, make):
-    """make()'s value, once a step (ctx.extra is the step's): the lengths and tables a KV group's layers share.
-    Made again per layer call, they cost ~10 us of Python a call on 2 cores."""
-    got = ctx.extra.get(key)
-    if got is None:
-        got = ctx.extra[key] = make()
-    return got
+    return build_error(write_kernel)
 
 
 def _two_planes(cache: torch.Tensor) -> bool:
@@ -321,11 +312,12 @@ def unsupported(caps, shape: dict) -> str | None:
         return f"{layer.num_heads // layer.num_kv_heads} query heads a KV head: the kernel takes up to {MAX_GROUP}"
     if layer.head_dim > MAX_HEAD_DIM:
         return f"head_dim {layer.head_dim}: the kernel takes up to {MAX_HEAD_DIM}"
-    return _build_error(kernel)
+    return build_error(kernel)
 
 
 def _decode_plan(ctx, group):
-    """The step's int32 lengths and the group's int32 block tables (None: not a decode batch), once a step."""
+    """The step's int32 lengths and the group's int32 block tables (empty: not a decode batch), once a step (made
+    again per layer call, they cost ~10 us of Python a call on 2 cores)."""
     def make():
         if not decode_batch(ctx):
             return ()
@@ -334,7 +326,7 @@ def _decode_plan(ctx, group):
         lens = torch.tensor(meta.seq_lens, dtype=torch.int32) if lens is None else lens.to(torch.int32)
         return lens, group.block_tables.to(torch.int32).contiguous()
 
-    return _step_memo(ctx, ("_cpu_decode_plan", id(group)), make)
+    return step_memo(ctx, ("_cpu_decode_plan", id(group)), make)
 
 
 def attention(q: torch.Tensor, layer_idx: int) -> torch.Tensor:

@@ -77,9 +77,9 @@ def unsupported(caps, shape: dict) -> str | None:
     """Why the kernel cannot serve this engine (None: it can)."""
     if caps.device_type != "cpu":
         return "the C++ argmax serves CPU engines"
-    from compiled_llm.ops.cpu_attention import _build_error
+    from compiled_llm.ops.cpu_attention import build_error
 
-    return _build_error(kernel)
+    return build_error(kernel)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
