@@ -74,6 +74,7 @@ class EngineConfig:
     # replays the dynamic compile: on the H200 cold start 99 -> 59 s, warm 23.5 -> 18.6 s, decode no slower);
     # "all": every bucket; "1,8": those
     full_graph_decode: str = "auto"  # auto | on | off: capture decode whole (attention included) where faster
+    split_graph: str = "auto"  # auto | on | off: compile pieces between the attention ops (auto: on CUDA)
     max_autotune: str = "off"  # off | static | all: Inductor times Triton GEMM templates against cuBLAS per shape
     compile_passes: str | None = None  # comma-separated fusion passes; None: all that apply; "none": no fusion
     fusion_check: str = "warn"  # warn | error: what a layer missing a declared fusion does (compiler/verify.py)
@@ -112,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], not {self.gpu_memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
+        if self.split_graph not in ("auto", "on", "off"):
+            raise ValueError(f"split_graph must be auto, on or off, not {self.split_graph!r}")
         if self.tp_allreduce not in ("nccl", "symm-mem"):
             raise ValueError(f"tp_allreduce must be nccl or symm-mem, not {self.tp_allreduce!r}")
         if self.tp_allreduce == "symm-mem" and not (self.device.startswith("cuda") and self.tensor_parallel_size > 1
@@ -176,6 +179,10 @@ _HELP = {
                      "start, and on the H200 no slower a decode step); 'all': each size its own compile",
     "full_graph_decode": "auto, on or off: capture decode steps as one CUDA Graph, attention included, when the "
                          "attention kernels allow it (auto: only where measured faster than piecewise graphs)",
+    "split_graph": "auto, on or off: split the compiled forward at the attention and recurrent-state ops and compile "
+                   "the pieces between them (each piece its own CUDA Graph). auto: on on CUDA, off on the CPU (one "
+                   "compiled graph that calls those ops: less Python a step); off on CUDA needs "
+                   "--cudagraph-batch-sizes none",
     "compile_passes": "comma-separated fusion passes to run (add_rms_norm, qk_norm_rope_kv_write, "
                       "allreduce_rms_norm, router_topk, geglu_moe, swiglu_moe, moe_overlap (CUDA: the routed experts on "
                       "a side stream), skinny_mm (CUDA: decode's narrow projections in one launch); default: all "

@@ -16,6 +16,10 @@ torch.set_num_threads(1)
 # The engine freezes Python's heap after start-up (runtime/engine.py freeze_startup_heap): right for a process
 # that serves one engine, but the suite builds hundreds, and garbage frozen with each would never be collected.
 os.environ.setdefault("COMPILED_LLM_GC_FREEZE", "0")
+# A CPU engine compiles its forward as one graph by default (--split-graph auto); the suite's engines split it at
+# the attention ops as a GPU engine does, so that they run the pieces the GPU runs (and compile look-alike layers
+# once). test_compiler.py's one-graph tests unset this.
+os.environ.setdefault("COMPILED_LLM_SPLIT_GRAPH", "on")
 
 from qwen3_5_tiny import make_qwen_checkpoint  # noqa: E402
 from tiny_models import make_checkpoint  # noqa: E402

@@ -201,11 +201,13 @@ def test_compile_after_warmup_is_an_error_under_jit_monitor_error(compiled):
         engine.abort_request("late")
 
 
-def test_default_warm_up_covers_a_lone_decode_token(tiny_ckpt):
-    """With the defaults on the CPU (no static batch buckets), a one-sequence decode step has a single
-    token; warm-up must compile that case too, or the first request would compile (an error here)."""
+def test_default_warm_up_covers_a_lone_decode_token(tiny_ckpt, monkeypatch):
+    """With the defaults on the CPU (no static batch buckets, one graph: not split at attention), a one-sequence
+    decode step has a single token; warm-up must compile that case too, or the first request would compile (an
+    error here)."""
     from compiled_llm import LLM, SamplingParams
 
+    monkeypatch.delenv("COMPILED_LLM_SPLIT_GRAPH", raising=False)  # the defaults, not the suite's split
     folder, _ = tiny_ckpt("dense")
     llm = LLM(str(folder), jit_monitor="error", skip_tokenizer_init=True)  # compiled, otherwise the defaults
     eager = LLM(str(folder), enforce_eager=True, skip_tokenizer_init=True)
@@ -213,6 +215,43 @@ def test_default_warm_up_covers_a_lone_decode_token(tiny_ckpt):
     prompt = {"prompt_token_ids": [5, 9, 17, 3, 11]}
     assert (llm.generate(prompt, params)[0].outputs[0].token_ids
             == eager.generate(prompt, params)[0].outputs[0].token_ids)
+
+
+def test_cpu_engine_compiles_one_graph_by_default(tiny_ckpt, monkeypatch):
+    """--split-graph auto on a CPU engine: the forward is one compiled piece and Inductor's code
+    calls the attention ops itself (no piece boundary at each: less Python a step). Every feature of Gemma 4 in
+    one graph: each layer still gets its fusions (the K=V layers' query and value branches, and every
+    multi-output pattern, paired within a layer: passes/base.py _LayerAnchored), the static size compiles, and
+    greedy tokens equal transformers', batched and one at a time."""
+    from compiled_llm.compiler import split_graph
+    from compiled_llm.compiler.backend import is_split_node
+    from compiled_llm.config import EngineConfig
+
+    monkeypatch.delenv("COMPILED_LLM_SPLIT_GRAPH", raising=False)
+    assert split_graph("auto", torch.device("cpu"), []) is False
+    assert split_graph("auto", torch.device("cuda"), [1, 2]) is split_graph("auto", torch.device("cuda"), []) is True
+    assert split_graph("on", torch.device("cpu"), []) is True
+    with pytest.raises(ValueError, match="cudagraph-batch-sizes none"):
+        split_graph("off", torch.device("cuda"), [1, 2])
+    folder, hf = tiny_ckpt("all")
+    with pytest.raises(ValueError, match="split_graph must be auto, on or off"):
+        EngineConfig(model=str(folder), split_graph="sometimes")
+    llm = LLM(str(folder), enforce_eager=False, block_size=4, max_model_len=128, num_kv_blocks=96,
+              cudagraph_batch_sizes="4", compile_sizes="all", jit_monitor="error", dtype="float32",
+              fusion_check="error")
+    backend = llm.engine.executor.runner.compiler.compiled.backend
+    (piece,) = backend.pieces
+    layers = hf.config.num_hidden_layers
+    assert sum(is_split_node(n) for n in piece.gm.graph.nodes) == layers and 4 in piece.static
+    s = summary(llm)
+    assert s["pieces"] == 1 and s["attention_ops"] == 0
+    assert matches(llm) == {"add_rms_norm": 2 * layers, "qk_norm_rope_kv_write": layers, "router_topk": layers,
+                            "geglu_moe": layers, "swiglu_moe": 0, "skinny_mm": 43}
+    ps = prompts(hf.config.vocab_size)
+    ref = [hf_greedy(hf, p, GREEDY.max_tokens) for p in ps]
+    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)] == ref
+    assert [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in ps[:2]] == ref[:2]
+    assert not MONITOR.late
 
 
 def test_by_default_buckets_pad_onto_the_dynamic_compile(tiny_ckpt):

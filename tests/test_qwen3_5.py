@@ -405,15 +405,18 @@ def test_compiled_prompt_bucket_carries_state(qwen_ckpt, hf_ref):
     assert generate_ids(llm, ps) == ref
 
 
-@pytest.mark.parametrize("name", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
-def test_compiled_greedy_matches_transformers(qwen_ckpt, hf_ref, name):
+@pytest.mark.parametrize("name,split", [("dense", "off"), pytest.param("moe", "on", marks=pytest.mark.slow)])
+def test_compiled_greedy_matches_transformers(qwen_ckpt, hf_ref, name, split):
     """The compiler splits the graph at the recurrent-state ops as at attention: compiled pieces between
-    them, the state ops eager. Greedy tokens equal transformers', with chunked prefill carrying state."""
+    them, the state ops eager. Or, as a CPU engine does by default (split off), one graph that calls them: the
+    M-RoPE table then serves both full-attention layers' fusion matches, each paired within its layer. Greedy
+    tokens equal transformers', with chunked prefill carrying state."""
     folder, _ = qwen_ckpt(name)
     ps, ref = hf_ref(name)
     # compile_sizes none: the batch buckets replay the dynamic compile (static compiles: the Gemma 4 tests)
     llm = make_llm(folder, enforce_eager=False, max_num_batched_tokens=7, cudagraph_batch_sizes="1,4",
-                   compile_sizes="none", jit_monitor="error", fusion_check="error")  # every layer: its fusions
+                   compile_sizes="none", jit_monitor="error", fusion_check="error",  # every layer: its fusions
+                   split_graph=split)
     summary = llm.engine.executor.runner.compiler.summary()
     types = CONFIGS[name][1]["layer_types"]
     moe = len(types) if name == "moe" else 0
@@ -422,8 +425,8 @@ def test_compiled_greedy_matches_transformers(qwen_ckpt, hf_ref, name):
     assert {n: p["matches"] for n, p in summary["passes"].items()} == {
         "add_rms_norm": 2 * len(types), "qk_norm_rope_kv_write": types.count(FULL), "router_topk": moe,
         "swiglu_moe": moe, "geglu_moe": 0, "skinny_mm": (5 if moe else 4) * len(types)}
-    # every layer splits once: the delta-rule op (its conv inside) or attention
-    assert summary["attention_ops"] == types.count(LIN) + types.count(FULL)
+    # split, every layer splits once: the delta-rule op (its conv inside) or attention
+    assert summary["attention_ops"] == (types.count(LIN) + types.count(FULL) if split == "on" else 0)
     assert summary["pieces"] == summary["attention_ops"] + 1
     assert generate_ids(llm, ps) == ref
     assert free_slots(llm) == 8

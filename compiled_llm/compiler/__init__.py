@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
 import torch
@@ -19,6 +20,8 @@ from compiled_llm.compiler.model import CompiledModel
 from compiled_llm.compiler.verify import FusionCheckError, verify
 from compiled_llm.compiler.warmup import precompile_kernels, warm_up
 from compiled_llm.ops.registry import OPS
+
+SPLIT_ENV = "COMPILED_LLM_SPLIT_GRAPH"  # on | off: what --split-graph auto means (the test suite: on)
 
 log = logging.getLogger("compiled_llm")
 
@@ -126,6 +129,21 @@ def check_graph_safe_providers(device: torch.device, batch_sizes) -> None:
                          "(--cudagraph-batch-sizes none)")
 
 
+def split_graph(setting: str, device: torch.device, batch_sizes) -> bool:
+    """Whether the forward splits at the attention and state ops (--split-graph): auto splits on CUDA (where CUDA
+    Graphs capture the pieces; without them too, the path the GPU's tests cover) and compiles one graph on the CPU.
+    The test suite sets COMPILED_LLM_SPLIT_GRAPH=on, so that its CPU engines run the pieces a GPU runs; an explicit
+    on/off wins."""
+    if setting == "auto":
+        setting = os.environ.get(SPLIT_ENV) or ("on" if device.type == "cuda" else "off")
+    if setting not in ("on", "off"):
+        raise ValueError(f"{SPLIT_ENV}={setting!r}: expected on or off")
+    if setting == "off" and device.type == "cuda" and batch_sizes:
+        raise ValueError("split_graph off needs --cudagraph-batch-sizes none on CUDA: CUDA Graphs capture the "
+                         "pieces between the attention ops, which read each step's metadata on the host")
+    return setting == "on"
+
+
 def aot_possible() -> bool:
     """Whether a compile cache also keeps the traced forward (compiler/aot.py): torch >= 2.11, one process (the
     ranks of a parallel engine would share one cache key, and their graphs differ)."""
@@ -153,9 +171,10 @@ class ModelCompiler:
         sizes = parse_sizes(config.cudagraph_batch_sizes, self.device, config.max_num_seqs,
                             config.max_num_batched_tokens)
         check_graph_safe_providers(self.device, sizes)
+        split = split_graph(config.split_graph, self.device, sizes)
         ccfg = CompilerConfig(
             batch_sizes=sizes, compile_sizes=parse_compile_sizes(config.compile_sizes, sizes),
-            cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode,
+            cudagraphs=self.device.type == "cuda", full_graph_decode=config.full_graph_decode, split=split,
             autotune=parse_autotune(config.max_autotune),
             passes=parse_passes(config.compile_passes), dtype=dtype, tp_group=_tp_group_name(),
             jit_monitor=config.jit_monitor, symm_mem_allreduce=config.tp_allreduce == "symm-mem")
@@ -184,7 +203,7 @@ class ModelCompiler:
                 "max_num_batched_tokens": c.max_num_batched_tokens, "max_model_len": c.max_model_len,
                 "batch_sizes": self.compiled.sizes, "compile_sizes": self.compiled.config.compile_sizes, "passes": self.compiled.pass_manager.config,
                 "full_graph_decode": c.full_graph_decode, "max_autotune": c.max_autotune, "providers": providers, "tp": self.compiled.config.tp_group,
-                "tp_allreduce": c.tp_allreduce}
+                "tp_allreduce": c.tp_allreduce, "split": self.compiled.config.split}
 
     def begin(self) -> None:
         """Opens start-up's compiling: the compile cache (when given) is in use from here to the end of warm_up

@@ -4,7 +4,9 @@ module, whose pieces dispatch on the token count (see piecewise.py).
 
 The attention ops stay outside the compiled pieces: they read per-step metadata through the forward
 context, which CUDA Graphs cannot replay, so on CUDA each piece is captured on its own and attention
-runs eagerly between replays.
+runs eagerly between replays. Without CUDA Graphs (a CPU engine) the graph need not split: one piece, the
+attention ops called from Inductor's code like any other custom op, saves each piece's call path
+(Inductor's wrapper, its input checks, AOT's runtime wrappers) six times a step on a 6-layer model.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class CompilerConfig:
     compile_sizes: list[int] | None = None  # buckets with their own static compile (None: every bucket)
     cudagraphs: bool = False  # capture each piece per batch size (CUDA only)
     full_graph_decode: str = "auto"  # auto: measure piecewise vs whole-graph capture of decode; on; off
+    split: bool = True  # compile the pieces between the split ops; False: one graph, the split ops called from it
     autotune: str = "off"  # off | static | all: Inductor's max_autotune_gemm for those compiles
     passes: tuple[str, ...] | None = None  # None: every pass that applies
     dtype: torch.dtype = torch.float32
@@ -55,10 +58,12 @@ class CompilerConfig:
     jit_monitor: str = "off"  # what a compile after warm-up does while this model runs: off | warn | error
 
 
-def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
+def split_at_attention(gm: torch.fx.GraphModule, split: bool = True) -> tuple[torch.fx.GraphModule, list[str],
+                                                                                list[str]]:
     """Each attention call becomes its own submodule; the nodes between them form the compute pieces.
-    Returns (split module, compute piece names, attention piece names)."""
-    ops = split_ops()
+    Returns (split module, compute piece names, attention piece names). split=False: the whole graph is one
+    compute piece, the split ops inside it (Inductor calls them as it calls any custom op)."""
+    ops = split_ops() if split else set()
     part, ids = 0, {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -157,7 +162,7 @@ class Backend:
         self.graph_count += 1
         t0 = time.perf_counter()
         hits_before = self.shared_hits
-        split, compute, attn = split_at_attention(gm)
+        split, compute, attn = split_at_attention(gm, self.config.split)
         self.split_gm, self.attention_pieces = split, attn  # of the latest graph; `pieces` keeps every graph's
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]

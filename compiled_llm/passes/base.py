@@ -30,6 +30,7 @@ import torch._inductor.pattern_matcher as pm
 from torch._dynamo.utils import counters
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._ordered_set import OrderedSet
 
 aten = torch.ops.aten
 _REGISTER_PARAMS = inspect.signature(pm.register_replacement).parameters  # differs across torch versions
@@ -101,21 +102,28 @@ def to_pattern(gm: torch.fx.GraphModule, argnames: list[str], scalars: dict) -> 
 
 
 class _LayerAnchored(pm.MultiOutputPattern):
-    """A multi-output pattern whose outputs share no node (Gemma 4's K=V layers: the query's norm and RoPE, and the
-    value's norm and cache write, two branches of one split). Inductor finds an output past the first only by
-    walking from nodes the outputs share, so such a pattern never matched; here, where that finds nothing, the
-    candidates are the graph's nodes of the output's target traced in the same model layers as the first output's
-    match."""
+    """A multi-output pattern whose outputs past the first are taken from the model layers of the first output's
+    match. Inductor looks for them by walking from the nodes the outputs share and takes the first that matches:
+    where those nodes serve several layers (Qwen3.5's M-RoPE table, built once a step, in a graph not split at the
+    attention ops) every layer's cache write paired with the first layer's query; where the outputs share no node
+    (Gemma 4's K=V layers: the query's norm and RoPE, and the value's norm and cache write, two branches of one
+    split) it found nothing. So the walk's candidates from other layers are skipped, and where it finds nothing,
+    the candidates are the graph's nodes of the output's target traced in the same layers."""
 
     def _match_from_anchors(self, pattern, ctx):
-        m = super()._match_from_anchors(pattern, ctx)
-        if pm.is_match(m) or ctx.graph is None:
-            return m
         taken = set(ctx.pattern_to_node.values())
         layers = set().union(*(node_layers(n) for n in taken if isinstance(n, torch.fx.Node)))
-        if not layers:
-            return m
         prior = dict(ctx.pattern_to_node)
+        m = pm.FailedMatch("no anchor found")
+        for node in pattern.find_anchor_nodes(ctx, OrderedSet()):
+            if layers and node_layers(node) - layers:
+                continue  # another layer's output
+            m = ctx.match(pattern, node)
+            if pm.is_match(m):
+                return m
+            ctx.pattern_to_node = dict(prior)
+        if ctx.graph is None or not layers:
+            return m
         for node in ctx.graph.nodes:
             if node in taken or not pattern._match_fns(node) or node_layers(node) != layers:
                 continue
@@ -293,10 +301,8 @@ class FusionPass:
         raise NotImplementedError
 
     def add(self, search: Callable, replace: Callable, example_inputs: list, scalars: dict | None = None,
-            stage: int = 0, check: Callable[[pm.Match], bool] | None = None, tokens: int | None = None,
-            disjoint: bool = False) -> None:
+            stage: int = 0, check: Callable[[pm.Match], bool] | None = None, tokens: int | None = None) -> None:
         """check(match): what the pattern's wildcard sizes must satisfy for the match to mean the fusion.
-        disjoint: the search's outputs share no node (_LayerAnchored pairs them within a model layer).
         tokens: the token count of the example inputs (those whose first dim it is); the pattern is then
         traced a second time at one token, since Inductor canonicalises size-1 dims differently (a bmm
         over one token becomes an mm), and a static batch size of 1 compiles exactly that graph."""
@@ -305,14 +311,14 @@ class FusionPass:
             variants.append([empty(1, *x.shape[1:], dtype=x.dtype) if x.dim() and x.shape[0] == tokens else x
                              for x in example_inputs])
         for inputs in variants:
-            self._add(search, replace, inputs, scalars or {}, stage, check, disjoint)
+            self._add(search, replace, inputs, scalars or {}, stage, check)
 
-    def _add(self, search, replace, example_inputs, scalars, stage, check, disjoint=False) -> None:
+    def _add(self, search, replace, example_inputs, scalars, stage, check) -> None:
         argnames = [*inspect.signature(search).parameters]  # tensors first, the scalars last
         tensors = iter(example_inputs)
         args = [scalars[name] if name in scalars else next(tensors) for name in argnames]
         pattern = to_pattern(trace_fn(search, args), argnames, scalars)
-        if disjoint:
+        if isinstance(pattern, pm.MultiOutputPattern):  # its outputs paired within a model layer
             pattern = _LayerAnchored(pattern.outputs)
 
         def accept(match: pm.Match) -> bool:

@@ -79,5 +79,5 @@ class QKNormRopeKVWritePass(FusionPass):
             qw, kw = empty(16, dtype=dt), empty(16, dtype=dt)
             scalars = {"eps": EPS, "layer_idx": LAYER}
             self.add(search_qkv, replace_qkv, [q, k, v, pos, inv, qw, kw], scalars, check=rotate_half, tokens=7)
-            self.add(search_qv, replace_qv, [q, v, pos, inv, qw], scalars, check=rotate_half, tokens=7, disjoint=True)
+            self.add(search_qv, replace_qv, [q, v, pos, inv, qw], scalars, check=rotate_half, tokens=7)
             self.add(search_q, replace_q, [q, pos, inv, qw], {"eps": EPS}, stage=1, check=rotate_half, tokens=7)
