@@ -168,8 +168,9 @@ class Backend:
         fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
         with fake_mode:
             _PieceCompiler(split, compute, self).run(*fake_args)
-        log.info("compiled %d pieces around %d attention ops for a dynamic token count in %.1fs",
-                 len(compute), len(attn), time.perf_counter() - t0)
+        what = f"{len(compute)} pieces around {len(attn)} attention ops" if self.config.split else \
+            "one graph (not split at the attention ops)"
+        log.info("compiled %s for a dynamic token count in %.1fs", what, time.perf_counter() - t0)
         if self.backend_span is None:
             self.backend_span, self.traced_nodes = (t0, time.perf_counter()), len(gm.graph.nodes)
         if self.aot:
