@@ -115,23 +115,23 @@ class _LayerAnchored(pm.MultiOutputPattern):
         layers = set().union(*(node_layers(n) for n in taken if isinstance(n, torch.fx.Node)))
         prior = dict(ctx.pattern_to_node)
         m = pm.FailedMatch("no anchor found")
-        for node in pattern.find_anchor_nodes(ctx, OrderedSet()):
-            if layers and node_layers(node) - layers:
-                continue  # another layer's output
-            m = ctx.match(pattern, node)
-            if pm.is_match(m):
-                return m
-            ctx.pattern_to_node = dict(prior)
-        if ctx.graph is None or not layers:
-            return m
-        for node in ctx.graph.nodes:
-            if node in taken or not pattern._match_fns(node) or node_layers(node) != layers:
-                continue
+        for node in self._candidates(pattern, ctx, taken, layers):
             m = ctx.match(pattern, node)
             if pm.is_match(m):
                 return m
             ctx.pattern_to_node = dict(prior)
         return m
+
+    @staticmethod
+    def _candidates(pattern, ctx, taken: set, layers: set[int]):
+        """Inductor's walk from the shared nodes, less other layers' nodes; then the layers' own nodes of the
+        output's target (asked for only if no walk candidate matched)."""
+        for node in pattern.find_anchor_nodes(ctx, OrderedSet()):
+            if not (layers and node_layers(node) - layers):
+                yield node
+        if ctx.graph is not None and layers:
+            yield from (n for n in ctx.graph.nodes
+                        if n not in taken and pattern._match_fns(n) and node_layers(n) == layers)
 
 
 def node_layers(node: torch.fx.Node) -> set[int]:
