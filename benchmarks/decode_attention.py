@@ -23,6 +23,7 @@ long shapes (1 x 8.5K, 8 x 4.4K, 4 x 8.5K). Per case:
               it (DecodeQK): the write-back form (the default), the in-register form, and the write-back form
               with every slot -1 (the owner program skips the new key and value: timing only, what that work
               costs), against the engine row's plain kernel on normed queries
+              (--qk-sweep: the write-back form at other split counts, warps and key tiles too)
   stream      (--stream) the engine launch's bytes streamed at its grid and tiles by a kernel that only loads
               and sums them, through the block table and with the pages computed: what the access pattern
               itself reaches, against which the attention's time (its combine launch included) is judged
@@ -169,6 +170,18 @@ def qk_rows(layer, seqs, ctx, caches, tables, q, seq_lens, opts, n, per_layer, p
                                                                          **opts))
         rows.append(row)
         ref = out if ref is None else ref
+    if args.qk_sweep:  # the write-back form at other splits and tiles: its per-program prologue favours fewer splits?
+        R = dataclasses.replace
+        qk = PA.DecodeQK(k_new, v_new, last, inv, w, w, slots, 1e-6, True, torch.empty_like(q))
+        grid = [(n_, wp, bn) for n_ in (2, 4, 8, 16, 32) for wp in (4, 8) for bn in (32, 64)]
+        for n_, wp, bn in grid[:2] if args.dry_run else grid:
+            p = R(pol, num_splits=n_, num_warps=wp, block_n=bn)
+            if p == pol:
+                continue
+            rows.append(timed_row(dict(layer=layer["name"], seqs=seqs, ctx=ctx,
+                                       candidate=f"qk write-back: splits={n_} w={wp} bn={bn}"), p, caches, n, per_layer,
+                                  ref, args, lambda c, p=p: PA.paged_decode(q, c, tables, seq_lens, policy=p, qk=qk,
+                                                                            **opts))[0])
     return rows
 
 
@@ -539,6 +552,8 @@ def main():
                     "(loads, scores, softmax, PV, partial stores) at the engine's grid: where its time over the stream goes")
     ap.add_argument("--qk", action="store_true", help="the sliding layers' decode with its QK-norm + RoPE + KV "
                     "write inside: both forms, and without the new row (timing only)")
+    ap.add_argument("--qk-sweep", action="store_true", help="with --qk: the write-back form at other split counts, "
+                    "warps and key tiles (the engine's stages)")
     ap.add_argument("--cases", default=None, help="seqs x context pairs, e.g. 4x8500,8x1100 (default: all five)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out")

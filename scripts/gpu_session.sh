@@ -5,7 +5,7 @@
 # first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"]) rebuild (two 26B-A4B engines in one process)
 # scoring (a 4K-token echo+logprobs request against a plain prefill: time and peak memory)
 # structured (compiled, --jit-monitor error; carry [".whl"] with xgrammar's wheels in .whl/structured/)
-# kernels (check_kernels_gpu.py, KERNELS_ARGS) decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env;
+# kernels (check_kernels_gpu.py, KERNELS_ARGS) decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -70,6 +70,16 @@ for step in $steps; do
           COMPILED_LLM_DECODE_QK=$v run decode_qk_ab_${v}_$round 200 python3 benchmarks/throughput.py \
             --config gemma-4-26b-a4b --shapes ${QK_AB_SHAPES:-1024x1x128,1024x8x256,8192x4x512} --async-scheduling \
             --warmup 1 --runs 2 --out "$OUT/decode_qk_ab_${v}_$round"
+        done
+      done ;;
+    env_ab)  # an A/B hook alternating: AB_ENV set to each of AB_VALUES, two rounds, throughput at AB_SHAPES
+      for round in 1 2; do
+        for v in ${AB_VALUES:-0 1}; do
+          export "${AB_ENV:?AB_ENV names the variable}=$v"
+          run env_ab_${v}_$round 200 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
+            --shapes ${AB_SHAPES:-1024x1x128,1024x8x256,8192x4x512} --async-scheduling --warmup 1 --runs 2 \
+            --out "$OUT/env_ab_${v}_$round"
+          unset "$AB_ENV"
         done
       done ;;
     correctness) run correctness 240 python3 scripts/gpu_check.py --compiled --names ${CHECK_NAMES:-all,moe,k_eq_v} ;;

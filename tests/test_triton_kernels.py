@@ -1515,15 +1515,23 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("seqs,ctx,head_dim,kv_heads,window,splits", [
     (1, 1136, 512, 2, None, 32), (8, 1136, 512, 2, None, 16), (1, 8320, 512, 2, None, 64), (8, 4416, 512, 2, None, 16),
-    (1, 1136, 256, 8, 1024, 16), (8, 1136, 256, 8, 1024, 8), (32, 1136, 256, 8, 1024, 2)])
-def test_decode_split_policy_picks_the_h200_sweeps_best(seqs, ctx, head_dim, kv_heads, window, splits):
-    """The split counts the H200 sweep found fastest at Gemma 4 26B-A4B's decode shapes (benchmarks/NOTES.md,
-    2026-12-01): short splits at batch 1 and 8, fewer as the batch fills the GPU."""
+    (1, 1136, 256, 8, 1024, 16), (8, 1136, 256, 8, 1024, 4), (4, 8500, 256, 8, 1024, 8), (32, 1136, 256, 8, 1024, 2)])
+def test_decode_split_policy_picks_the_sweeps_best(seqs, ctx, head_dim, kv_heads, window, splits):
+    """The split counts the sweeps found fastest at Gemma 4 26B-A4B's decode shapes (benchmarks/NOTES.md: the
+    H200's, 2026-12-01; the sliding layers' with the QK work inside, session 51 on an H100): short splits at batch 1,
+    fewer as the batch fills the GPU; head_dim 256 at one to two waves of programs, not more."""
+    import os
+    from unittest import mock
+
     from compiled_llm.ops.triton import paged_attention as PA
 
     pol = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
                                      k_eq_v=head_dim == 512)
     assert pol.num_splits == splits
+    with mock.patch.dict(os.environ, {PA.SPLIT_ROUND_ENV: "ceil"}):  # the A/B's other side: rounded up (until s51)
+        up = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window,
+                                        k_eq_v=head_dim == 512).num_splits
+    assert up == splits if head_dim == 512 or seqs in (1, 32) else up == 2 * splits
     if head_dim == 512:  # Gemma 4's global layers rebuild 64 of 256 angles' keys: 32-key tiles, 2 stages; one
         # sequence: at most 32 splits of 64-key tiles, 8 warps (session 23's sweep)
         part = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True, rotated_pairs=64)
@@ -1535,8 +1543,6 @@ def test_decode_split_policy_picks_the_h200_sweeps_best(seqs, ctx, head_dim, kv_
         kept = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True, rotated_pairs=64,
                                           rot_keys=True)
         assert (kept.num_splits, kept.block_n, kept.num_stages, kept.num_warps) == (want[0], 64, 2, 4)
-        import os
-        from unittest import mock
         with mock.patch.dict(os.environ, {PA.ROT_TILE_ENV: "32"}):
             assert PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True,
                                               rotated_pairs=64, rot_keys=True) == part

@@ -60,6 +60,7 @@ def _pow2_floor(x: int) -> int:
 
 PREFILL_INTERIOR_ENV = "COMPILED_LLM_PREFILL_INTERIOR"  # 0: every prefill key tile masked (an A/B)
 ROT_TILE_ENV = "COMPILED_LLM_DECODE_ROT_TILE"  # 32: kept-keys decode on the rebuild's 32-key tiles (an A/B)
+SPLIT_ROUND_ENV = "COMPILED_LLM_DECODE_SPLIT_ROUND"  # ceil: d<512 decode splits rounded up to a power of 2 (A/B)
 
 
 def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, num_kv_heads: int = 1,
@@ -101,6 +102,11 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
     # heavier d=512 programs want about one wave, d=256 ones about two
     waves, min_keys = (1, 32) if head_dim >= 512 else (2, 64)
     want = triton.next_power_of_2(triton.cdiv(waves * num_sms, base))
+    if head_dim < 512 and os.environ.get(SPLIT_ROUND_ENV, "floor") != "ceil":
+        # at most two waves, not up to four: since each program also norms and rotates its queries (the decode's
+        # QK work), the sliding layers' kernel ran faster on half the splits (H100, session 51: 32.2 against 33.0
+        # us at 8 x 1.1K with 4, 19.7 against 20.7 at 4 x 8.5K with 8; one sequence is bound by min_keys)
+        want = _pow2_floor(triton.cdiv(waves * num_sms, base))
     by_len = _pow2_floor(triton.cdiv(ctx, min_keys))
     splits = max(1, min(want, by_len, 64))
     if rot_keys and k_eq_v and head_dim >= 512 and os.environ.get(ROT_TILE_ENV, "64") != "32":
