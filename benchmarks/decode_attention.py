@@ -8,7 +8,8 @@ engine's: 16 tokens, one sequence's pages in allocation order.
 
 Cases: the sliding layer (8 KV heads, head_dim 256, GQA 2, window 1024) and the global one (2 KV heads,
 head_dim 512, GQA 8, K=V with the key rebuilt in the kernel), at 1 and 8 sequences of ~1.1K tokens and at the
-long shapes (1 x 8.5K, 8 x 4.4K, 4 x 8.5K). Per case:
+long shapes (1 x 8.5K, 8 x 4.4K, 4 x 8.5K); with --layers qwen_full, Qwen3.5 35B-A3B's full-attention layer
+(2 KV heads, head_dim 256, GQA 8, no window). Per case:
   engine      attention_launch_policy with the engine's bound (the block-table width: --max-len, default the
               config's 131,072), keys rebuilt on the rotated dims only (global): what a decode step runs now
   every key   (global) the same launch rebuilding every key dim, as session 12's kernel did
@@ -59,6 +60,8 @@ from compiled_llm.ops.triton import paged_attention as PA  # noqa: E402
 PAGE = 16
 SLIDING = dict(name="sliding", kv_heads=8, head_dim=256, group=2, window=1024, k_eq_v=False)
 GLOBAL = dict(name="global", kv_heads=2, head_dim=512, group=8, window=None, k_eq_v=True, rotated_pairs=64)
+# Qwen3.5 35B-A3B's full-attention layers (2 KV heads, head_dim 256, GQA 8; their decode is the plain kernel)
+QWEN_FULL = dict(name="qwen_full", kv_heads=2, head_dim=256, group=8, window=None, k_eq_v=False)
 CASES = [(1, 1100), (1, 8500), (8, 1100), (8, 4400), (4, 8500)]
 
 
@@ -544,7 +547,7 @@ def main():
     ap.add_argument("--max-len", type=int, default=131072, help="the engine's block-table bound (tokens)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="only the engine's launch (and, global, the key-rebuild comparisons)")
-    ap.add_argument("--layers", default="sliding,global")
+    ap.add_argument("--layers", default="sliding,global", help="of sliding, global, qwen_full")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--stream", action="store_true", help="also stream the engine launch's bytes without the "
                     "attention (the access pattern's bandwidth), through the block table and without it")
@@ -560,7 +563,7 @@ def main():
     args = ap.parse_args()
     dev, dtype = ("cpu", torch.float32) if args.dry_run else ("cuda", torch.bfloat16)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")] if args.cases else CASES
-    layers = [lay for lay in (SLIDING, GLOBAL) if lay["name"] in args.layers.split(",")]
+    layers = [lay for lay in (SLIDING, GLOBAL, QWEN_FULL) if lay["name"] in args.layers.split(",")]
     if args.dry_run:  # tiny shapes, the same code paths
         layers = [dict(SLIDING, kv_heads=2, head_dim=32, window=24),
                   dict(GLOBAL, kv_heads=1, head_dim=64, rotated_pairs=8)]
