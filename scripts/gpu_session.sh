@@ -58,6 +58,16 @@ for _ in range(400):
     except Exception: time.sleep(1)"
 }
 
+ab_rounds() {  # name, variable, values, shapes: Gemma 4 throughput with the variable at each value, two rounds
+  local name=$1 var=$2 round v
+  for round in 1 2; do
+    for v in $3; do
+      (export "$var=$v"; run ${name}_${v}_$round 200 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
+        --shapes $4 --async-scheduling --warmup 1 --runs 2 --out "$OUT/${name}_${v}_$round")  # (subshell: the caller keeps its value)
+    done
+  done
+}
+
 for step in $steps; do
   case $step in
     kernel_check) run kernel_check 200 python3 scripts/kernel_check_gpu.py --config ${KCHECK_CONFIG:-gemma-4-26b-a4b} \
@@ -65,23 +75,11 @@ for step in $steps; do
     kernels) run kernels 180 python3 scripts/check_kernels_gpu.py ${KERNELS_ARGS:---only decode,logits --no-time} ;;
     decode_qk) run decode_qk 90 python3 scripts/check_decode_qk_gpu.py ;;  # the decode kernel's QK form vs the op's launch
     decode_qk_ab)  # issue 14: the decode's QK forms alternating, two rounds (COMPILED_LLM_DECODE_QK values: QK_AB)
-      for round in 1 2; do
-        for v in ${QK_AB:-1 2}; do
-          COMPILED_LLM_DECODE_QK=$v run decode_qk_ab_${v}_$round 200 python3 benchmarks/throughput.py \
-            --config gemma-4-26b-a4b --shapes ${QK_AB_SHAPES:-1024x1x128,1024x8x256,8192x4x512} --async-scheduling \
-            --warmup 1 --runs 2 --out "$OUT/decode_qk_ab_${v}_$round"
-        done
-      done ;;
+      ab_rounds decode_qk_ab COMPILED_LLM_DECODE_QK "${QK_AB:-1 2}" \
+        "${QK_AB_SHAPES:-1024x1x128,1024x8x256,8192x4x512}" ;;
     env_ab)  # an A/B hook alternating: AB_ENV set to each of AB_VALUES, two rounds, throughput at AB_SHAPES
-      for round in 1 2; do
-        for v in ${AB_VALUES:-0 1}; do
-          export "${AB_ENV:?AB_ENV names the variable}=$v"
-          run env_ab_${v}_$round 200 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
-            --shapes ${AB_SHAPES:-1024x1x128,1024x8x256,8192x4x512} --async-scheduling --warmup 1 --runs 2 \
-            --out "$OUT/env_ab_${v}_$round"
-          unset "$AB_ENV"
-        done
-      done ;;
+      ab_rounds env_ab "${AB_ENV:?AB_ENV names the variable}" "${AB_VALUES:-0 1}" \
+        "${AB_SHAPES:-1024x1x128,1024x8x256,8192x4x512}" ;;
     correctness) run correctness 240 python3 scripts/gpu_check.py --compiled --names ${CHECK_NAMES:-all,moe,k_eq_v} ;;
     structured)  # xgrammar and its tvm_ffi from .whl/structured/, for this step only (other steps' start-ups unchanged)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_x \

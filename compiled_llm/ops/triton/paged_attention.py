@@ -101,12 +101,11 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
     # at small batches (d=512 K=V: 32 splits of ~35 keys took 23 us against 59 us for 4 splits of 256); the
     # heavier d=512 programs want about one wave, d=256 ones about two
     waves, min_keys = (1, 32) if head_dim >= 512 else (2, 64)
-    want = triton.next_power_of_2(triton.cdiv(waves * num_sms, base))
-    if head_dim < 512 and os.environ.get(SPLIT_ROUND_ENV, "floor") != "ceil":
-        # at most two waves, not up to four: since each program also norms and rotates its queries (the decode's
-        # QK work), the sliding layers' kernel ran faster on half the splits (H100, session 51: 32.2 against 33.0
-        # us at 8 x 1.1K with 4, 19.7 against 20.7 at 4 x 8.5K with 8; one sequence is bound by min_keys)
-        want = _pow2_floor(triton.cdiv(waves * num_sms, base))
+    # d<512: at most two waves, not up to four: since each program also norms and rotates its queries (the decode's
+    # QK work), the sliding layers' kernel ran faster on half the splits (H100, session 51: 32.2 against 33.0 us at
+    # 8 x 1.1K with 4, 19.7 against 20.7 at 4 x 8.5K with 8; one sequence is bound by min_keys)
+    floor = head_dim < 512 and os.environ.get(SPLIT_ROUND_ENV, "floor") != "ceil"
+    want = (_pow2_floor if floor else triton.next_power_of_2)(triton.cdiv(waves * num_sms, base))
     by_len = _pow2_floor(triton.cdiv(ctx, min_keys))
     splits = max(1, min(want, by_len, 64))
     if rot_keys and k_eq_v and head_dim >= 512 and os.environ.get(ROT_TILE_ENV, "64") != "32":
