@@ -62,8 +62,9 @@ ab_rounds() {  # name, variable, values, shapes: Gemma 4 throughput with the var
   local name=$1 var=$2 round v
   for round in 1 2; do
     for v in $3; do
+      # a subshell, so the caller keeps its own value of the variable
       (export "$var=$v"; run ${name}_${v}_$round 200 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
-        --shapes $4 --async-scheduling --warmup 1 --runs 2 --out "$OUT/${name}_${v}_$round")  # (subshell: the caller keeps its value)
+        --shapes $4 --async-scheduling --warmup 1 --runs 2 --out "$OUT/${name}_${v}_$round")
     done
   done
 }
