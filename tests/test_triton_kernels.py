@@ -1546,3 +1546,8 @@ def test_decode_split_policy_picks_the_sweeps_best(seqs, ctx, head_dim, kv_heads
         with mock.patch.dict(os.environ, {PA.ROT_TILE_ENV: "32"}):
             assert PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True,
                                               rotated_pairs=64, rot_keys=True) == part
+    else:  # the sliding layers: 32-key tiles at 2 stages; COMPILED_LLM_DECODE_KEY_TILE=64 doubles the tile, same splits
+        assert (pol.block_n, pol.num_stages) == (32, 2)
+        with mock.patch.dict(os.environ, {PA.KEY_TILE_ENV: "64"}):
+            wide = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window)
+        assert (wide.num_splits, wide.block_n) == (splits, 64)
