@@ -1546,8 +1546,11 @@ def test_decode_split_policy_picks_the_sweeps_best(seqs, ctx, head_dim, kv_heads
         with mock.patch.dict(os.environ, {PA.ROT_TILE_ENV: "32"}):
             assert PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, k_eq_v=True,
                                               rotated_pairs=64, rot_keys=True) == part
-    else:  # the sliding layers: 32-key tiles at 2 stages; COMPILED_LLM_DECODE_KEY_TILE=64 doubles the tile, same splits
-        assert (pol.block_n, pol.num_stages) == (32, 2)
-        with mock.patch.dict(os.environ, {PA.KEY_TILE_ENV: "64"}):
-            wide = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window)
-        assert (wide.num_splits, wide.block_n) == (splits, 64)
+    else:  # the sliding layers: 64-key tiles at 2 stages (session 52's A/B), a window-less layer 32-key ones;
+        # COMPILED_LLM_DECODE_KEY_TILE=32 gives the sliding layers the old tile, same splits
+        assert (pol.block_n, pol.num_stages) == (64, 2)
+        full = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads)
+        assert full.block_n == 32
+        with mock.patch.dict(os.environ, {PA.KEY_TILE_ENV: "32"}):
+            narrow = PA.attention_launch_policy(seqs, ctx, head_dim, num_kv_heads=kv_heads, sliding_window=window)
+        assert (narrow.num_splits, narrow.block_n) == (splits, 32)

@@ -61,7 +61,7 @@ def _pow2_floor(x: int) -> int:
 PREFILL_INTERIOR_ENV = "COMPILED_LLM_PREFILL_INTERIOR"  # 0: every prefill key tile masked (an A/B)
 ROT_TILE_ENV = "COMPILED_LLM_DECODE_ROT_TILE"  # 32: kept-keys decode on the rebuild's 32-key tiles (an A/B)
 SPLIT_ROUND_ENV = "COMPILED_LLM_DECODE_SPLIT_ROUND"  # ceil: d<512 decode splits rounded up to a power of 2 (A/B)
-KEY_TILE_ENV = "COMPILED_LLM_DECODE_KEY_TILE"  # 64: d<512 K!=V decode (sliding layers) on 64-key tiles (an A/B)
+KEY_TILE_ENV = "COMPILED_LLM_DECODE_KEY_TILE"  # 32 / 64: every d256 K!=V decode on that key tile (an A/B)
 
 
 def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, num_kv_heads: int = 1,
@@ -91,9 +91,12 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
         # 73.8 with 16-key tiles and 3 stages)
         block_n = 16 if k_eq_v and not partial else 32
     elif head_dim >= 256:
-        # K!=V: ~100-120 regs. 64-key tiles (KEY_TILE_ENV) were 0.1-0.3 us faster at 1 x 1.1K and 4 x 8.5K in the
-        # H100 sweep of session 51 (decode_attention.py --qk-sweep): an end-to-end A/B first
-        block_n = 16 if k_eq_v else int(os.environ.get(KEY_TILE_ENV, "32"))
+        # K!=V: ~100-120 regs at 32-key tiles. The sliding layers (their QK work inside the kernel) take 64-key
+        # tiles: H100 sweep, session 51 (decode_attention.py --qk-sweep), us, 32 against 64: 1 x 1.1K 10.78 / 10.45,
+        # 4 x 8.5K 19.70 / 19.59, 8 x 1.1K 32.24 / 32.31; end to end (session 52, alternating, two rounds) batch 1
+        # +0.35%, 8192x4x512 +0.0%. A window-less d256 layer (Qwen3.5's full attention) was not measured: 32 there
+        tile = os.environ.get(KEY_TILE_ENV, "auto")
+        block_n = 16 if k_eq_v else int(tile) if tile != "auto" else 64 if sliding_window is not None else 32
     else:
         block_n = 32
     # H200 sweep: 2 stages 18% faster for d=256 decode
