@@ -1,8 +1,8 @@
 """compiled_llm: an LLM inference and serving engine whose speed comes from torch.compile."""
 
-from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "LLMEngine", "EngineConfig"]
 
 
 def __getattr__(name):  # heavy modules load on first use

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -21,6 +22,15 @@ def _is_number(x) -> bool:
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # SamplingParams.structured_output's
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request's steps give (vLLM's names and values). CUMULATIVE: one per step that gave it a token,
+    its text and tokens so far; FINAL_ONLY: one, when it ends (what LLM.generate asks for: no per-step copies of a
+    growing output). DELTA (vLLM's: only what is new) is refused."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -62,6 +72,7 @@ class SamplingParams:
     # Optional "after_token_id": N: the output is free until token N is generated (a thinking model's end of
     # reasoning, `</think>`), and the grammar holds from the token after it.
     structured_output: dict | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # --- normalisation -------------------------------------------------
@@ -84,6 +95,11 @@ class SamplingParams:
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self._normalise_structured_output()
+        if not _is_int(self.output_kind) or self.output_kind not in (RequestOutputKind.CUMULATIVE,
+                                                                     RequestOutputKind.FINAL_ONLY):
+            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE (0) or FINAL_ONLY (2), got "
+                             f"{self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._verify()
 
     def _normalise_structured_output(self) -> None:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from compiled_llm import LLM, SamplingParams
+from compiled_llm import LLM, RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +104,7 @@ def test_max_model_len_caps_generation(llm):
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(logprobs=-1), "logprobs"),
     (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(logit_bias={5: 101.0}), "logit_bias"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(output_kind=RequestOutputKind.DELTA), "output_kind"), (dict(output_kind=7), "output_kind"),
 ])
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -129,6 +130,31 @@ def test_bad_prompts_leave_the_engine_serving(llm):
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     assert [o.request_id for o in outs] == ["other"] and outs[0].outputs[0].token_ids == ref
+
+
+def test_output_kinds(llm, monkeypatch):
+    """CUMULATIVE (the engine's default): an output each time the request gains a token, all its tokens so far;
+    FINAL_ONLY: one output, when it ends, equal to the cumulative one's last. LLM.generate asks FINAL_ONLY (one
+    output built a request, not one a step with a copy of the growing output) and leaves the caller's params as
+    they were."""
+    eng = llm.engine
+    kw = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    eng.add_request("cum", "Once upon a time", SamplingParams(**kw))
+    eng.add_request("fin", "Once upon a time", SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY))
+    seen = {"cum": [], "fin": []}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen[o.request_id].append(o)
+    assert [len(o.outputs[0].token_ids) for o in seen["cum"]] == list(range(1, 11))
+    (fin,) = seen["fin"]
+    last = seen["cum"][-1].outputs[0]
+    assert fin.finished and (fin.outputs[0].token_ids, fin.outputs[0].text) == (last.token_ids, last.text)
+    built, real = [], eng.output_processor.output
+    monkeypatch.setattr(eng.output_processor, "output", lambda req: built.append(req.request_id) or real(req))
+    params = SamplingParams(**kw)
+    outs = llm.generate(["Once upon a time", "The quick brown fox"], params)
+    assert len(built) == 2 and params.output_kind == RequestOutputKind.CUMULATIVE
+    assert outs[0].outputs[0].token_ids == last.token_ids and len(outs[1].outputs[0].token_ids) == 10
 
 
 def test_abort_frees_blocks(llm):

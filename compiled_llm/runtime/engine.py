@@ -28,7 +28,7 @@ from compiled_llm.runtime.sampler import PendingTokens, Sampler
 from compiled_llm.runtime.scheduler import ScheduledSeq, Scheduler
 from compiled_llm.runtime.structured_output import GrammarBackend
 from compiled_llm.runtime.sequence import Request, Sequence
-from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("compiled_llm")
 
@@ -242,7 +242,8 @@ class LLMEngine:
         outputs, ended = [], []
         for req in touched.values():
             req.metrics.last_token_time = now
-            outputs.append(self.output_processor.output(req))
+            if req.finished or req.seqs[0].params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self.output_processor.output(req))
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import fields
 
@@ -10,7 +11,7 @@ from tqdm import tqdm
 from compiled_llm.config import EngineConfig
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.runtime.engine import LLMEngine
-from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | dict | list[int]
 
@@ -80,6 +81,10 @@ class LLM:
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
              priority: list[int] | None = None) -> list[RequestOutput]:
         ids = []
+        # one output a request, when it ends (vLLM's LLM does the same): no per-step copy of a growing output
+        final = {id(p): p if p.output_kind == RequestOutputKind.FINAL_ONLY else
+                 dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]
         try:
             for k, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = f"llm-{next(self._ids)}"
