@@ -95,11 +95,6 @@ class SamplingParams:
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self._normalise_structured_output()
-        if not _is_int(self.output_kind) or self.output_kind not in (RequestOutputKind.CUMULATIVE,
-                                                                     RequestOutputKind.FINAL_ONLY):
-            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE (0) or FINAL_ONLY (2), got "
-                             f"{self.output_kind!r}")
-        self.output_kind = RequestOutputKind(self.output_kind)
         self._verify()
 
     def _normalise_structured_output(self) -> None:
@@ -191,6 +186,11 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
             self.allowed_token_ids = list(ids)
+        if not _is_int(self.output_kind) or self.output_kind not in (RequestOutputKind.CUMULATIVE,
+                                                                     RequestOutputKind.FINAL_ONLY):
+            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE (0) or FINAL_ONLY (2), got "
+                             f"{self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's token ids after truncate_prompt_tokens (the last N; -1: max_model_len - 1)."""
