@@ -129,9 +129,10 @@ def conv_gdr_group(S, B, dev, dt, time_fn, rows, smoke):
 
     def run(c, copy):
         state, window = (first[0].clone(), first[1].clone()) if copy is None else (states[copy], windows[copy])
-        if c == "fused":
+        if c != "split":  # "fused": the policy's tiles; (value block, warps): those
             out = D.gated_delta_rule_varlen(None, None, None, None, None, state, layout, gating=gating,
-                                            out_norm=out_norm, conv=(qkv, w, window, hk))
+                                            out_norm=out_norm, conv=(qkv, w, window, hk),
+                                            recurrent_tiles=None if c == "fused" else c)
         else:
             q, k, v = split_qkv(C.causal_conv1d_varlen(qkv, w, window, layout), hk, hv, dv)
             out = D.gated_delta_rule_varlen(q, k, v, None, None, state, layout, gating=gating, out_norm=out_norm)
@@ -139,6 +140,11 @@ def conv_gdr_group(S, B, dev, dt, time_fn, rows, smoke):
 
     nbytes = B * hv * dk * dv * 4 * 2 + B * dim * (1 + 2 * (K - 1)) * dt.itemsize + B * 2 * hv * dv * dt.itemsize
     sweep("conv_gdr", B, ["split", "fused"], run, nbytes, time_fn, rows, exact=True)
+    # the fused launch's tiles (a value block below the head takes the norm kernel after it; the reductions over
+    # the keys may then run in another order: checked within float32 rounding)
+    policy = D.recurrent_tiles_policy(B, S["dv"], True)
+    tiles = [(bv, nw) for bv in ((128, 64, 32) if not smoke else (32, 16)) for nw in ((4, 8) if not smoke else (4,))]
+    sweep("conv_gdr_tiles", B, ["fused"] + [t for t in tiles if t != policy], run, nbytes, time_fn, rows, exact=False)
 
 
 def topk_sum_group(B, dev, dt, time_fn, rows, smoke):

@@ -58,13 +58,14 @@ for _ in range(400):
     except Exception: time.sleep(1)"
 }
 
-ab_rounds() {  # name, variable, values, shapes: Gemma 4 throughput with the variable at each value, two rounds
+ab_rounds() {  # name, variable, values, shapes: AB_CONFIG's (default Gemma 4) throughput at each value, two rounds
   local name=$1 var=$2 round v
   for round in 1 2; do
     for v in $3; do
       # a subshell, so the caller keeps its own value of the variable
-      (export "$var=$v"; run ${name}_${v}_$round 200 python3 benchmarks/throughput.py --config gemma-4-26b-a4b \
-        --shapes $4 --async-scheduling --warmup 1 --runs 2 --out "$OUT/${name}_${v}_$round")
+      (export "$var=$v"; run ${name}_${v}_$round 200 python3 benchmarks/throughput.py \
+        --config ${AB_CONFIG:-gemma-4-26b-a4b} --shapes $4 --async-scheduling --warmup 1 --runs 2 \
+        --out "$OUT/${name}_${v}_$round")
     done
   done
 }
@@ -78,7 +79,7 @@ for step in $steps; do
     decode_qk_ab)  # issue 14: the decode's QK forms alternating, two rounds (COMPILED_LLM_DECODE_QK values: QK_AB)
       ab_rounds decode_qk_ab COMPILED_LLM_DECODE_QK "${QK_AB:-1 2}" \
         "${QK_AB_SHAPES:-1024x1x128,1024x8x256,8192x4x512}" ;;
-    env_ab)  # an A/B hook alternating: AB_ENV set to each of AB_VALUES, two rounds, throughput at AB_SHAPES
+    env_ab)  # A/B: AB_ENV set to each of AB_VALUES alternating, two rounds, AB_CONFIG's throughput at AB_SHAPES
       ab_rounds env_ab "${AB_ENV:?AB_ENV names the variable}" "${AB_VALUES:-0 1}" \
         "${AB_SHAPES:-1024x1x128,1024x8x256,8192x4x512}" ;;
     correctness) run correctness 240 python3 scripts/gpu_check.py --compiled --names ${CHECK_NAMES:-all,moe,k_eq_v} ;;

@@ -1,7 +1,7 @@
 """skinny_mm: a decode step's weight-streaming projections, x [M <= 16, K] @ W [N, K]^T, where our skinny GEMM beats
 cuBLAS: every narrow product (N < K: Gemma 4's o_proj, Qwen3.5's out_proj and o_proj, its shared expert's gate_up),
 and the wide ones (N >= K) measured faster on this GPU (WIDE_MEASURED: Gemma 4's global-layer qkv, Qwen3.5's merged
-in_proj, both LM heads on an H200).
+in_proj, both LM heads on an H200; the LM heads on an H100).
 
 At a decode batch these products stream their weight. For N < K cuBLAS picks a split-K kernel plus a second launch
 that adds the slices (`splitKreduce_kernel`, ~1.8 us and a launch gap on the H200). The Triton provider
@@ -62,8 +62,11 @@ WIDE_ENV = "COMPILED_LLM_SKINNY_WIDE"  # 0: the wide shapes stay on cuBLAS (an A
 # 346.1 / 350.9 -> 332.1 / 339.0 (Gemma 4) and 244.5 / 249.4 -> 229.3 / 236.1 (Qwen3.5). Left on cuBLAS there:
 # Gemma 4's sliding qkv (8,192 x 2,816: 13.61 against 14.08) and Qwen3.5's full-attention qkv (9,216 x 2,048: 11.84
 # against 12.55); the margin keeps a shape whose ranking could flip between machines out.
+# H100 80GB HBM3, session 53 (the same rule, us at M = 1 / 8): only the LM heads, Gemma 4's 515.3 / 521.0 -> 477.1 /
+# 486.5 and Qwen3.5's 353.8 / 358.7 -> 328.4 / 336.8; the merged in_proj 20.3 / 20.1 -> 19.5 / 19.8 misses the margin.
 WIDE_MEASURED: dict[str, frozenset[tuple[int, int]]] = {
     "NVIDIA H200": frozenset({(9216, 2816), (12352, 2048), (262144, 2816), (248320, 2048)}),
+    "NVIDIA H100 80GB HBM3": frozenset({(262144, 2816), (248320, 2048)}),
 }
 
 
