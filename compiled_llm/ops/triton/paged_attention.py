@@ -316,7 +316,7 @@ def _decode_kernel(
         if PARTIAL:  # the rows' norm factors, for the rotated dims' queries below (as _norm_rows makes them)
             qf1 = q1.to(tl.float32)
             qf2 = q2.to(tl.float32)
-            rq = 1.0 / tl.sqrt((tl.sum(qf1 * qf1, 1) + tl.sum(qf2 * qf2, 1)) / (2 * HALF) + eps)
+            rq = 1.0 / tl.sqrt(tl.sum(qf1 * qf1 + qf2 * qf2, 1) / (2 * HALF) + eps)
         q1, q2 = _norm_rope_rows(q1, q2, w1, w2, cos[None, :], sin[None, :], eps, HALF)
     if QK:
         if (start < end) & (end == tl.load(SeqLens + seq)):  # this split reads the new token's key: write it first
