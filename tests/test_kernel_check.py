@@ -236,7 +236,8 @@ def test_the_decodes_query_norm_reduces_once_before_its_loop():
     q = torch.zeros(seqs, 2 * kvh * d, dtype=torch.bfloat16)
     kv = torch.zeros(seqs, kvh, d, dtype=torch.bfloat16)
     w = torch.ones(d, dtype=torch.bfloat16)
-    qk = PA.DecodeQK(kv, kv, lens.long() - 1, torch.ones(d // 2), w, w, lens.long() - 1, 1e-6, True, torch.empty_like(q))
+    last = lens.long() - 1
+    qk = PA.DecodeQK(kv, kv, last, torch.ones(d // 2), w, w, last, 1e-6, True, torch.empty_like(q))
     with recorded_launches(as_sm90=True) as launches:
         PA.paged_decode(q, cache, tables, lens, scale=d ** -0.5, sliding_window=64, num_kv_heads=kvh, head_dim=d,
                         qk=qk)
