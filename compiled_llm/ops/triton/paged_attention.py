@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from compiled_llm.ops.rope import rotated_block  # noqa: F401  (the decode kernel's ROT; sparse_attention imports it here)
-from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rope_rows, _rot_keys
+from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rope_rows, _rot_keys, _rstd_rows
 from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, _reduce_angle, _tanh, decode_pdl_steps, dot_f32,
                                              dot_precision)
 
@@ -313,10 +313,8 @@ def _decode_kernel(
         q1 = tl.load(q_ptr, mask=qmask, other=0.0)
         q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
     if QK and not WRITE_Q:
-        if PARTIAL:  # the rows' norm factors, for the rotated dims' queries below (as _norm_rows makes them)
-            qf1 = q1.to(tl.float32)
-            qf2 = q2.to(tl.float32)
-            rq = 1.0 / tl.sqrt(tl.sum(qf1 * qf1 + qf2 * qf2, 1) / (2 * HALF) + eps)
+        if PARTIAL:  # the rows' norm factors, for the rotated dims' queries below (those _norm_rows applies)
+            rq = _rstd_rows(q1.to(tl.float32), q2.to(tl.float32), eps, 2 * HALF)
         q1, q2 = _norm_rope_rows(q1, q2, w1, w2, cos[None, :], sin[None, :], eps, HALF)
     if QK:
         if (start < end) & (end == tl.load(SeqLens + seq)):  # this split reads the new token's key: write it first

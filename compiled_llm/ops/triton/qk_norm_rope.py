@@ -30,10 +30,7 @@ from compiled_llm.ops.triton._common import _reduce_angle
 
 @triton.jit
 def _norm(x1, x2, w1, w2, eps, D: tl.constexpr, HAS_W: tl.constexpr):
-    # one reduction over both halves' squares, not a sum of two (each a cross-warp round with its barriers): the
-    # decode kernel's QK prologue (_norm_rows) 26 -> 17 `bar.sync` before its first KV copy (Triton 3.6, sm_90, sliding
-    # layers); session 54, its write-back form at 1 x 1.1K / 8 x 1.1K / 4 x 8.5K: H200 10.23 / 26.75 / 16.70 -> 9.93 /
-    # 26.39 / 16.33 us, H100 10.45 / 32.70 / 19.99 -> 10.31 / 32.52 / 19.79
+    # one reduction over both halves' squares, as _rstd_rows (its [rows, half] form) explains
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x1 * x1 + x2 * x2, 0) / D + eps)
@@ -118,11 +115,21 @@ def _qk_norm_rope_kernel(Q, K, V, Pos, Inv, QW, KW, Slots, QOut, KC, VC,
 
 
 @triton.jit
+def _rstd_rows(x1, x2, eps, D: tl.constexpr):
+    """Each row's RMS factor of float32 [rows, half] tiles x1, x2 (the row's two halves): one reduction over both
+    halves' squares, not a sum of two (each a cross-warp round with its barriers). The decode kernel's QK prologue:
+    26 -> 17 `bar.sync` before its first KV copy (Triton 3.6, sm_90, sliding layers); session 54, its write-back form
+    at 1 x 1.1K / 8 x 1.1K / 4 x 8.5K: H200 10.23 / 26.75 / 16.70 -> 9.93 / 26.39 / 16.33 us, H100 10.45 / 32.70 /
+    19.99 -> 10.31 / 32.52 / 19.79."""
+    return 1.0 / tl.sqrt(tl.sum(x1 * x1 + x2 * x2, 1) / D + eps)
+
+
+@triton.jit
 def _norm_rows(x1, x2, w1, w2, eps, D: tl.constexpr, HAS_W: tl.constexpr):
     # _norm for [heads, half] tiles: one RMSNorm per row
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x1 * x1 + x2 * x2, 1) / D + eps)
+    rstd = _rstd_rows(x1, x2, eps, D)
     x1 = x1 * rstd[:, None]
     x2 = x2 * rstd[:, None]
     if HAS_W:
