@@ -85,7 +85,13 @@ def router_group(S, T, dev, dt, time_fn, rows, smoke):
     pes = None if S.get("softmax") else (torch.rand(E, device=dev, generator=g) + 0.5).to(dt)
     p0 = M.router_launch(T, H, E, norm=not S.get("softmax"))
     cands = [p0]
-    if p0.fused:  # decode sizes: the one-launch kernel's tiles
+    prefill_one = p0.fused and T > M.ROUTER_FUSED_MAX_TOKENS  # Gemma 4's one-launch router at prefill sizes
+    if prefill_one:  # its slices, warps and row blocks, and the two-kernel path it replaced
+        cands.append(M.router_launch(T, H, E, fused=False))
+        for bt, sp, nw in itertools.product((32, 64) if not smoke else (16,), (1, 2, 4, 8, 16), (4, 8)):
+            cands.append(M.router_launch(T, H, E, fused=True, block_t=bt, splits=sp, num_warps=nw))
+        grid_t = ()
+    elif p0.fused:  # decode sizes: the one-launch kernel's tiles
         for be, sp, bh, nw, ns in itertools.product((16, 32), (4, 8, 16), (64, 128), (4, 8), (2, 3)):
             cands.append(M.router_launch(T, H, E, fused=True, block_e=be, splits=sp, block_h=bh, num_warps=nw,
                                          num_stages=ns))
@@ -299,7 +305,8 @@ def main() -> int:
     S = SHAPES["smoke" if a.smoke else "qwen" if a.qwen else "full"]
     dev = torch.device("cpu" if a.smoke and not torch.cuda.is_available() else "cuda")
     dt = torch.bfloat16
-    tokens = [24] if a.smoke else [int(t) for t in a.tokens.split(",")]
+    # (--smoke: 24 tokens unless --tokens names others, e.g. 100 for the router's prefill launch)
+    tokens = [24] if a.smoke and a.tokens == ap.get_default("tokens") else [int(t) for t in a.tokens.split(",")]
     att = [[40, 40]] if a.smoke else [[int(L)] * int(n) for n, L in (s.split("x") for s in a.attention.split(","))]
     time_fn, rows, groups = kernel_timer(a.smoke, calls=5), [], a.groups.split(",")
     for T in tokens:

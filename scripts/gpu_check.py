@@ -37,6 +37,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--names", default="all,dense,moe,k_eq_v,short_window")
     ap.add_argument("--compiled", action="store_true", help="also run without enforce_eager")
+    ap.add_argument("--prompt-lengths", default="5,17,30", help="the prompts' token counts")
+    ap.add_argument("--batched-tokens", type=int, default=16, help="the engine's per-step token budget (prompts "
+                    "past it are prefilled in chunks; a larger one runs prefill-sized kernels, e.g. the router's)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp())
     ok = True
@@ -44,7 +47,8 @@ def main() -> int:
     for name in args.names.split(","):
         folder = root / name
         hf = make_checkpoint(folder, name)
-        prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 30)]
+        lengths = [int(n) for n in args.prompt_lengths.split(",")]
+        prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
         modes = [True] + ([False] if args.compiled else [])
         for dtype in ("float32", "bfloat16"):
             ref_model = hf.to("cuda", getattr(torch, dtype))
@@ -53,7 +57,7 @@ def main() -> int:
             for eager in modes:
                 t = time.perf_counter()
                 llm = LLM(str(folder), device="cuda", dtype=dtype, enforce_eager=eager, block_size=16,
-                          max_model_len=128, max_num_batched_tokens=16)
+                          max_model_len=max(128, max(lengths) + 32), max_num_batched_tokens=args.batched_tokens)
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
                 ours = [o.outputs[0].token_ids for o in outs]

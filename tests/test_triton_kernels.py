@@ -1166,12 +1166,30 @@ def check_router():
     _check_router(5, 16, 96, 4, 0)  # decode sizes (<= 64 tokens): the one-launch fused kernel
     _check_router(37, 20, 64, 3, 1)
     _check_router(3, 128, 160, 8, 2)
-    _check_router(70, 128, 320, 8, 3)  # past 64 tokens: the two-kernel path, 64-expert blocks, fewer slices
+    _check_router(70, 128, 320, 8, 3)  # past 64 tokens: one launch of 32-row blocks of every expert
     _check_router_exact(1, 128, 2816, 8, torch_dtype="bfloat16")  # Gemma 4 26B-A4B's router, one token
     _check_router_exact(64, 128, 320, 8, torch_dtype="bfloat16", seed=4)  # 4 token blocks, 4 tickets
     _check_router_exact(8, 128, 704, 8, seed=5)
-    _check_router_exact(80, 24, 192, 4, torch_dtype="bfloat16", seed=6)  # prefill size: two kernels
+    _check_router_exact(80, 24, 192, 4, torch_dtype="bfloat16", seed=6)  # prefill size: one launch as well
+    _check_router_exact(150, 128, 704, 8, torch_dtype="bfloat16", seed=7)  # three row blocks of every expert
+    _check_ticket_growth()
     _check_router_paths()
+
+
+def _check_ticket_growth():
+    """A launch with more token blocks than the router's counters hold gets a larger set; the outgrown set stays
+    allocated (a CUDA graph captured with it keeps its address) and the new one is zero."""
+    import torch
+
+    from compiled_llm.ops.triton import _common as C
+
+    key = ("test-growth", torch.device("cpu"))
+    small = C.ticket_counters(key, 8, torch.device("cpu"))
+    assert C.ticket_counters(key, 64, torch.device("cpu")) is small  # 64 at least: no growth yet
+    big = C.ticket_counters(key, 100, torch.device("cpu"))
+    assert big is not small and big.numel() >= 100 and int(big.abs().sum()) == 0
+    assert any(t is small for t in C._OUTGROWN)
+    C.TICKETS.pop(key)
 
 
 def _router_case(T, E, H, seed, dtype):
@@ -1239,17 +1257,29 @@ def _check_router_paths():
     eight = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=M.router_launch(19, 200, 40, fused=True, block_t=8))
     assert torch.equal(a[1], eight[1]) and int(TICKETS[("router", x.device)].abs().sum()) == 0  # 8-row blocks: three
     _close("router fused vs two kernels", a[0], c[0], rtol=1e-5, atol=1e-7)
-    # prefill sizes of a normed router: one program a 64-row block for all experts (the row read once for the
-    # norm, once for the dot), here with two row blocks, a ragged last one and fewer experts than the tile
-    wide = M.router_launch(M.ROUTER_WIDE_MIN_TOKENS, 200, 40)
+    # prefill sizes of a normed router: one launch, 32-row blocks of every expert, the hidden size in 4 slices (2
+    # past ROUTER_PREFILL_FEW_TOKENS); COMPILED_LLM_ROUTER_PREFILL=two: the two kernels, which from
+    # ROUTER_WIDE_MIN_TOKENS read a row block once for all experts (once for the norm, once for the dot)
+    from unittest import mock
+
+    one = M.router_launch(100, 200, 40)
+    assert (one.fused, one.block_t, one.block_e, one.splits) == (True, 32, 64, 2)  # 200 columns: two 128-wide slices
+    assert M.router_launch(M.ROUTER_PREFILL_FEW_TOKENS + 1, 2816, 128).splits == 2
+    assert M.router_launch(M.ROUTER_PREFILL_FEW_TOKENS, 2816, 128).splits == 4
+    assert not M.router_launch(100, 200, 40, norm=False).fused  # Qwen3.5's softmax router keeps its two kernels
+    with mock.patch.dict(os.environ, {M.ROUTER_PREFILL_ENV: "two"}):
+        wide = M.router_launch(M.ROUTER_WIDE_MIN_TOKENS, 200, 40)
+        assert M.router_launch(M.ROUTER_WIDE_MIN_TOKENS - 1, 200, 40).block_t < 64
     assert (wide.fused, wide.block_t, wide.block_e, wide.splits) == (False, 64, 64, 1)
-    assert M.router_launch(M.ROUTER_WIDE_MIN_TOKENS, 200, 40, norm=False).block_t < 64  # Qwen3.5's keeps its tiles
-    assert M.router_launch(M.ROUTER_WIDE_MIN_TOKENS - 1, 200, 40).block_t < 64
-    x, w, scale, pes = _router_case(100, 40, 200, 9, torch.float32)
+    x, w, scale, pes = _router_case(150, 40, 200, 9, torch.float32)  # three row blocks, a ragged last one
     d = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=wide)
-    e = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=M.router_launch(100, 200, 40, fused=True))
-    assert torch.equal(d[1], e[1])
+    e = M.fused_router_topk(x, scale, w, pes, 6, 1e-6, launch=M.router_launch(150, 200, 40, fused=True,
+                                                                              block_t=16))
+    f = M.fused_router_topk(x, scale, w, pes, 6, 1e-6)  # the policy's: one launch, 32-row blocks
+    assert torch.equal(d[1], e[1]) and torch.equal(d[1], f[1])
+    assert int(TICKETS[("router", x.device)].abs().sum()) == 0
     _close("router wide two kernels vs fused", d[0], e[0], rtol=1e-5, atol=1e-7)
+    _close("router wide two kernels vs the prefill launch", d[0], f[0], rtol=1e-5, atol=1e-7)
     for T, dt in ((6, torch.float32), (3, torch.bfloat16)):
         x, w, _, _ = _router_case(T, 40, 200, 8, dt)
         # the logits are rounded to dt (one bf16 ulp of a logit ~50 moves a weight by several %), and the

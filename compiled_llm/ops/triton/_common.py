@@ -65,6 +65,9 @@ def decode_pdl_steps(device: torch.device) -> int:
 # group's final work and resets the group's counter to zero: the router's token blocks, the skinny GEMM's output
 # tiles. Zero between launches, so a CUDA graph replays them with no memset.
 TICKETS: dict[tuple, torch.Tensor] = {}
+# counters outgrown by a larger launch (a prompt with more token blocks): kept, since CUDA graphs captured with them
+# still hold their address
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def ticket_counters(key: tuple, count: int, device: torch.device) -> torch.Tensor:
@@ -73,6 +76,8 @@ def ticket_counters(key: tuple, count: int, device: torch.device) -> torch.Tenso
     forward at a time per device, and the callers key by what they launch (the router, a weight shape)."""
     buf = TICKETS.get(key)
     if buf is None or buf.numel() < count:
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = TICKETS[key] = torch.zeros(max(64, count), dtype=torch.int32, device=device)
     return buf
 

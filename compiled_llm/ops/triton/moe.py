@@ -1038,6 +1038,10 @@ ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the r
 ROUTER_SMALL_BLOCK_TOKENS = 8  # up to here the one-launch router takes a token block of at most 8 rows
 ROUTER_FUSED_MAX_TOKENS = 64  # up to here the router is one launch (_router_fused_kernel); past it, two kernels
 ROUTER_WIDE_MIN_TOKENS = 4096  # from here a normed router's logits take one program per row block for all experts
+# past ROUTER_FUSED_MAX_TOKENS a normed router (Gemma 4's) is one launch too, on 64-row blocks of every expert:
+# COMPILED_LLM_ROUTER_PREFILL=two gives back its two-kernel path (an A/B)
+ROUTER_PREFILL_ENV = "COMPILED_LLM_ROUTER_PREFILL"
+ROUTER_PREFILL_FEW_TOKENS = 2048  # up to here the one-launch prefill router splits the hidden size in 4, past it in 2
 
 
 @dataclass(frozen=True)
@@ -1092,10 +1096,26 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
     token block is 8 rows over 8 slices (Qwen3.5's: the batch's power of two), so the decode batch sizes take
     two to five builds, which JIT warm-up makes (launch_variants). Larger T: the two-kernel path (a decode
     batch of a few rows has too little work for one program per row block, so the logits are split over expert
-    blocks and hidden slices, whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the row first); from
-    ROUTER_WIDE_MIN_TOKENS tokens it reads each row block once for all experts (64 x 128 tiles, 8 warps)."""
+    blocks and hidden slices, whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the
+    row first): past ROUTER_FUSED_MAX_TOKENS the one-launch kernel as well, on 32-row blocks of every expert
+    (COMPILED_LLM_ROUTER_PREFILL=two: the two kernels, which from ROUTER_WIDE_MIN_TOKENS tokens read each row
+    block once for all experts, 64 x 128 tiles, 8 warps)."""
+    prefill = num_tokens > ROUTER_FUSED_MAX_TOKENS
     if fused is None:
-        fused = num_tokens <= ROUTER_FUSED_MAX_TOKENS
+        fused = not prefill or (norm and block_e is None and splits is None
+                                and os.environ.get(ROUTER_PREFILL_ENV, "one") != "two")
+    if fused and prefill and norm:
+        # one pass over each row: the logits of the scaled row (head + tail products, float32-grade) and its sum of
+        # squares in the same loop, the RMS factor applied to the summed logits by each row block's last program;
+        # the two-kernel path reads every row twice (its norm, then its product) and rounds the normed row first.
+        # 32-row blocks of every expert (one read of the row block), the hidden size in 4 or 2 slices. H100 sweep
+        # (prefill_kernels.py --groups router, session 55; 32 / 64 rows x 1-11 slices x 4 / 8 warps), us at 1,024
+        # / 8,192 tokens: 16.3 / 65.1, against 27.0 / 86.9 for 64-row blocks in 8 / 2 slices (and ~45 / ~118 for
+        # the two kernels in the engine's profile)
+        be = min(128, max(16, triton.next_power_of_2(num_experts)))
+        bh = block_h or 128
+        n, sh = _slices(hidden, splits or (4 if num_tokens <= ROUTER_PREFILL_FEW_TOKENS else 2), bh)
+        return RouterLaunch(True, block_t or 32, block_e or be, bh, n, sh, num_warps or 8, num_stages or 3)
     if fused:  # H200 sweep (benchmarks/NOTES.md, 2026-12-01): 128-column steps, 8 warps: 6.7 us vs 11.7 at T=1
         bh = block_h or 128
         # up to ROUTER_SMALL_BLOCK_TOKENS, session 21's sweep (prefill_kernels.py --tokens 1,8): a token block of
