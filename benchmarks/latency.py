@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -44,6 +45,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--host-profile", action="store_true", help="with --profile-dir: where one prefill's host time "
                     "goes (cProfile to host_<n>.txt, device-to-host syncs with their stacks to syncs_<n>.txt, "
                     "Python's GC pauses in every timed run)")
+    ap.add_argument("--alternate-env", default=None, help="NAME=V1,V2: TTFT also with the environment variable NAME "
+                    "at each value in turn, run by run in this one engine (an A/B of a setting read at each launch, "
+                    "e.g. COMPILED_LLM_PREFILL_ORDER=longest,forward; prompts past the CUDA-graph sizes)")
     args = ap.parse_args(argv)
 
     lengths = [int(x) for x in args.ttft_lengths.split(",")]
@@ -68,6 +72,9 @@ def main(argv=None) -> dict:
         result.setdefault("ttft_runs_ms", {})[n] = [round(1000 * x, 2) for x in times]
         result.setdefault("gc_pauses", {})[n] = gcp.summary()
         print(f"TTFT {n} tokens: {1000 * t:.2f} ms (runs {result['ttft_runs_ms'][n]}; GC {gcp.summary()})", flush=True)
+        if args.alternate_env:
+            result.setdefault("ttft_alternating", {})[n] = alternate_env(args.alternate_env, lambda: run(prompt, 1),
+                                                                         args.warmup, args.runs)
         if args.profile_dir:
             result.setdefault("prefill_profile", {})[n] = profile_prefill(lambda: run(prompt, 1), n, args.profile_dir)
             if args.host_profile:
@@ -81,6 +88,32 @@ def main(argv=None) -> dict:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
+
+
+def alternate_env(spec: str, fn, warmup: int, runs: int) -> dict:
+    """fn timed with the variable NAME of spec "NAME=V1,V2,..." at each value in turn, one run each per round (so
+    the values share the machine's clock and heat); the variable's prior value is restored. Medians in ms."""
+    name, values = spec.split("=", 1)
+    values = values.split(",")
+    before = os.environ.get(name)
+    times = {v: [] for v in values}
+    try:
+        for i in range(warmup + runs):
+            for v in values:
+                os.environ[name] = v
+                t = time.perf_counter()
+                fn()
+                if i >= warmup:
+                    times[v].append(1000 * (time.perf_counter() - t))
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+    res = {v: {"median_ms": round(statistics.median(ts), 2), "runs_ms": [round(x, 2) for x in ts]}
+           for v, ts in times.items()}
+    print(f"TTFT with {name} alternating: {json.dumps(res)}", flush=True)
+    return res
 
 
 def profile_prefill(fn, n: int, folder: str) -> dict:

@@ -5,7 +5,7 @@
 # first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"]) rebuild (two 26B-A4B engines in one process)
 # scoring (a 4K-token echo+logprobs request against a plain prefill: time and peak memory)
 # structured (compiled, --jit-monitor error; carry [".whl"] with xgrammar's wheels in .whl/structured/)
-# kernels (check_kernels_gpu.py, KERNELS_ARGS) decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
+# kernels (check_kernels_gpu.py, KERNELS_ARGS) decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn norm_chain pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -134,6 +134,7 @@ for step in $steps; do
     l2_prefetch) run l2_prefetch 200 python3 benchmarks/l2_prefetch.py ${L2_ARGS:-} \
                    --out "$OUT/l2_prefetch${L2_TAG:-}.json" ;;  # issue 14: the o weight asked of L2 during attention
     pdl_chain) run pdl_chain 200 python3 benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" ;;  # PDL + L2 prefetch A/B
+    norm_chain) run norm_chain 200 python3 benchmarks/norm_chain.py --out "$OUT/norm_chain.json" ;;  # norms by size
     decode_attn) run decode_attn 240 python3 benchmarks/decode_attention.py ${DECODE_ATTN_ARGS:-} \
                    --out "$OUT/decode_attention.json" ;;  # decode attention policies, KV read from HBM (issue 14)
     qwen_tiny) run qwen_tiny 200 python3 scripts/gpu_smoke.py --sections tiny --names qwen_dense,qwen_moe --budget 180 \

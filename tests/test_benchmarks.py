@@ -2,6 +2,7 @@
 (their GPU figures live in benchmarks/NOTES.md; nothing here is a speed claim)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -116,8 +117,13 @@ def test_latency_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
     folder, _ = tiny_ckpt("dense")
     res = latency.main(["--model", str(folder), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
                         "--ttft-lengths", "8,64", "--decode-context", "8", "--decode-tokens", "8", "--warmup", "0",
-                        "--runs", "3", "--enforce-eager", "--profile-dir", str(tmp_path), "--host-profile"])
+                        "--runs", "3", "--enforce-eager", "--profile-dir", str(tmp_path), "--host-profile",
+                        "--alternate-env", "COMPILED_LLM_TEST_AB=x,y"])
     assert set(res["ttft_ms"]) == {8, 64} and all(v > 0 for v in res["ttft_ms"].values())
+    # the A/B in one engine: each value's runs, and the variable unset again afterwards
+    alt = res["ttft_alternating"][64]
+    assert set(alt) == {"x", "y"} and all(len(v["runs_ms"]) == 3 and v["median_ms"] > 0 for v in alt.values())
+    assert "COMPILED_LLM_TEST_AB" not in os.environ
     assert len(res["ttft_runs_ms"][64]) == 3 and isinstance(res["gc_pauses"][64], dict)
     assert res["decode_ms_per_token"] > 0
     # the prefill profile: a table per length and its wall time (no GPU here: no kernels, none busy)
@@ -420,6 +426,25 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     assert [(row["tokens"], row["variant"]) for row in rows] == [
         (m, v) for m in (1, 8) for v in ("cublas", "triton", "triton@32x128w4")]  # a swept tile too
     assert all(row["max_diff_vs_cublas"] < 1e-4 for row in rows)
+
+
+def test_norm_chain_dry_run_compiles_both_chains_under_each_row_limit(tmp_path):
+    """benchmarks/norm_chain.py on the CPU: both of a Gemma 4 MoE layer's norm chains (the feedforward one summing
+    the 8 routed picks) compiled with the token count dynamic under each persistent-row limit and first-run size,
+    each equal to the eager chain at every row count; the row limit's variable is left as it was."""
+    import subprocess
+
+    out = tmp_path / "norm.json"
+    env = {k: v for k, v in os.environ.items() if k != "COMPILED_LLM_PERSISTENT_ROWS"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "norm_chain.py"), "--dry-run", "--hidden", "256",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    variants = {(8192, 5), (0, 5), (0, 8192)}
+    for chain in ("attn", "ffn"):
+        got = {(row["persistent_rows"], row["first_run"], row["rows"]) for row in rows if row["chain"] == chain}
+        assert got == {v + (n,) for v in variants for n in (1, 8)}, got
+    assert all(row["max_err"] < 1e-3 and row["us"] is None for row in rows)
 
 
 def test_l2_prefetch_and_prefill_kernels_dry_runs(tmp_path):
