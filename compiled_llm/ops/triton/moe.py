@@ -1036,10 +1036,12 @@ def _router_fused_kernel(
 
 ROUTER_PROGRAMS = 256  # enough programs to keep an H200's 132 SMs reading the router weight at decode sizes
 ROUTER_SMALL_BLOCK_TOKENS = 8  # up to here the one-launch router takes a token block of at most 8 rows
-ROUTER_FUSED_MAX_TOKENS = 64  # up to here the router is one launch (_router_fused_kernel); past it, two kernels
-ROUTER_WIDE_MIN_TOKENS = 4096  # from here a normed router's logits take one program per row block for all experts
-# past ROUTER_FUSED_MAX_TOKENS a normed router (Gemma 4's) is one launch too, on 64-row blocks of every expert:
-# COMPILED_LLM_ROUTER_PREFILL=two gives back its two-kernel path (an A/B)
+# up to here the router is one launch (_router_fused_kernel) on decode-sized tiles; past it a normed router (Gemma
+# 4's) is one launch on 32-row blocks of every expert, a softmax router (Qwen3.5's) two kernels
+ROUTER_FUSED_MAX_TOKENS = 64
+# from here the two-kernel path of a normed router (COMPILED_LLM_ROUTER_PREFILL=two, an A/B) takes one program per
+# row block for all experts
+ROUTER_WIDE_MIN_TOKENS = 4096
 ROUTER_PREFILL_ENV = "COMPILED_LLM_ROUTER_PREFILL"
 ROUTER_PREFILL_FEW_TOKENS = 2048  # up to here the one-launch prefill router splits the hidden size in 4, past it in 2
 
@@ -1094,9 +1096,8 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
     ~12 hidden slices (H = 2816: 8 x 11 = 88 programs a 16-token block, each reading an 8 KB tile), the last
     program of a token block sums the 11 partials and picks the experts. Up to ROUTER_SMALL_BLOCK_TOKENS the
     token block is 8 rows over 8 slices (Qwen3.5's: the batch's power of two), so the decode batch sizes take
-    two to five builds, which JIT warm-up makes (launch_variants). Larger T: the two-kernel path (a decode
-    batch of a few rows has too little work for one program per row block, so the logits are split over expert
-    blocks and hidden slices, whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the
+    two to five builds, which JIT warm-up makes (launch_variants). Larger T, a softmax router: the two-kernel
+    path (the logits split over expert blocks and hidden slices, whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the
     row first): past ROUTER_FUSED_MAX_TOKENS the one-launch kernel as well, on 32-row blocks of every expert
     (COMPILED_LLM_ROUTER_PREFILL=two: the two kernels, which from ROUTER_WIDE_MIN_TOKENS tokens read each row
     block once for all experts, 64 x 128 tiles, 8 warps)."""
