@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).parent))
 from configs import PRESETS, write_checkpoint_folder  # noqa: E402
@@ -47,7 +48,7 @@ def main(argv=None) -> dict:
                     "Python's GC pauses in every timed run)")
     ap.add_argument("--alternate-env", default=None, help="NAME=V1,V2: TTFT also with the environment variable NAME "
                     "at each value in turn, run by run in this one engine (an A/B of a setting read at each launch, "
-                    "e.g. COMPILED_LLM_PREFILL_ORDER=longest,forward; prompts past the CUDA-graph sizes)")
+                    "e.g. COMPILED_LLM_ROUTER_PREFILL=one,two; prompts past the CUDA-graph sizes)")
     args = ap.parse_args(argv)
 
     lengths = [int(x) for x in args.ttft_lengths.split(",")]
@@ -95,9 +96,8 @@ def alternate_env(spec: str, fn, warmup: int, runs: int) -> dict:
     the values share the machine's clock and heat); the variable's prior value is restored. Medians in ms."""
     name, values = spec.split("=", 1)
     values = values.split(",")
-    before = os.environ.get(name)
     times = {v: [] for v in values}
-    try:
+    with mock.patch.dict(os.environ):  # the environment as it was, after
         for i in range(warmup + runs):
             for v in values:
                 os.environ[name] = v
@@ -105,11 +105,6 @@ def alternate_env(spec: str, fn, warmup: int, runs: int) -> dict:
                 fn()
                 if i >= warmup:
                     times[v].append(1000 * (time.perf_counter() - t))
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
     res = {v: {"median_ms": round(statistics.median(ts), 2), "runs_ms": [round(x, 2) for x in ts]}
            for v, ts in times.items()}
     print(f"TTFT with {name} alternating: {json.dumps(res)}", flush=True)

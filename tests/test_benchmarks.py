@@ -431,7 +431,7 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
 def test_norm_chain_dry_run_compiles_both_chains_under_each_row_limit(tmp_path):
     """benchmarks/norm_chain.py on the CPU: both of a Gemma 4 MoE layer's norm chains (the feedforward one summing
     the 8 routed picks) compiled with the token count dynamic under each persistent-row limit and first-run size,
-    each equal to the eager chain at every row count; the row limit's variable is left as it was."""
+    each equal to the eager chain at every row count."""
     import subprocess
 
     out = tmp_path / "norm.json"

@@ -1097,8 +1097,8 @@ def router_launch(num_tokens: int, hidden: int, num_experts: int, *, block_e: in
     program of a token block sums the 11 partials and picks the experts. Up to ROUTER_SMALL_BLOCK_TOKENS the
     token block is 8 rows over 8 slices (Qwen3.5's: the batch's power of two), so the decode batch sizes take
     two to five builds, which JIT warm-up makes (launch_variants). Larger T, a softmax router: the two-kernel
-    path (the logits split over expert blocks and hidden slices, whose partial sums the top-k kernel adds). norm: Gemma 4's router (an RMSNorm of the
-    row first): past ROUTER_FUSED_MAX_TOKENS the one-launch kernel as well, on 32-row blocks of every expert
+    path (the logits split over expert blocks and hidden slices, whose partial sums the top-k kernel adds).
+    norm: Gemma 4's router (an RMSNorm of the row first): past ROUTER_FUSED_MAX_TOKENS the one-launch kernel as well, on 32-row blocks of every expert
     (COMPILED_LLM_ROUTER_PREFILL=two: the two kernels, which from ROUTER_WIDE_MIN_TOKENS tokens read each row
     block once for all experts, 64 x 128 tiles, 8 warps)."""
     prefill = num_tokens > ROUTER_FUSED_MAX_TOKENS
