@@ -85,13 +85,19 @@ def main(argv=None) -> dict:
     many = statistics.median(timed(lambda: run(prompt, args.decode_tokens + 1), args.warmup, args.runs))
     result["decode_ms_per_token"] = round(1000 * (many - one) / args.decode_tokens, 3)
     print(f"batch-1 decode at {args.decode_context} context: {result['decode_ms_per_token']:.3f} ms/token", flush=True)
+    if args.alternate_env:  # the decode too, its prompt's time (`one`, at the variable's first value) taken off
+        alt = alternate_env(args.alternate_env, lambda: run(prompt, args.decode_tokens + 1), args.warmup, args.runs,
+                            what=f"{args.decode_tokens + 1} tokens")
+        result["decode_alternating_ms_per_token"] = {
+            v: round((r["median_ms"] - 1000 * one) / args.decode_tokens, 4) for v, r in alt.items()}
+        print(f"batch-1 decode alternating: {result['decode_alternating_ms_per_token']} ms/token", flush=True)
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
 
-def alternate_env(spec: str, fn, warmup: int, runs: int) -> dict:
+def alternate_env(spec: str, fn, warmup: int, runs: int, what: str = "TTFT") -> dict:
     """fn timed with the variable NAME of spec "NAME=V1,V2,..." at each value in turn, one run each per round (so
     the values share the machine's clock and heat); the variable's prior value is restored. Medians in ms."""
     name, values = spec.split("=", 1)
@@ -107,7 +113,7 @@ def alternate_env(spec: str, fn, warmup: int, runs: int) -> dict:
                     times[v].append(1000 * (time.perf_counter() - t))
     res = {v: {"median_ms": round(statistics.median(ts), 2), "runs_ms": [round(x, 2) for x in ts]}
            for v, ts in times.items()}
-    print(f"TTFT with {name} alternating: {json.dumps(res)}", flush=True)
+    print(f"{what} with {name} alternating: {json.dumps(res)}", flush=True)
     return res
 
 

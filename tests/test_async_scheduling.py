@@ -4,6 +4,8 @@ reasons must equal a synchronous engine's, and every block must come back. The d
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 from compiled_llm import LLM, SamplingParams
@@ -54,6 +56,42 @@ def test_mixed_requests_equal_synchronous(engines):
     assert got == want
     assert want[1][1] == "stop" and len(want[1][0]) <= 7  # the stop token really ended it early
     assert fast.engine.async_steps > 0 and fast.engine.sync_steps == 0
+    assert_all_blocks_back(fast)
+
+
+def test_a_steady_decode_batch_takes_its_tokens_and_hidden_rows_as_they_are(engines):
+    """A decode batch that keeps its sequences in order takes the previous step's sampled tokens as its input ids
+    (no scatter into the uploaded ids) and its logits from the hidden states' rows as they are (no gather);
+    when a sequence ends and the rows move, the scatter fills the others again. Tokens equal the synchronous
+    engine's."""
+    from compiled_llm.runtime import model_runner
+
+    sync, fast = engines
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 12, 6, 12)]
+    want = outputs(sync, PROMPTS[:4], params)
+    runner, sampler = fast.engine.executor.runner, fast.engine.sampler
+    seen, sampled = [], []
+    real_execute, real_launch = runner.execute_prepared, sampler.launch
+
+    def execute_prepared(input_ids, positions, ctx, rows, *args, **kw):
+        seen.append((rows is None, input_ids.untyped_storage().data_ptr()))
+        return real_execute(input_ids, positions, ctx, rows, *args, **kw)
+
+    def launch(*args, **kw):
+        out = real_launch(*args, **kw)
+        sampled.append(out.token_ids.untyped_storage().data_ptr())
+        return out
+
+    with mock.patch.object(model_runner, "fill_pending", wraps=model_runner.fill_pending) as scatter, \
+            mock.patch.object(runner, "execute_prepared", execute_prepared), \
+            mock.patch.object(sampler, "launch", launch):
+        got = outputs(fast, PROMPTS[:4], params)
+    assert got == want
+    assert len(seen) == 12 and not seen[0][0] and all(whole for whole, _ in seen[1:])  # the prompts' step gathers
+    # steps 2-6 read the previous step's sampled ids in place; step 7 (the third request ended, the rows moved)
+    # fills them in, and the rest read them in place again
+    in_place = [ptr == sampled[i] for i, (_, ptr) in enumerate(seen[1:])]
+    assert in_place == [True] * 5 + [False] + [True] * 5 and scatter.call_count == 1
     assert_all_blocks_back(fast)
 
 

@@ -125,7 +125,7 @@ def test_latency_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
     assert set(alt) == {"x", "y"} and all(len(v["runs_ms"]) == 3 and v["median_ms"] > 0 for v in alt.values())
     assert "COMPILED_LLM_TEST_AB" not in os.environ
     assert len(res["ttft_runs_ms"][64]) == 3 and isinstance(res["gc_pauses"][64], dict)
-    assert res["decode_ms_per_token"] > 0
+    assert res["decode_ms_per_token"] > 0 and set(res["decode_alternating_ms_per_token"]) == {"x", "y"}
     # the prefill profile: a table per length and its wall time (no GPU here: no kernels, none busy)
     assert set(res["prefill_profile"]) == {8, 64} and res["prefill_profile"][64]["wall_ms"] > 0
     assert "aten::" in (tmp_path / "prefill_64.txt").read_text()

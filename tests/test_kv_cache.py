@@ -150,3 +150,41 @@ def test_priority_policy_admits_and_preempts_by_priority():
 
     assert run("fcfs") == ([["low"], ["low", "high"], ["low"]], ["high", "mid", "low2"], 1)
     assert run("priority") == ([["low"], ["low", "high"], ["high"]], ["mid", "low", "low2"], 1)
+
+
+def test_step_inputs_of_long_chunks_equal_the_per_token_ones(monkeypatch):
+    """A step with a long chunk makes its token ids, positions and slot mappings in numpy (prepare_inputs); they
+    equal the per-token Python ones for every mix: chunks starting inside a block, a sliding group's released
+    blocks (-1) before the chunk, decode rows beside a prompt chunk, a placeholder to fill."""
+    import types
+
+    from compiled_llm.runtime import model_runner
+    from compiled_llm.runtime.scheduler import ScheduledSeq
+
+    def item(n, computed, chunk, sid):
+        seq = _seq(list(range(3 * sid, 3 * sid + n)))
+        seq.seq_id = sid
+        seq.block_tables = {None: [7 * sid + b for b in range(n // 4 + 1)],
+                            8: [-1] * (computed // 4 - 1) + [900 + b for b in range(n // 4 + 2 - computed // 4)]}
+        seq.num_computed_tokens = computed
+        return ScheduledSeq(seq, chunk)
+
+    runner = types.SimpleNamespace(block_size=4, kv_groups=(None, 8))
+    batch = [item(301, 300, 1, 1), item(500, 6, 130, 2), item(90, 89, 1, 3), item(70, 0, 70, 4)]
+    batch[2].seq.token_ids[-1] = -1  # async scheduling's placeholder, filled from the previous step's row 5
+
+    def inputs(vector_from: int):
+        monkeypatch.setattr(model_runner, "VECTOR_CHUNK_TOKENS", vector_from)
+        ids, pos, meta, rows, fill, _ = model_runner.ModelRunner.prepare_inputs(runner, batch, {3: 5}, "cpu")
+        cols = [ids, pos, rows, meta.seq_lens_tensor, meta.query_start_loc_tensor, *fill]
+        for g in (None, 8):
+            cols += [meta.groups[g].slot_mapping, meta.groups[g].block_tables]
+        return cols
+
+    python, vector = inputs(10 ** 9), inputs(64)
+    assert len(python) == len(vector) == 11
+    for a, b in zip(python, vector):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert python[0].shape[0] == 1 + 130 + 1 + 70 and python[1][1:4].tolist() == [6, 7, 8]
+    assert python[5].tolist() == [131] and python[6].tolist() == [5]  # the placeholder's row, its source row
+    assert python[7][1:4].tolist() == [7 * 2 * 4 + 1 * 4 + 2, 7 * 2 * 4 + 1 * 4 + 3, 7 * 2 * 4 + 2 * 4]

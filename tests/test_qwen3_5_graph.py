@@ -5,6 +5,7 @@ device tensors from host lists (torch.tensor(..., device=...) waits for the stre
 would freeze the values), the compiler's decision to capture a stateful model's decode whole, and the
 static buffers a whole-graph replay reads the state layout from (scripts/gpu_smoke.py checks the capture)."""
 
+import os
 import traceback
 from unittest import mock
 
@@ -123,26 +124,34 @@ def test_compiled_model_turns_whole_graph_on_with_cuda_graphs():
         assert not make(True, "off").full_graph_ok and not make(False).full_graph_ok
 
 
-def test_static_inputs_copy_in_one_launch_per_dtype():
-    """copy_grouped (a step's copies into the static buffers): every pair copied, and the dense pairs of one
-    dtype and device in one torch._foreach_copy_ (one launch on CUDA) each; a strided destination, a dtype
-    conversion and a lone pair copied one by one. load's two copies go out with stage's."""
+def test_static_inputs_copy_in_one_launch():
+    """copy_grouped (a step's copies into the static buffers): every pair copied, and the dense pairs whose
+    elements are 32-bit words (int64, int32, float32) in one torch._foreach_copy_ (one launch on CUDA) as int32
+    views; a strided destination, a dtype conversion and a lone pair of another dtype copied one by one. load's
+    two copies go out with stage's."""
     from compiled_llm.compiler.model import StaticBatch, copy_grouped
     from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata
+    from compiled_llm.ops.upload import STEP_INPUTS_ENV
 
     big = torch.zeros(4, 6, dtype=torch.int32)
-    pairs = [(torch.zeros(3, dtype=torch.long), torch.tensor([1, 2, 3])),
-             (torch.zeros(2, dtype=torch.long), torch.tensor([4, 5])),
+    pairs = [(torch.zeros(3, dtype=torch.long), torch.tensor([1, 2, -3])),
+             (torch.zeros(2, dtype=torch.long), torch.tensor([4, 5 << 40])),
              (torch.zeros(5, dtype=torch.int32), torch.arange(5, dtype=torch.int32)),
              (torch.zeros(2, dtype=torch.int32), torch.tensor([7, 8])),  # int64 into int32: a conversion
              (big[:2, :3], torch.ones(2, 3, dtype=torch.int32)),  # strided destination
-             (torch.zeros(1, dtype=torch.float32), torch.tensor([0.5]))]  # alone in its dtype
+             (torch.zeros(2, 2), torch.tensor([[0.5, -1.25], [3.0, 1e-30]])),
+             (torch.zeros(3, dtype=torch.bfloat16), torch.tensor([1.5, 2, 3], dtype=torch.bfloat16))]  # 16-bit
     with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as multi:
         copy_grouped(pairs)
-    assert multi.call_count == 1 and [d.dtype for d in multi.call_args.args[0]] == [torch.long] * 2
+    assert multi.call_count == 1
+    assert [(d.dtype, d.numel()) for d in multi.call_args.args[0]] == [(torch.int32, n) for n in (6, 4, 5, 4)]
     for dst, src in pairs:
         assert torch.equal(dst, src.to(dst.dtype))
     assert int(big.sum()) == 6
+    with mock.patch.dict(os.environ, {STEP_INPUTS_ENV: "old"}), \
+            mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as multi:
+        copy_grouped(pairs)  # the A/B's other arm: one multi-tensor copy a dtype (the two int64 pairs)
+    assert multi.call_count == 1 and [d.dtype for d in multi.call_args.args[0]] == [torch.long] * 2
 
     buf = StaticBatch(4, [None], "cpu", max_blocks=3)
     meta = AttentionMetadata([0, 1, 2], [5, 5], 4, {None: GroupMetadata(torch.zeros(2, 3, dtype=torch.int32),
@@ -152,12 +161,58 @@ def test_static_inputs_copy_in_one_launch_per_dtype():
     assert buf.ids.tolist() == [0, 0, 0, 0] and len(pending) == 2  # held for stage
     with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as multi:
         buf.stage(ForwardContext(meta, {}, {}, {}), 2, True, pending)
-    # ids, positions and slot mapping (int64) in one copy; the block table (the buffer's full width: dense)
-    # alone in int32, with seq_lens and offsets converted from the host lists' int64
-    assert multi.call_count == 1 and len(multi.call_args.args[0]) == 3
+    # ids, positions, slot mapping and the block table (the buffer's full width: dense) in one copy; seq_lens
+    # and offsets converted from the host lists' int64 one by one
+    assert multi.call_count == 1 and len(multi.call_args.args[0]) == 4
     assert buf.ids.tolist() == [11, 12, 0, 0] and buf.pos.tolist() == [5, 6, 0, 0]
     assert buf.slots[None].tolist() == [9, 4, -1, -1] and buf.seq_lens.tolist() == [5, 5, 0, 0]
     assert buf.qsl.tolist() == [0, 1, 2, 2, 2]
+
+
+def test_whole_graph_step_copies_table_rows_and_pads_once():
+    """A whole-graph decode step: block-table rows narrower than the buffer go out as one pair a row, in the
+    one multi-tensor copy; the padding past the step's rows is set when the row count changes, not again for
+    the same count (a launch each), and a step with more rows in between has its rows padded again."""
+    from compiled_llm.compiler.model import StaticBatch
+    from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMetadata
+
+    buf = StaticBatch(4, ["a", "b"], "cpu", max_blocks=6)
+    fills = []
+    real_fill = torch.Tensor.fill_
+
+    def fill(t, v):
+        fills.append(t.numel())
+        return real_fill(t, v)
+
+    def step(n: int, cols: int = 2):
+        base = 100 * n
+        tables = {g: torch.arange(base + k, base + k + n * cols, dtype=torch.int32).view(n, cols) for k, g in
+                  enumerate("ab")}
+        meta = AttentionMetadata(list(range(n + 1)), [7] * n, 4,
+                                 {g: GroupMetadata(tables[g], torch.arange(n) + 10) for g in "ab"})
+        meta.seq_lens_tensor = torch.full((n,), 7, dtype=torch.int32)
+        meta.query_start_loc_tensor = torch.arange(n + 1, dtype=torch.int32)
+        pending: list = []
+        buf.load(torch.arange(n) + 1, torch.arange(n) + 20, pending)
+        fills.clear()
+        with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as multi, \
+                mock.patch.object(torch.Tensor, "fill_", fill):
+            buf.stage(ForwardContext(meta, {}, {}, {}), n, True, pending)
+        assert multi.call_count == 1
+        for g in "ab":
+            assert torch.equal(buf.tables[g][:n, :cols], tables[g])
+        return len(multi.call_args.args[0]), list(fills)
+
+    count, pads = step(3)
+    assert count == 2 + 2 + 2 * 3 + 2  # ids, positions; two slot maps; 3 rows a group; lengths, offsets
+    assert pads  # the first step at three rows sets the padding
+    assert step(3)[1] == []  # the same rows: none set again
+    step(4)
+    step(3)
+    assert buf.ids.tolist() == [1, 2, 3, 0] and buf.pos.tolist() == [20, 21, 22, 0]
+    assert buf.slots["a"].tolist() == [10, 11, 12, -1] and buf.seq_lens.tolist() == [7, 7, 7, 0]
+    assert buf.tables["b"][3].tolist() == [0] * 6 and buf.qsl.tolist() == [0, 1, 2, 3, 3]
+    assert step(4, cols=6)[0] == 2 + 2 + 2 + 2  # full-width tables: one dense pair a group
 
 
 def test_whole_graph_staging_pads_the_state_layout():
@@ -180,8 +235,9 @@ def test_whole_graph_staging_pads_the_state_layout():
 
     with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as multi:
         first = step([3, 5], [True, False])
-    # the state's three int32 buffers in one multi-tensor copy (with the step's other same-dtype dense inputs)
-    assert multi.call_count == 1 and [d.dtype for d in multi.call_args.args[0]] == [torch.int32] * 3
+    # the state's three int32 buffers in the one multi-tensor copy, with the step's other dense inputs (the slot
+    # map, the two block-table rows; as int32 words)
+    assert multi.call_count == 1 and [d.dtype for d in multi.call_args.args[0]] == [torch.int32] * 6
     t = first.layout.tensors
     assert first.layout.decode and first.layout.max_query_len == 1 and first.layout.num_seqs == 4
     assert t["query_start_loc"].tolist() == [0, 1, 2, 2, 2]

@@ -23,6 +23,7 @@ from compiled_llm.compiler.cuda_graph import BatchDescriptor, CUDAGraphWrapper
 from compiled_llm.compiler.direct import MISS, DirectForward
 from compiled_llm.ops.context import GroupMetadata, get_forward_context, set_forward_context
 from compiled_llm.ops.jit import MONITOR
+from compiled_llm.ops.upload import new_step_inputs
 from compiled_llm.passes.manager import PassManager
 
 log = logging.getLogger("compiled_llm")
@@ -63,12 +64,18 @@ class RunState:
 
 def copy_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """dst.copy_(src) for each (dst, src) pair: one multi-tensor copy (`torch._foreach_copy_`, one launch on CUDA)
-    for each group of two or more dense pairs of one dtype and device, the rest one by one. A decode step's
-    inputs are a dozen small device-to-device copies into the static buffers; one launch each cost ~2 us of the
-    step's head on the H200 (session 31's batch-1 profile: eight of them)."""
+    for each group of two or more dense pairs, the rest one by one. A pair of one dtype whose elements are whole
+    32-bit words (int64, int32, float32) is copied as int32 words, so a step's int64 ids, positions and slots go
+    out in the same launch as its int32 lengths, offsets and block-table rows. A decode step's inputs are a dozen
+    small device-to-device copies into the static buffers; one launch each cost ~2 us of the step's head on the
+    H200 (session 31's batch-1 profile: eight of them), and one launch a dtype left three (session 55's H100
+    batch-4 step: ~17 us from the first to the end of the last)."""
     groups: dict[tuple, list] = {}
+    words = new_step_inputs()
     for dst, src in pairs:
         dense = dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.device == src.device
+        if dense and words and dst.element_size() % 4 == 0:
+            dst, src = _words(dst), _words(src)
         groups.setdefault((dst.dtype, dst.device, src.device) if dense else None, []).append((dst, src))
     for key, group in groups.items():
         if key is not None and len(group) > 1:
@@ -76,6 +83,16 @@ def copy_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         else:
             for dst, src in group:
                 dst.copy_(src, non_blocking=True)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat int32 view (its element size a multiple of 4)."""
+    return t.reshape(-1).view(torch.int32)
+
+
+# a whole-graph step's block tables go row by row into the one multi-tensor copy up to this many rows (all groups
+# together; torch's multi-tensor kernels take up to 64 pairs a launch), as one 2-D copy a group past it
+TABLE_ROW_COPIES = 32
 
 
 class StaticBatch:
@@ -92,6 +109,16 @@ class StaticBatch:
         self.qsl = torch.zeros(size + 1, dtype=torch.int32, device=device)
         self.inter: dict[str, torch.Tensor] = {}  # a later pipeline stage's inputs, padded
         self.extra: dict[str, dict[str, torch.Tensor]] = {}  # forward-context extras' static buffers, by key
+        self.padded: dict[str, Any] = {}  # region -> what its padding was last set for (see _pad)
+
+    def _pad(self, name: str, key, region: torch.Tensor, value: int) -> None:
+        """Sets a buffer's padding (the part past this step's rows) unless the last step that wrote the buffer
+        set it for the same rows: only load and stage write these buffers, and each writes its rows and then
+        this, so a padding set for the same key is still in place (a launch less for each of up to seven
+        regions, in a decode batch that runs padded to its graph's size)."""
+        if self.padded.get(name) != key or not new_step_inputs():
+            region.fill_(value)
+            self.padded[name] = key
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, copies: list | None = None) -> None:
         """The step's tokens and positions padded into this size's buffers. copies: where given, the two copies
@@ -102,8 +129,8 @@ class StaticBatch:
             copy_grouped(pairs)
         else:
             copies.extend(pairs)
-        self.ids[n:].zero_()
-        self.pos[n:].zero_()
+        self._pad("ids", n, self.ids[n:], 0)
+        self._pad("pos", n, self.pos[n:], 0)
 
     def load_intermediate(self, intermediate: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A later pipeline stage's inputs (hidden states, per-layer inputs) padded into this size's buffers."""
@@ -126,13 +153,17 @@ class StaticBatch:
         groups = {}
         for g, gm in meta.groups.items():
             copies.append((self.slots[g][:n], gm.slot_mapping))
-            self.slots[g][n:].fill_(-1)
+            self._pad(f"slots {g}", n, self.slots[g][n:], -1)
             tables = gm.block_tables
             if full:
                 rows, cols = tables.shape
-                copies.append((self.tables[g][:rows, :cols], tables))  # (dense only where cols is the width)
-                self.tables[g][rows:].zero_()
-                tables = self.tables[g]
+                dst = self.tables[g]
+                if cols < dst.shape[1] and rows * len(meta.groups) <= TABLE_ROW_COPIES and new_step_inputs():
+                    copies.extend((dst[i, :cols], tables[i]) for i in range(rows))
+                else:
+                    copies.append((dst[:rows, :cols], tables))  # (dense where cols is the width)
+                self._pad(f"tables {g}", rows, dst[rows:], 0)
+                tables = dst
             groups[g] = GroupMetadata(tables, self.slots[g])
         # the token positions the K=V writers rotate their kept keys at: this size's padded buffer (load)
         meta = dataclasses.replace(meta, groups=groups, positions=self.pos)
@@ -144,8 +175,8 @@ class StaticBatch:
             qsl = (meta.query_start_loc_tensor if meta.query_start_loc_tensor is not None
                    else torch.tensor(meta.query_start_loc))
             copies += [(self.seq_lens[:s], lens[:s]), (self.qsl[:s + 1], qsl[:s + 1])]
-            self.seq_lens[s:].zero_()
-            self.qsl[s + 1:].fill_(meta.query_start_loc[-1])
+            self._pad("seq_lens", s, self.seq_lens[s:], 0)
+            self._pad("qsl", (s, meta.query_start_loc[-1]), self.qsl[s + 1:], meta.query_start_loc[-1])
             meta.seq_lens_tensor, meta.query_start_loc_tensor = self.seq_lens, self.qsl
             staged = dataclasses.replace(ctx, attn_metadata=meta, extra=self.stage_extras(ctx.extra, copies))
             copy_grouped(copies)

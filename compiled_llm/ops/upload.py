@@ -11,11 +11,22 @@ layout (ops/state.py) both upload this way.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 _NP = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 ALIGN_BYTES = 16
+# "old": a step's inputs made as before session 56, for an A/B (read at each step): per-token Python columns for
+# long chunks and the sampled tokens always scattered into the ids, the logit rows always gathered
+# (runtime/model_runner.py); one multi-tensor copy a dtype into the static buffers, a 2-D copy a block table, every
+# padding set each step (compiler/model.py)
+STEP_INPUTS_ENV = "COMPILED_LLM_STEP_INPUTS"
+
+
+def new_step_inputs() -> bool:
+    return os.environ.get(STEP_INPUTS_ENV, "new") != "old"
 
 
 def to_device_packed(items: list, device) -> list[torch.Tensor]:

@@ -156,7 +156,7 @@ class InputProcessor:
             cut = params.truncated(ids, self.config.max_model_len)
             if len(cut) < len(ids):  # the text no longer matches what the model sees
                 text, ids = None, cut
-        if any(t < 0 or t >= self.vocab_size for t in ids):
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C loops: a genexpr took ~0.4 ms an 8K prompt)
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         named = [t for t in params.token_ids_named() if t >= self.vocab_size]
         if named:
@@ -207,4 +207,4 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("the prompt is empty")
             return prompt, self.tokenize(prompt), None
-        return None, [int(t) for t in prompt], None
+        return None, list(map(int, prompt)), None

@@ -22,7 +22,7 @@ from compiled_llm.ops.context import AttentionMetadata, ForwardContext, GroupMet
 from compiled_llm.ops.registry import describe, model_facts, select_providers
 from compiled_llm.ops.sparse import SPARSE_KEY
 from compiled_llm.ops.state import STATE_KEY, StateLayout, StateMetadata, allocate_states, copy_state_slots
-from compiled_llm.ops.upload import to_device_packed
+from compiled_llm.ops.upload import new_step_inputs, to_device_packed
 from compiled_llm.runtime.host_memory import MappedHost
 from compiled_llm.runtime.kv_plan import KVCachePlanner, mark_rot_keys
 from compiled_llm.runtime import prompt_logprobs
@@ -53,6 +53,25 @@ def quiet_cpp_extension_import() -> None:
         import torch.utils.cpp_extension  # noqa: F401
     finally:
         logger.setLevel(level)
+
+
+# chunks of at least this many tokens make a step's per-token host columns in numpy (prepare_inputs)
+VECTOR_CHUNK_TOKENS = 64
+
+
+def decode_in_order(batch: list[ScheduledSeq], rows_of: dict[int, int] | None) -> bool:
+    """Whether every row of the step is one token that ends its sequence (a decode row, which samples), and,
+    with rows_of (async scheduling: seq_id -> its row in the previous step's sampled tokens), whether row i's
+    token is the previous step's row i, as in a decode batch that did not change. Then the step's input ids are
+    the sampled tokens as they are, and its logits the hidden states' rows as they are: no gather or scatter
+    launch at either end of the step (three of the ~ten small launches around a decode step's graph)."""
+    for i, item in enumerate(batch):
+        seq = item.seq
+        if item.num_tokens != 1 or seq.num_computed_tokens + 1 != len(seq):
+            return False
+        if rows_of is not None and rows_of.get(seq.seq_id) != i:
+            return False
+    return True
 
 
 class ModelRunner(KVCachePlanner):
@@ -210,8 +229,14 @@ class ModelRunner(KVCachePlanner):
         the device; a sequence whose last token is a placeholder for one of them gets it copied in there."""
         rows_of = None if pending is None else pending.rows
         input_ids, positions, meta, rows, fill, prompt = self.prepare_inputs(batch, rows_of, self.device)
+        new = new_step_inputs()
         if fill is not None:
-            fill_pending(input_ids, fill, pending.tokens)
+            if new and decode_in_order(batch, rows_of):  # each row's token is the previous step's in that row
+                input_ids = pending.tokens[:len(batch)].to(input_ids.dtype)
+            else:
+                fill_pending(input_ids, fill, pending.tokens)
+        if new and prompt is None and decode_in_order(batch, None):
+            rows = None  # every row samples, in order: the hidden states as they are (no gather)
         return input_ids, positions, meta, rows, prompt
 
     def prepare_inputs(self, batch: list[ScheduledSeq], pending_rows: dict[int, int] | None, dev: torch.device):
@@ -225,21 +250,36 @@ class ModelRunner(KVCachePlanner):
         fill_at, fill_from = [], []
         groups = self.kv_groups
         slots: dict = {g: [] for g in groups}
+        # a step with a long chunk (a prompt) makes its per-token columns in numpy: 8,192 tokens' positions and
+        # two groups' slots took ~2.4 ms in Python, ahead of the step's first kernel; a decode batch's in Python
+        vec = any(item.num_tokens >= VECTOR_CHUNK_TOKENS for item in batch) and new_step_inputs()
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
-            ids.extend(seq.token_ids[start:end])
-            if pending_rows and end == len(seq) and seq.seq_id in pending_rows:
-                fill_at.append(len(ids) - 1)
-                fill_from.append(pending_rows[seq.seq_id])
-            pos.extend(range(start, end))
             qsl.append(qsl[-1] + item.num_tokens)
+            if pending_rows and end == len(seq) and seq.seq_id in pending_rows:
+                fill_at.append(qsl[-1] - 1)
+                fill_from.append(pending_rows[seq.seq_id])
             seq_lens.append(end)
             if end == len(seq):
                 logit_rows.append(qsl[-1] - 1)
+            if vec:
+                ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
+                at = np.arange(start, end)
+                pos.append(at)
+                first = start // bs
+                for g in groups:
+                    blocks = np.asarray(seq.block_tables[g][first:(end - 1) // bs + 1], dtype=np.int64)
+                    slots[g].append(blocks[at // bs - first] * bs + at % bs)
+                continue
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
             for g in groups:
                 table = seq.block_tables[g]
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if vec:
+            ids, pos = np.concatenate(ids), np.concatenate(pos)
+            slots = {g: np.concatenate(v) for g, v in slots.items()}
         step_spans = prompt_logprobs.spans(batch)
         for i, lo, n in step_spans:  # after the sampled rows (runtime/prompt_logprobs.py)
             first = qsl[i] + lo - batch[i].seq.num_computed_tokens
@@ -251,7 +291,7 @@ class ModelRunner(KVCachePlanner):
             for i, item in enumerate(batch):
                 t = item.seq.block_tables[g]
                 tables[g][i, :len(t)] = np.fromiter(t, np.int32, len(t))
-        positions = torch.tensor(pos, dtype=torch.long)
+        positions = torch.as_tensor(pos, dtype=torch.long)
         if any(item.seq.mm is not None and item.seq.mm.mrope is not None for item in batch):
             positions = mrope_batch_positions(batch, positions)
             if bool((positions == positions[:1]).all()):  # text and decode tokens only: one row says it all,
@@ -314,12 +354,13 @@ class ModelRunner(KVCachePlanner):
 
     @torch.inference_mode()
     def execute_prepared(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                         rows: torch.Tensor, intermediate: dict[str, torch.Tensor] | None = None,
+                         rows: torch.Tensor | None, intermediate: dict[str, torch.Tensor] | None = None,
                          inputs_embeds: torch.Tensor | None = None, prompt: prompt_logprobs.PromptRows | None = None):
         """The forward pass on prepared inputs (every rank of a parallel run calls this). Under pipeline
         parallelism a stage after the first gets the previous stage's tensors in `intermediate`, and a
-        stage before the last returns its own (a dict) instead of logits. inputs_embeds: media merged in
-        (eager). prompt: the last rows are prompt rows, reduced to their logprobs (runtime/prompt_logprobs.py)."""
+        stage before the last returns its own (a dict) instead of logits. rows: the hidden rows whose logits are
+        returned (None: every row, in order). inputs_embeds: media merged in (eager). prompt: the last rows are
+        prompt rows, reduced to their logprobs (runtime/prompt_logprobs.py)."""
         kwargs = {} if intermediate is None else {"intermediate": intermediate}
         if inputs_embeds is not None:
             kwargs["inputs_embeds"] = inputs_embeds
@@ -336,7 +377,7 @@ class ModelRunner(KVCachePlanner):
         if isinstance(hidden, dict):
             return hidden
         if prompt is None:
-            return self.model.compute_logits(hidden[rows]).float()
+            return self.model.compute_logits(hidden if rows is None else hidden[rows]).float()
         m = rows.shape[0] - prompt.targets.shape[0]
         sampled = self.model.compute_logits(hidden[rows[:m]]).float() if m else \
             hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
