@@ -188,3 +188,16 @@ def test_step_inputs_of_long_chunks_equal_the_per_token_ones(monkeypatch):
     assert python[0].shape[0] == 1 + 130 + 1 + 70 and python[1][1:4].tolist() == [6, 7, 8]
     assert python[5].tolist() == [131] and python[6].tolist() == [5]  # the placeholder's row, its source row
     assert python[7][1:4].tolist() == [7 * 2 * 4 + 1 * 4 + 2, 7 * 2 * 4 + 1 * 4 + 3, 7 * 2 * 4 + 2 * 4]
+
+
+def test_block_keys_tell_apart_tokens_order_parents_and_media():
+    """A block's prefix-cache key: equal for the same tokens after the same parent, different when a token, their
+    order, the parent block or the media hashes differ (ids of any size, and the -1 placeholder)."""
+    from compiled_llm.runtime.block_pool import block_hash
+
+    base = block_hash(None, [1, 23, 262143, 4])
+    assert block_hash(None, [1, 23, 262143, 4]) == base and len(base) == 16
+    others = [block_hash(None, [12, 3, 262143, 4]), block_hash(None, [23, 1, 262143, 4]),
+              block_hash(base, [1, 23, 262143, 4]), block_hash(None, [1, 23, 262143, 4], b"img"),
+              block_hash(None, [1, 23, 262143, -1])]
+    assert len({base, *others}) == 6
