@@ -59,19 +59,13 @@ def quiet_cpp_extension_import() -> None:
 VECTOR_CHUNK_TOKENS = 64
 
 
-def decode_in_order(batch: list[ScheduledSeq], rows_of: dict[int, int] | None) -> bool:
-    """Whether every row of the step is one token that ends its sequence (a decode row, which samples), and,
-    with rows_of (async scheduling: seq_id -> its row in the previous step's sampled tokens), whether row i's
-    token is the previous step's row i, as in a decode batch that did not change. Then the step's input ids are
-    the sampled tokens as they are, and its logits the hidden states' rows as they are: no gather or scatter
-    launch at either end of the step (three of the ~ten small launches around a decode step's graph)."""
-    for i, item in enumerate(batch):
-        seq = item.seq
-        if item.num_tokens != 1 or seq.num_computed_tokens + 1 != len(seq):
-            return False
-        if rows_of is not None and rows_of.get(seq.seq_id) != i:
-            return False
-    return True
+def decode_in_order(batch: list[ScheduledSeq]) -> bool:
+    """Whether every row of the step is one token that ends its sequence (a decode row, which samples). Then its
+    logits are the hidden states' rows as they are, and, where row i's token is also the previous step's sampled
+    row i (a decode batch that did not change, async scheduling), its input ids are the sampled tokens as they are:
+    no gather or scatter launch at either end of the step (three of the ~ten small launches around a decode
+    step's graph)."""
+    return all(item.num_tokens == 1 and item.seq.num_computed_tokens + 1 == len(item.seq) for item in batch)
 
 
 class ModelRunner(KVCachePlanner):
@@ -229,13 +223,13 @@ class ModelRunner(KVCachePlanner):
         the device; a sequence whose last token is a placeholder for one of them gets it copied in there."""
         rows_of = None if pending is None else pending.rows
         input_ids, positions, meta, rows, fill, prompt = self.prepare_inputs(batch, rows_of, self.device)
-        new = new_step_inputs()
+        decode = new_step_inputs() and decode_in_order(batch)
         if fill is not None:
-            if new and decode_in_order(batch, rows_of):  # each row's token is the previous step's in that row
-                input_ids = pending.tokens[:len(batch)].to(input_ids.dtype)
+            if decode and all(rows_of.get(item.seq.seq_id) == i for i, item in enumerate(batch)):
+                input_ids = pending.tokens[:len(batch)].to(input_ids.dtype)  # row i's token: the previous row i
             else:
                 fill_pending(input_ids, fill, pending.tokens)
-        if new and prompt is None and decode_in_order(batch, None):
+        if decode and prompt is None:
             rows = None  # every row samples, in order: the hidden states as they are (no gather)
         return input_ids, positions, meta, rows, prompt
 
