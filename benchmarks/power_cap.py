@@ -36,7 +36,7 @@ def sustained_rate(device: str, n: int, seconds: float, window: float = 0.05) ->
         done += per_check
         t = time.perf_counter()
         if t - t_prev >= window:
-            rows.append({"t": round(t - t0, 4), "flops": done * flop / (t - t_prev)})
+            rows.append({"t": t - t0, "flops": done * flop / (t - t_prev)})  # not rounded: windows stay >= window apart
             t_prev, done = t, 0
         elif t - t_prev < window / 8:
             per_check *= 2

@@ -1,8 +1,8 @@
 """Kernel groups run under the Triton interpreter: TRITON_INTERPRET must be set before triton is first imported,
-so a test file's groups run as that file's script in a subprocess. One subprocess per test file runs every
-group the session selected from it, in order (a process start with its torch / triton imports costs 2-3 s on
-two cores, more than most groups take): each group's result and output are reported on their own, and each
-group's test reads its own, so a failure still names its group and shows that group's output.
+so a test file's groups run as that file's script in subprocesses. Two subprocesses per test file, side by side,
+run the groups the session selected from it, dealt between them in order (a process start with its torch / triton
+imports costs 2-3 s on two cores, more than most groups take): each group's result and output are reported on
+their own, and each group's test reads its own, so a failure still names its group and shows that group's output.
 
     script side:  if __name__ == "__main__": main(sys.argv[1:] or DEFAULT, lambda g: globals()[f"check_{g}"]())
     pytest side:  a module fixture `results = run_groups(request, __file__, "test_name")`, then
@@ -16,12 +16,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "@@group"
+SHARDS = 2  # processes a test file's groups run in at most (the CI machine has two cores)
 
 
 def main(groups: list[str], run_one, before_each=None) -> None:
@@ -51,29 +53,48 @@ def selected(request, test_name: str) -> list[str]:
             if getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == test_name]
 
 
+def shards(groups: list[str], count: int) -> list[list[str]]:
+    """The groups dealt round-robin into at most count non-empty lists (each keeps the groups' order)."""
+    count = max(1, min(count, len(groups)))
+    return [groups[i::count] for i in range(count)]
+
+
 def run_groups(request, script: str, test_name: str, timeout: float = 540.0) -> dict[str, tuple[str, str]]:
-    """Runs the selected groups of test_name in one subprocess of script: {group: (status, output)}, status
-    'passed', 'FAILED' or a line saying why the group gave no result (the process died or timed out first)."""
+    """Runs the selected groups of test_name in subprocesses of script, one a CPU core up to SHARDS, side by side
+    (the interpreter runs one thread: on the suite's two cores two processes halve the wall time of the files
+    whose groups take minutes): {group: (status, output)}, status 'passed', 'FAILED' or a line saying why the
+    group gave no result (its process died or timed out first). Which groups share a process is fixed by their
+    order, so a run is the same run every time."""
     groups = selected(request, test_name)
     if not groups:
         return {}
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    try:
-        r = subprocess.run([sys.executable, str(Path(script).resolve()), *groups], env=env, cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        out, ended = r.stdout, f"the process exited with {r.returncode}"
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        ended = f"the process ran past {timeout:.0f} s and was killed"
+    procs = []
+    for part in shards(groups, min(SHARDS, os.cpu_count() or 1)):
+        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a process is never held up by a full pipe
+        procs.append((part, log, subprocess.Popen([sys.executable, str(Path(script).resolve()), *part], env=env,
+                                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)))
+    deadline = time.monotonic() + timeout
     results: dict[str, tuple[str, str]] = {}
     pattern = re.compile(rf"^{MARK} (\S+) start$(.*?)^{MARK} \1 (passed|FAILED)", re.M | re.S)
-    for m in pattern.finditer(out):
-        results[m.group(1)] = (m.group(3), m.group(2))
-    for group in groups:
-        if group not in results:
-            start = out.find(f"{MARK} {group} start")
-            results[group] = (f"no result: {ended} before group {group} ended", out[start:] if start >= 0 else out)
+    for part, log, proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            ended = f"the process exited with {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            ended = f"the process ran past {timeout:.0f} s and was killed"
+        with log:
+            log.seek(0)
+            out = log.read()
+        for m in pattern.finditer(out):
+            results[m.group(1)] = (m.group(3), m.group(2))
+        for group in part:
+            if group not in results:
+                start = out.find(f"{MARK} {group} start")
+                results[group] = (f"no result: {ended} before group {group} ended", out[start:] if start >= 0 else out)
     return results
 
 

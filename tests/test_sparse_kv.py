@@ -513,7 +513,7 @@ def test_benchmark_synthetic_prefill_and_batch_limit(tmp_path):
         out = tmp_path / str(batch)
         cmd = [sys.executable, str(root / "benchmarks" / "sparse_kv.py"), "--tiny", "--device", "cpu", "--dtype",
                "float32", "--lengths", "384", "--output", "10", "--methods", "dense", "--batch", str(batch),
-               "--max-num-batched-tokens", "384", "--synthetic-prefill", "--out", str(out)]
+               "--max-num-batched-tokens", "384", "--synthetic-prefill", "--enforce-eager", "--out", str(out)]
         subprocess.run(cmd, check=True, cwd=root, capture_output=True, timeout=300)
         (row,) = json.loads(next(out.glob("sparse_kv_tiny_*.json")).read_text())["rows"]
         # a 384-token prompt a step at most (the budget), a decode row's token beside the next prompt's chunk

@@ -19,8 +19,10 @@ from interp_groups import check, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST = ["gelu", "logits_softcap", "argmax_rows", "rot_keys", "decode", "decode_qk", "decode_qk_rot", "prefill",
-        "moe", "moe_align_sorted", "swiglu_moe", "router", "skinny_gemm", "allreduce_norm"]
+# in an order whose round-robin halves (interp_groups.shards: the two processes) take about as long: ~57 and ~53 s
+# on a 2-core host (moe 25, skinny_gemm 24 and prefill 21 s the longest)
+FAST = ["moe", "skinny_gemm", "prefill", "decode_qk", "router", "decode_qk_rot", "argmax_rows", "moe_align_sorted",
+        "gelu", "allreduce_norm", "logits_softcap", "decode", "rot_keys", "swiglu_moe"]
 SLOW = ["decode_sweep", "prefill_sweep", "moe_sweep"]
 
 
