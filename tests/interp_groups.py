@@ -78,23 +78,30 @@ def run_groups(request, script: str, test_name: str, timeout: float = 540.0) -> 
     deadline = time.monotonic() + timeout
     results: dict[str, tuple[str, str]] = {}
     pattern = re.compile(rf"^{MARK} (\S+) start$(.*?)^{MARK} \1 (passed|FAILED)", re.M | re.S)
-    for part, log, proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            ended = f"the process exited with {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            ended = f"the process ran past {timeout:.0f} s and was killed"
-        with log:
+    try:
+        for part, log, proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                ended = f"the process exited with {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                ended = f"the process ran past {timeout:.0f} s and was killed"
             log.seek(0)
             out = log.read()
-        for m in pattern.finditer(out):
-            results[m.group(1)] = (m.group(3), m.group(2))
-        for group in part:
-            if group not in results:
-                start = out.find(f"{MARK} {group} start")
-                results[group] = (f"no result: {ended} before group {group} ended", out[start:] if start >= 0 else out)
+            for m in pattern.finditer(out):
+                results[m.group(1)] = (m.group(3), m.group(2))
+            for group in part:
+                if group not in results:
+                    start = out.find(f"{MARK} {group} start")
+                    results[group] = (f"no result: {ended} before group {group} ended",
+                                      out[start:] if start >= 0 else out)
+    finally:  # an interrupted session leaves no interpreter process behind
+        for _, log, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
     return results
 
 
