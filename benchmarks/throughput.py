@@ -168,6 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def versions() -> dict:
+    """The packages a run's figures depend on, ours and the peers' (session 58: transformers' own tok/s on the GPU
+    rose 104.7 -> 173.3 eager and 258 -> 279 static-compile between sessions, and no record said what changed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "triton", "transformers", "flashinfer-python"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -217,7 +231,7 @@ def main(argv=None) -> int:
               "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
               "enable_expert_parallel": args.enable_expert_parallel, "async_scheduling": args.async_scheduling,
               "max_autotune": args.max_autotune, "tp_allreduce": args.tp_allreduce, "op_providers": args.op_providers, "rows": rows,
-              "peer_errors": peer_errors, "ours_total_seconds": startup_and_runs,
+              "peer_errors": peer_errors, "ours_total_seconds": startup_and_runs, "versions": versions(),
               "date": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

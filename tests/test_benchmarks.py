@@ -109,6 +109,12 @@ def test_throughput_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
     result = json.loads(next(tmp_path.glob("throughput_*.json")).read_text())
     row = result["rows"][0]
     assert row["shape"] == "16x2x8" and row["ours_tok_s"] > 0 and row["floor_tok_s"] is None
+    import torch
+    import transformers
+
+    # the versions the figures came from (a peer's speed moves with its version)
+    assert torch.__version__.startswith(result["versions"]["torch"])
+    assert result["versions"]["transformers"] == transformers.__version__
 
 
 def test_latency_script_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
