@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def versions() -> dict:
     """The packages a run's figures depend on, ours and the peers' (session 58: transformers' own tok/s on the GPU
-    rose 104.7 -> 173.3 eager and 258 -> 279 static-compile between sessions, and no record said what changed)."""
+    rose 104.7 -> 173.3 eager and 258 -> 279 static-compile between sessions, and whether a package had changed
+    had to be asked of the machine in a call of its own: it had not)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
