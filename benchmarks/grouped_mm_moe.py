@@ -82,9 +82,10 @@ def down_alone(x, gate_up, down, wts, ids, act: str, graph_time_us) -> dict:
     a = torch.randn(rows, two_i // 2, device=x.device).to(x.dtype)
     theirs = graph_time_us(lambda: torch._grouped_mm(a, down.transpose(1, 2), offs=ends), replays=10, calls=3)
     # the down kernel is _down_kernel, or _down_persistent_kernel past 256 pairs an expert (MoELaunch.persistent)
-    down = [us for name, us in times.items() if name.startswith("_down") and name.endswith("kernel")]
-    return {"ours_gate_up_kernel_us": times.get("_gate_up_kernel"), "ours_down_kernel_us": sum(down) if down else None,
-            "ours_down_persistent": pol.persistent > 0, "down_grouped_mm_us": round(theirs, 1)}
+    down_us = [us for name, us in times.items() if name.startswith("_down") and name.endswith("kernel")]
+    return {"ours_gate_up_kernel_us": times.get("_gate_up_kernel"),
+            "ours_down_kernel_us": sum(down_us) if down_us else None, "ours_down_persistent": pol.persistent > 0,
+            "down_grouped_mm_us": round(theirs, 1)}
 
 
 def main() -> int:

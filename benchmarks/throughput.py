@@ -169,18 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def versions() -> dict:
-    """The packages a run's figures depend on, ours and the peers' (session 58: transformers' own tok/s on the GPU
-    rose 104.7 -> 173.3 eager and 258 -> 279 static-compile between sessions, and whether a package had changed
-    had to be asked of the machine in a call of its own: it had not)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """The packages a run's figures depend on: the compile cache's key (torch, python, triton, flashinfer) and the
+    peers' transformers (session 58: transformers' own tok/s on the GPU rose 104.7 -> 173.3 eager and 258 -> 279
+    static-compile between sessions, and whether a package had changed had to be asked of the machine in a call of
+    its own: it had not)."""
+    import transformers
 
-    out = {}
-    for name in ("torch", "triton", "transformers", "flashinfer-python"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
+    from compiled_llm.compiler.cache import versions as cache_versions
+
+    return dict(cache_versions(), transformers=transformers.__version__)
 
 
 def main(argv=None) -> int:

@@ -71,14 +71,14 @@ def run_groups(request, script: str, test_name: str, timeout: float = 540.0) -> 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = []
-    for part in shards(groups, min(SHARDS, os.cpu_count() or 1)):
-        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a process is never held up by a full pipe
-        procs.append((part, log, subprocess.Popen([sys.executable, str(Path(script).resolve()), *part], env=env,
-                                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)))
-    deadline = time.monotonic() + timeout
     results: dict[str, tuple[str, str]] = {}
     pattern = re.compile(rf"^{MARK} (\S+) start$(.*?)^{MARK} \1 (passed|FAILED)", re.M | re.S)
-    try:
+    try:  # (the starts inside it too: a second start that fails leaves no first process behind)
+        for part in shards(groups, min(SHARDS, os.cpu_count() or 1)):
+            log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a process is never held up by a full pipe
+            procs.append((part, log, subprocess.Popen([sys.executable, str(Path(script).resolve()), *part], env=env,
+                                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)))
+        deadline = time.monotonic() + timeout
         for part, log, proc in procs:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
