@@ -230,3 +230,76 @@ def test_side_stream_priority_switch(monkeypatch):
     assert moe_overlap.side_priority() == 0
     monkeypatch.setenv(moe_overlap.SIDE_PRIORITY_ENV, "high")
     assert moe_overlap.side_priority() == -5
+
+
+def gemma_layer_ffn(o, residual, post_w, router_w, scale, pes, n2, gate_up, down, n1, mlp_gu, mlp_d):
+    """Gemma 4's layer from the attention block's output o on: the residual stream after it (h), the router and the
+    routed branch's inputs from h, then the dense MLP, and the feedforward sum."""
+    h = residual + ref_rms_norm(o, post_w, 1e-6)
+    w, ids = ref_router_topk(h, router_w, scale, pes, K, 1e-6, H ** -0.5)
+    routed = dense_gated_moe(ref_rms_norm(h, n2, 1e-6), w, ids, gate_up, down, gelu_tanh, E).to(h.dtype)
+    g, u = F.linear(ref_rms_norm(h, n1, 1e-6), mlp_gu).chunk(2, dim=-1)
+    y = F.linear(gelu_tanh(g) * u, mlp_d)
+    return h + ref_rms_norm(y, n1, 1e-6) + ref_rms_norm(routed, n2, 1e-6)
+
+
+def layer_inputs(n=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(5)
+    x, *rest = gemma_inputs(n, dtype)
+    return [x, torch.randn(n, H, generator=g).to(dtype), (1 + 0.3 * torch.randn(H, generator=g)).to(dtype), *rest]
+
+
+def _compiled_layer(dtype, monkeypatch=None, early: bool = True):
+    from torch._inductor.compile_fx import compile_fx
+
+    from compiled_llm.passes.manager import PassManager
+    from compiled_llm.passes.moe_overlap import EARLY_ENV
+
+    if monkeypatch is not None and not early:
+        monkeypatch.setenv(EARLY_ENV, "0")
+    args = layer_inputs(dtype=dtype)
+    torch._dynamo.reset()
+    pm = PassManager(PASSES, dtype, "cpu")
+    compiled = torch.compile(gemma_layer_ffn,
+                             backend=lambda gm, ex: compile_fx(gm, ex, config_patches=pm.inductor_config()))
+    with torch.inference_mode():
+        out, codes = run_and_get_code(compiled, *args)
+    return args, out, "\n".join(codes), pm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_router_on_the_residual_sum_is_routed_before_the_norm_kernel(dtype):
+    """The router reads h = residual + rms_norm(o) * w: moe_route takes o and the residual and comes first in the
+    generated code, before the kernel that computes h and its feedforward norms; moe_experts follows that kernel,
+    the dense MLP's two GEMMs sit between it and the join, and the output is eager's."""
+    import re
+
+    args, out, code, _ = _compiled_layer(dtype)
+    assert "moe_start" not in code
+    route, experts = code.index("compiled_llm.moe_route.default("), code.index("compiled_llm.moe_experts.default(")
+    join = code.index("compiled_llm.moe_join.default(")
+    kernels = [m.start() for m in re.finditer(r"\n\s*cpp_fused_\w+\(", code)]
+    mms = [i for i in range(len(code)) if code.startswith("extern_kernels.mm(", i)]
+    assert route < experts < join
+    assert any(route < k < experts for k in kernels), (route, experts, kernels)  # h's kernel after the router
+    assert len([i for i in mms if experts < i < join]) == 2, (experts, join, mms)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, gemma_layer_ffn(*args), atol=tol, rtol=tol)
+
+
+def test_the_early_route_switch(monkeypatch):
+    """COMPILED_LLM_MOE_ROUTE_EARLY=0: the one start, reading h, as before; the compiles keyed apart; the same
+    output."""
+    _, out_early, code_early, pm_early = _compiled_layer(torch.float32)
+    args, out, code, pm = _compiled_layer(torch.float32, monkeypatch, early=False)
+    assert "moe_route" in code_early and "moe_route" not in code and "compiled_llm.moe_start.default(" in code
+    assert pm.uuid() != pm_early.uuid()
+    torch.testing.assert_close(out, out_early, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, gemma_layer_ffn(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n, dynamic", [(6, True), (1, False)])
+def test_routes_early_on_the_gpus_graph(n, dynamic):
+    got = inspect(gemma_layer_ffn, lambda: layer_inputs(n=n, dtype=torch.bfloat16), PASSES, dtype=torch.bfloat16,
+                  dynamic=dynamic)
+    assert got["moe_overlap"] == 1
