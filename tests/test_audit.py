@@ -90,23 +90,6 @@ def test_a_missing_moe_fusion_shows_as_the_dense_expert_sum():
     assert big.shape == (128, 8192, 2816) and big.bytes == 128 * 8192 * 2816 * 2
 
 
-def test_every_moe_router_runs_before_the_residual_norm_on_the_gpu_graph(monkeypatch):
-    """26B-A4B's shapes, two layers: each layer's router reads the residual sum after attention, so the MoE
-    overlap routes it from the attention output (moe_route, before the norm kernel) in the dynamic compile and at
-    one and eight rows; COMPILED_LLM_MOE_ROUTE_EARLY=0 (the A/B switch) keeps the one start."""
-    cfg = config_dict("gemma-4-26b-a4b")
-    cfg.update(num_hidden_layers=2, layer_types=cfg["layer_types"][:2])
-    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[1, 8])
-    assert r.mismatches == []
-    for shape in ("dynamic", "1", "8"):
-        got = r.layer_matches(shape)
-        assert {i: got.get(i, {}).get("moe_route_early", 0) for i in (0, 1)} == {0: 1, 1: 1}, shape
-    monkeypatch.setenv("COMPILED_LLM_MOE_ROUTE_EARLY", "0")
-    r = audit(cfg, device="cuda", dtype=torch.bfloat16, tokens=64, batch_sizes=[8])
-    assert r.mismatches == [] and per_layer(r, "8") == {0: GEMMA_MOE, 1: GEMMA_MOE}
-    assert all(r.layer_matches(s).get(i, {}).get("moe_route_early", 0) == 0 for s in ("dynamic", "8") for i in (0, 1))
-
-
 def test_decode_projections_take_the_skinny_kernel_on_the_gpu_graph():
     """26B-A4B's shapes, a sliding and a global layer, on the GPU's graph of a GPU with no name in ops/linear.py's
     table (none here): each layer's o_proj (2,816 x 4,096 and 2,816 x 8,192: N < K) becomes skinny_mm in the

@@ -864,41 +864,6 @@ def _check_moe_start(T, E, H, I, k, gemma: bool, seed: int):
         assert torch.equal(out[True], out[False]) and torch.equal(out[False], slots)
 
 
-def _check_moe_route(T, E, H, I, k, seed: int, first: int = 0):
-    """The early route's two ops through their Triton providers (ops/moe_overlap.py moe_route, moe_experts): the
-    router on o and the residual, then the experts from its picks, give what moe_start gives on h = residual +
-    rms_norm(o) * w, bitwise (bfloat16, the picks' slots and the summed form; expert parallel's shifted ids);
-    past the side stream's sizes moe_experts routes from h itself."""
-    import torch
-
-    from compiled_llm.ops.norm import ref_rms_norm
-    from compiled_llm.ops.triton import providers as P
-
-    g = torch.Generator().manual_seed(seed)
-    bf = torch.bfloat16
-    o, residual = torch.randn(T, H, generator=g).to(bf), (2 * torch.randn(T, H, generator=g)).to(bf)
-    post_w, n2 = (1 + 0.2 * torch.randn(H, generator=g)).to(bf), (1 + 0.2 * torch.randn(H, generator=g)).to(bf)
-    proj = torch.randn(E, H, generator=g).to(bf)
-    scale, pes = (1 + 0.2 * torch.randn(H, generator=g)).to(bf), (0.5 + torch.rand(E, generator=g)).to(bf)
-    gu = (0.2 * torch.randn(E - first, 2 * I, H, generator=g)).to(bf)
-    dn = (0.2 * torch.randn(E - first, H, I, generator=g)).to(bf)
-    h = residual + ref_rms_norm(o, post_w, 1e-6)
-    x = ref_rms_norm(h, n2, 1e-6)
-    for slots in (True, False):
-        want = P.moe_start(h, proj, scale, pes, x, gu, dn, k, 1e-6, H ** -0.5, first, "gelu_tanh", False, slots)
-        w, ids = P.moe_route(o, residual, post_w, 1e-6, proj, scale, pes, k, 1e-6, H ** -0.5)
-        got = P.moe_experts(w, ids, h, proj, scale, pes, x, gu, dn, k, 1e-6, H ** -0.5, first, "gelu_tanh", slots)
-        assert torch.equal(got, want), (T, slots, (got.float() - want.float()).abs().max())
-        was = P.OVERLAP_MAX_TOKENS
-        try:
-            P.OVERLAP_MAX_TOKENS = T - 1  # past the side stream's sizes: moe_route's picks are not read
-            got = P.moe_experts(torch.full_like(w, float("nan")), torch.zeros_like(ids), h, proj, scale, pes, x, gu,
-                                dn, k, 1e-6, H ** -0.5, first, "gelu_tanh", slots)
-        finally:
-            P.OVERLAP_MAX_TOKENS = was
-        assert torch.equal(got, want), (T, slots, "routed from h")
-
-
 def _check_moe_half_tail():
     """MoELaunch.half_tail: aligned TMA blocks whose second half is all padding compute their first half only;
     the routing below has blocks of both kinds (checked on the alignment), and the output is the reference's,
@@ -1057,9 +1022,6 @@ def check_moe():
     _check_moe_start(5, 8, 64, 48, 2, True, 0)
     _check_moe_start(1, 8, 64, 48, 3, True, 1)  # one token: pairs unsorted
     _check_moe_start(9, 6, 64, 40, 2, False, 2)
-    _check_moe_route(5, 8, 64, 48, 2, 3)
-    _check_moe_route(1, 8, 96, 32, 3, 4)  # one token: pairs unsorted
-    _check_moe_route(4, 8, 64, 48, 2, 5, first=4)  # expert parallel: this rank's experts [4, 8)
     _check_moe_start(16, 8, 64, 48, 4, True, 3)  # a full token block (64 pairs)
 
     assert moe_launch_policy(1, 8, 128, 2816, 704).unsorted and not moe_launch_policy(2, 8, 128, 2816, 704).unsorted
@@ -1214,34 +1176,6 @@ def check_router():
     _check_router_exact(150, 128, 704, 8, torch_dtype="bfloat16", seed=7)  # three row blocks of every expert
     _check_ticket_growth()
     _check_router_paths()
-    _check_router_pre(1, 128, 2816, 8, "bfloat16", seed=8)  # Gemma 4 26B-A4B's shapes, one token
-    _check_router_pre(5, 128, 704, 8, "bfloat16", seed=9)
-    _check_router_pre(6, 24, 192, 4, "float32", seed=10)
-    _check_router_pre(70, 24, 192, 4, "bfloat16", seed=11)  # past 64 tokens: the 32-row blocks
-
-
-def _check_router_pre(T, E, H, k, torch_dtype, seed):
-    """The router with its residual-norm prologue (moe_route's kernel: x is the attention block's output o, the
-    router reads residual + rms_norm(o) * w) against the plain router kernel on that sum computed as the model
-    computes it: the same picks, weights within rounding, the counters back to zero."""
-    import torch
-
-    from compiled_llm.ops.norm import ref_rms_norm
-    from compiled_llm.ops.triton._common import TICKETS
-    from compiled_llm.ops.triton.moe import fused_router_topk
-
-    dtype = getattr(torch, torch_dtype)
-    o, w, scale, pes = _router_case(T, E, H, seed, dtype)
-    g = torch.Generator().manual_seed(seed + 100)
-    residual = (torch.randn(T, H, generator=g) * 2).to(dtype)
-    post_w = (torch.rand(H, generator=g) + 0.5).to(dtype)
-    h = residual + ref_rms_norm(o, post_w, 1e-6)
-    want_w, want_ids = fused_router_topk(h, scale, w, pes, k, 1e-6)
-    got_w, got_ids = fused_router_topk(o, scale, w, pes, k, 1e-6, pre=(residual, post_w, 1e-6))
-    name = f"router pre {torch_dtype} T={T} E={E} H={H} k={k}"
-    assert torch.equal(got_ids, want_ids), (name, got_ids, want_ids)
-    _close(name, got_w, want_w, rtol=1e-5, atol=1e-7)
-    assert int(TICKETS[("router", o.device)].abs().sum()) == 0
 
 
 def _check_ticket_growth():

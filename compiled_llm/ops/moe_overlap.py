@@ -27,7 +27,6 @@ import torch
 
 from compiled_llm.ops.activation import gelu_tanh
 from compiled_llm.ops.moe import ref_gated_moe, ref_router_topk, ref_softmax_router_topk
-from compiled_llm.ops.norm import ref_rms_norm
 from compiled_llm.ops.registry import Capabilities, OpSpec, Provider, custom_op, register
 
 ACTIVATIONS = {"gelu_tanh": gelu_tanh, "silu": torch.nn.functional.silu}
@@ -130,91 +129,3 @@ def moe_join(routed: torch.Tensor, keep: list[torch.Tensor]) -> None:
 @moe_join.register_fake
 def _(routed, keep):
     return None
-
-
-# ---- the router before the layer's residual norm: moe_route, then moe_experts ----------------------------------
-# Gemma 4's router reads the residual stream after attention, h = residual + rms_norm(o) * w. moe_start takes h, so
-# it waits for the kernel that computes h (and the two feedforward norms of it): that kernel, then the router, then
-# the routed GEMMs, one after another on the layer's critical path. moe_route forks the side stream as soon as o
-# exists and runs the router there, computing h itself (ops/triton/moe.py `_router_fused_kernel` PRE), beside the
-# main stream's norm kernel; moe_experts then has the side stream wait for the main stream (the experts' normed
-# input is written by then) and launches the routed GEMMs. Past OVERLAP_MAX_TOKENS (no side stream) moe_route
-# computes nothing and moe_experts routes from h, as moe_start does. passes/moe_overlap.py makes this split where
-# the router's input is such a sum; COMPILED_LLM_MOE_ROUTE_EARLY=0 keeps moe_start (an A/B).
-
-
-def _early(x: torch.Tensor) -> bool:
-    """Whether moe_route routes (the side stream's sizes, and every size off CUDA) or leaves it to moe_experts."""
-    return not x.is_cuda or x.shape[0] <= OVERLAP_MAX_TOKENS
-
-
-def ref_moe_route(o, residual, post_weight, post_eps: float, proj_weight, scale, per_expert_scale, top_k: int,
-                  eps: float, root_size: float):
-    """(weights [T, k] float32, ids [T, k] int64) of Gemma 4's router on h = residual + rms_norm(o) * post_weight."""
-    h = residual + ref_rms_norm(o, post_weight, post_eps)
-    return ref_router_topk(h, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
-
-
-def ref_moe_experts(weights, ids, router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj,
-                    top_k: int, eps: float, root_size: float, first: int, activation: str, slots: bool = False):
-    """moe_start's routed output from picks moe_route made (router_x: h, routed from here past the side stream's
-    sizes)."""
-    if not _early(x):
-        weights, ids = ref_router_topk(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
-    ids = ids - first if first else ids
-    act = ACTIVATIONS[activation]
-    picks = torch.stack([ref_gated_moe(x, weights[:, j:j + 1], ids[:, j:j + 1], gate_up_proj, down_proj, act)
-                         for j in range(top_k)], dim=1)
-    return picks if slots else picks.float().sum(1).to(x.dtype)
-
-
-MOE_ROUTE = register(OpSpec("moe_route", "Gemma 4's router on the residual stream after attention, on a side stream", [
-    Provider("triton", "compiled_llm.ops.triton.providers:moe_route", _triton),
-    Provider("reference", "compiled_llm.ops.moe_overlap:ref_moe_route"),
-]))
-MOE_EXPERTS = register(OpSpec("moe_experts", "routed experts from moe_route's picks, on a side stream", [
-    Provider("triton", "compiled_llm.ops.triton.providers:moe_experts", _triton),
-    Provider("reference", "compiled_llm.ops.moe_overlap:ref_moe_experts"),
-]))
-
-
-@custom_op("compiled_llm::moe_route", mutates_args=())
-def moe_route(o: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor, post_eps: float,
-              proj_weight: torch.Tensor, scale: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int, eps: float,
-              root_size: float) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (o, residual, post_weight, post_eps, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
-    if not _early(o):  # moe_experts routes from h
-        return (o.new_empty(o.shape[0], top_k, dtype=torch.float32),
-                o.new_empty(o.shape[0], top_k, dtype=torch.int64))
-    if not o.is_cuda:
-        return MOE_ROUTE.impl()(*args)
-    side = side_stream(o.device)
-    side.wait_stream(torch.cuda.current_stream(o.device))  # o and the residual are written by now
-    with torch.cuda.stream(side):
-        return MOE_ROUTE.impl()(*args)
-
-
-@moe_route.register_fake
-def _(o, residual, post_weight, post_eps, proj_weight, scale, per_expert_scale, top_k, eps, root_size):
-    return (o.new_empty(o.shape[0], top_k, dtype=torch.float32), o.new_empty(o.shape[0], top_k, dtype=torch.int64))
-
-
-@custom_op("compiled_llm::moe_experts", mutates_args=())
-def moe_experts(weights: torch.Tensor, ids: torch.Tensor, router_x: torch.Tensor, proj_weight: torch.Tensor,
-                scale: torch.Tensor, per_expert_scale: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor,
-                down_proj: torch.Tensor, top_k: int, eps: float, root_size: float, first: int, activation: str,
-                slots: bool = False) -> torch.Tensor:
-    args = (weights, ids, router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k, eps,
-            root_size, first, activation, slots)
-    if not x.is_cuda or x.shape[0] > OVERLAP_MAX_TOKENS:
-        return MOE_EXPERTS.impl()(*args)
-    side = side_stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))  # the experts' normed input is written by now
-    with torch.cuda.stream(side):
-        return MOE_EXPERTS.impl()(*args)
-
-
-@moe_experts.register_fake
-def _(weights, ids, router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k, eps, root_size,
-      first, activation, slots=False):
-    return x.new_empty(x.shape[0], top_k, x.shape[1]) if slots else torch.empty_like(x)

@@ -20,7 +20,7 @@ from compiled_llm.ops import OPS, linear
 from compiled_llm.ops.registry import INDUCTOR
 from compiled_llm.passes.base import INDUCTOR_SETTINGS, FusionPass
 from compiled_llm.passes import skinny_mm
-from compiled_llm.passes.moe_overlap import UNROLL_SLOTS, enabled_by_default, route_early, sum_in_graph
+from compiled_llm.passes.moe_overlap import UNROLL_SLOTS, enabled_by_default, sum_in_graph
 
 log = logging.getLogger("compiled_llm")
 
@@ -108,11 +108,8 @@ class PassManager(CustomGraphPass):
         wide = tuple(sorted(linear.wide_shapes(linear.device_name(device)))) if "skinny_mm" in names else ()
         # the MoE overlap's picks added in the graph (COMPILED_LLM_MOE_SUM_IN_NORM=0 turns it off; read once here)
         self.moe_sum_in_graph = "moe_overlap" in names and sum_in_graph()
-        # the router before the residual norm (COMPILED_LLM_MOE_ROUTE_EARLY=0 turns it off; read once here)
-        self.moe_route_early = "moe_overlap" in names and route_early()
         self.config = (tuple(names), tuple(str(d) for d in dtypes), device, tp_group, reference_only, self.unfused,
-                       codegen_key, wide) + (("moe_sum_in_graph",) if self.moe_sum_in_graph else ()) + \
-            (("moe_route_early",) if self.moe_route_early else ())
+                       codegen_key, wide) + (("moe_sum_in_graph",) if self.moe_sum_in_graph else ())
         self._uuid = None
         self.calls = 0  # graphs the passes ran on (an FX-cache hit runs none)
         self.last_input = ""  # the last graph as the passes received it, for a report of a missed fusion
@@ -125,7 +122,6 @@ class PassManager(CustomGraphPass):
             p.count_only = p.name in counted
             if p.name == "moe_overlap":
                 p.sum_in_graph = self.moe_sum_in_graph
-                p.route_early = self.moe_route_early
             try:
                 p(graph)
             finally:

@@ -16,12 +16,6 @@ What Inductor then emits keeps that order (the pass's test reads the generated c
 counted like a fusion (`compiled_llm.moe_overlap@+layer`). Off on the CPU, which has no streams, unless a
 compile names it; on CUDA `COMPILED_LLM_MOE_OVERLAP=0` turns it off (an A/B of the saving).
 
-Gemma 4's router reads the residual stream after attention, h = residual + rms_norm(o) * w (o the attention block's
-output): where the router's input is that sum (traced from ops/norm.py `ref_rms_norm`, as the fusions are), the start
-is split in two (ops/moe_overlap.py): moe_route right after o and the residual exist, so the router runs on the side
-stream beside the kernel that computes h and the feedforward norms, and moe_experts right after its own inputs (the
-routed GEMMs). `COMPILED_LLM_MOE_ROUTE_EARLY=0` keeps the one start (an A/B).
-
 The start returns each pick's weighted output [T, k, H] and the graph adds them after the join
 (`float().sum(1).to(dtype)`, which Inductor unrolls into the loads of the norm kernel that reads the routed
 output: `unroll_reductions_threshold` is raised past k), so the side stream has no top-k sum launch. Session 22
@@ -40,15 +34,10 @@ import torch
 from torch._inductor.virtualized import V
 from torch.utils._pytree import tree_map
 
-import torch._inductor.pattern_matcher as pm
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-
-from compiled_llm.ops.norm import ref_rms_norm
-from compiled_llm.passes.base import EPS, count_matches, empty, first_layer, node_layers, to_pattern, trace_fn
+from compiled_llm.passes.base import count_matches, first_layer, node_layers
 
 ENV = "COMPILED_LLM_MOE_OVERLAP"
 SUM_ENV = "COMPILED_LLM_MOE_SUM_IN_NORM"
-EARLY_ENV = "COMPILED_LLM_MOE_ROUTE_EARLY"
 UNROLL_SLOTS = 9  # Inductor's unroll_reductions_threshold with the sum in the graph: sums over k <= 8 picks unrolled
 
 
@@ -58,15 +47,6 @@ def sum_in_graph() -> bool:
 
 def enabled_by_default(device: str) -> bool:
     return device == "cuda" and os.environ.get(ENV, "1") != "0"
-
-
-def route_early() -> bool:
-    return os.environ.get(EARLY_ENV, "1") != "0"
-
-
-def _residual_sum(o, residual, weight, eps):
-    """What Gemma 4's layer hands its router: the residual stream after the attention block's output o is normed."""
-    return residual + ref_rms_norm(o, weight, eps)
 
 
 def _getitem_of(node, index: int):
@@ -99,31 +79,6 @@ class MoEOverlapPass:
     def __init__(self, dtypes: tuple[torch.dtype, ...] = (), device: str = "cpu"):
         self.count_only = False  # set per graph by the pass manager
         self.sum_in_graph = True  # set per graph by the pass manager (COMPILED_LLM_MOE_SUM_IN_NORM)
-        self.route_early = True  # set per graph by the pass manager (COMPILED_LLM_MOE_ROUTE_EARLY)
-        self.dtypes, self.device = dtypes or (torch.float32,), torch.device(device)
-        self._sums: list[pm.PatternExpr] | None = None
-
-    def _sum_patterns(self) -> list[pm.PatternExpr]:
-        """`_residual_sum` traced in each dtype family, at 8 tokens and at one (as FusionPass.add traces)."""
-        if self._sums is None:
-            self._sums = []
-            with unset_fake_temporarily(), torch._guards.tracing(None), FakeTensorMode(), torch.device(self.device):
-                for dt in self.dtypes:
-                    for n in (8, 1):
-                        args = [empty(n, 32, dtype=dt), empty(n, 32, dtype=dt), empty(32, dtype=dt), EPS]
-                        gm = trace_fn(_residual_sum, args)
-                        self._sums.append(to_pattern(gm, ["o", "residual", "weight", "eps"], {"eps": EPS}))
-        return self._sums
-
-    def _residual_parts(self, rx: torch.fx.Node):
-        """(o, residual, weight, eps) where the router's input is `_residual_sum` of them, else None."""
-        for pattern in self._sum_patterns():
-            m = pattern.match(rx)
-            if pm.is_match(m):
-                kw = m.kwargs
-                if all(isinstance(kw[k], torch.fx.Node) for k in ("o", "residual", "weight")):
-                    return kw["o"], kw["residual"], kw["weight"], kw["eps"]
-        return None
 
     def _match(self, routed: torch.fx.Node):
         """(router node, start args) for a routed op this pass can split, else None."""
@@ -153,7 +108,7 @@ class MoEOverlapPass:
         ops = torch.ops.compiled_llm
         order = {n: i for i, n in enumerate(graph.nodes)}
         base = first_layer(graph)
-        layers, early = [], []
+        layers = []
         for routed in [n for n in graph.nodes if n.target in (ops.geglu_moe.default, ops.swiglu_moe.default)]:
             found = self._match(routed)
             if found is None or not routed.users:
@@ -164,38 +119,13 @@ class MoEOverlapPass:
             layers.append(min(set().union(*(node_layers(n) for n in near)), default=None))
             if self.count_only:
                 continue
-            # k picks Inductor would not unroll stay summed by the start (a reduction kernel of their own is slower)
-            slots = self.sum_in_graph and args[7] < UNROLL_SLOTS
-            parts = self._residual_parts(args[0]) if self.route_early and args[2] is not None else None
-            keep_extra: list = []
-            if parts is not None and not args[12]:  # Gemma 4's router (its weights uncast): routed before h exists
-                o, residual, post_w, post_eps = parts
-                rx, proj, scale, pes, x, gate_up, down, top_k, eps, root, first, activation, _ = args
-                route_args = (o, residual, post_w, post_eps, proj, scale, pes, top_k, eps, root)
-                # right after o and the residual exist (o's producer, the attention block's last op), ahead of the
-                # norm that makes h; where both are the graph's inputs, right before o's first reader
-                after = max((a for a in (o, residual) if a.op != "placeholder"), key=order.get, default=None)
-                with graph.inserting_after(after) if after is not None else \
-                        graph.inserting_before(min(o.users, key=order.get)):
-                    picks = _with_val(graph.call_function(ops.moe_route.default, route_args), near)
-                with graph.inserting_after(picks):
-                    w_node = _with_val(graph.call_function(operator.getitem, (picks, 0)), near)
-                    ids_node = _with_val(graph.call_function(operator.getitem, (picks, 1)), near)
-                order = {n: i for i, n in enumerate(graph.nodes)}
-                expert_args = (w_node, ids_node, rx, proj, scale, pes, x, gate_up, down, top_k, eps, root, first,
-                               activation, slots)
-                tensors = [a for a in expert_args if isinstance(a, torch.fx.Node)]
-                after = max((a for a in tensors if a.op != "placeholder"), key=order.get)  # (moe_route, at least)
-                with graph.inserting_after(after):
-                    start = graph.call_function(ops.moe_experts.default, expert_args)
-                keep_extra = [o, residual, w_node, ids_node]
-                early.append(layers[-1])
-            else:
-                tensors = [a for a in args if isinstance(a, torch.fx.Node)]
-                after = max((a for a in tensors if a.op != "placeholder"), key=order.get, default=None)
-                where = graph.inserting_after(after) if after is not None else graph.inserting_before(router)
-                with where:
-                    start = graph.call_function(ops.moe_start.default, args + ((True,) if slots else ()))
+            tensors = [a for a in args if isinstance(a, torch.fx.Node)]
+            after = max((a for a in tensors if a.op != "placeholder"), key=order.get, default=None)
+            where = graph.inserting_after(after) if after is not None else graph.inserting_before(router)
+            with where:
+                # k picks Inductor would not unroll stay summed by the start (a reduction kernel of their own is slower)
+                slots = self.sum_in_graph and args[7] < UNROLL_SLOTS
+                start = graph.call_function(ops.moe_start.default, args + ((True,) if slots else ()))
             _with_val(start, near)
             # the routed output's dtype casts follow the join wherever it lands: the join goes before the first
             # node past them (a fusion's replacement sits early in the graph, where the casts follow it at once)
@@ -204,7 +134,7 @@ class MoEOverlapPass:
                 tail = next(iter(tail.users))
                 casts.append(tail)
             first_user = min(tail.users, key=order.get)
-            keep = [a for a in dict.fromkeys((args[0], args[4], *keep_extra)) if a.op != "placeholder"]
+            keep = [a for a in dict.fromkeys((args[0], args[4])) if a.op != "placeholder"]
             with graph.inserting_before(first_user):
                 _with_val(graph.call_function(ops.moe_join.default, (start, keep)), near)
                 out = start
@@ -220,8 +150,6 @@ class MoEOverlapPass:
         if not layers:
             return 0
         count_matches(self.name, len(layers), layers, base)
-        if early:  # the layers whose router runs before h exists (a kernel-order choice: not judged per layer)
-            count_matches("moe_route_early", len(early), early, base)
         if not self.count_only:
             graph.eliminate_dead_code()
         return len(layers)

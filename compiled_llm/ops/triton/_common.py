@@ -94,18 +94,6 @@ def _dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
-def _round_to(x, DT: tl.constexpr):
-    """float32 x rounded to DT (to nearest even, as torch's casts round), as float32. bfloat16 by its bits: the
-    interpreter's own float32 -> bfloat16 conversion truncates (the GPU's rounds to nearest)."""
-    if DT == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(DT).to(tl.float32)
-
-
-@triton.jit
 def _tanh(x):
     # tanh(x) = 2 * sigmoid(2x) - 1; saturates cleanly for large |x| (exp -> inf gives -1, -> 0 gives 1)
     return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0

@@ -24,8 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compiled_llm.ops.triton import _common
-from compiled_llm.ops.triton._common import (_INTERPRETED, _dot, _gelu_tanh, _round_to, dot_f32, dot_precision,
-                                             ticket_counters)
+from compiled_llm.ops.triton._common import _INTERPRETED, _dot, _gelu_tanh, dot_f32, dot_precision, ticket_counters
 from compiled_llm.ops.triton.skinny_gemm import num_sms
 
 log = logging.getLogger("compiled_llm")
@@ -931,7 +930,7 @@ def _router_fused_kernel(
     PREC: tl.constexpr, F32: tl.constexpr,
     Cursor=None, SortedIds=None, ExpertIds=None, NumPadded=None, align_size=0, ALIGN: tl.constexpr = False,
     A_BLOCK_M: tl.constexpr = 16, BINS: tl.constexpr = 16, CHUNK: tl.constexpr = 1024, CB: tl.constexpr = 16,
-    PARTS: tl.constexpr = 3, Res=None, PostW=None, post_eps=0.0, stride_rt=0, PRE: tl.constexpr = False,
+    PARTS: tl.constexpr = 3,
 ):
     # One launch for the whole router at decode sizes. Program (t block, e block, h slice) writes
     #   partial[s, t, e] = sum over its slice of (x * scale * H^-0.5)[t, h] * W[e, h]   (NORM false: x[t, h] * W[e, h])
@@ -945,11 +944,6 @@ def _router_fused_kernel(
     # products.
     # PARTS < 3 stops early, for benchmarks/router_kernel.py --parts to time the launch's stages (its outputs
     # are then incomplete): 0 after the partial stores, 1 after the ticket, 2 after the partials' sums.
-    # PRE (a normed router): X is the attention block's output o, and the router's input is the layer's residual
-    # stream after it, h = Res + rms_norm(o) * PostW, rounded to X's dtype as the model rounds it (the norm's
-    # output, then the sum). Each program first sums the squares of its rows of o over the whole hidden size (from
-    # the L2: o was just written), so the router does not wait for the kernel that computes h for the rest of the
-    # layer (ops/moe_overlap.py moe_route).
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     s = tl.program_id(2)
@@ -961,25 +955,12 @@ def _router_fused_kernel(
     x_row = X + t.to(tl.int64)[:, None] * stride_xt
     acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
     ss = tl.zeros([BLOCK_T], tl.float32)
-    if PRE:
-        sso = tl.zeros([BLOCK_T], tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            hs = h0 + hh
-            ov = tl.load(x_row + hs[None, :], mask=tmask[:, None] & (hs < H)[None, :], other=0.0).to(tl.float32)
-            sso += tl.sum(ov * ov, 1)
-        rso = tl.rsqrt(sso / H + post_eps)
-        r_row = Res + t.to(tl.int64)[:, None] * stride_rt
     lo = s * SLICE_H
     for h0 in range(lo, lo + SLICE_H, BLOCK_H):
         hs = h0 + hh
         hmask = hs < H
         xv = tl.load(x_row + hs[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0)
         wv = tl.load(W + e[None, :] * stride_we + hs[:, None], mask=hmask[:, None] & emask[None, :], other=0.0)
-        if PRE:  # h = Res + rms_norm(o) * PostW: the norm's output rounded, then the sum rounded (the model's order)
-            pw = tl.load(PostW + hs, mask=hmask, other=0.0).to(tl.float32)
-            rv = tl.load(r_row + hs[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-            nv = _round_to(xv.to(tl.float32) * rso[:, None] * pw[None, :], X.dtype.element_ty)
-            xv = _round_to(rv + nv, X.dtype.element_ty).to(X.dtype.element_ty)
         if NORM:
             xf = xv.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
@@ -1175,8 +1156,7 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: torch.Tensor,
                       per_expert_scale: torch.Tensor | None, top_k: int, eps: float,
                       launch: RouterLaunch | None = None, ids_dtype: torch.dtype = torch.int32,
-                      align_block_m: int | None = None, weights_dtype: torch.dtype = torch.float32,
-                      pre: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+                      align_block_m: int | None = None, weights_dtype: torch.dtype = torch.float32):
     """Gemma 4 router. x [T, H]; scale [H]; proj_weight [E, H]; per_expert_scale [E].
     Returns (weights [T, k] in weights_dtype, ids [T, k] in ids_dtype), experts in descending probability.
     scale None: Qwen3.5's softmax router (no norm, no scales; the logits rounded to x's dtype first, as
@@ -1185,11 +1165,8 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     router's last program: one launch less a MoE layer) where one program sees every pick (the one-launch
     kernel with one token block, below the sort's pair count); then returns (weights, ids, alignment), the
     alignment None where it could not. weights_dtype: the weights rounded to it in the kernel's store (Qwen3.5
-    casts them to its dtype; the same rounding as a cast after, without its launch).
-    pre (a normed router only): (residual, post_weight, post_eps); x is then the attention block's output o and the
-    router reads residual + rms_norm(o) * post_weight, computed in the kernel (ops/moe_overlap.py moe_route)."""
+    casts them to its dtype; the same rounding as a cast after, without its launch)."""
     norm = scale is not None
-    assert pre is None or (norm and align_block_m is None), "pre: a normed router, no alignment"
     num_tokens, hidden = x.shape
     num_experts = proj_weight.shape[0]
     assert x.stride(1) == 1 and proj_weight.stride(1) == 1 and top_k <= num_experts
@@ -1206,16 +1183,9 @@ def fused_router_topk(x: torch.Tensor, scale: torch.Tensor | None, proj_weight: 
     partial = torch.empty(lp.splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(num_tokens, lp.block_t), triton.cdiv(num_experts, lp.block_e), lp.splits)
     logits_dtype = tl.float32 if norm else _TL_DTYPE[x.dtype]
-    if pre is not None and not lp.fused:
-        raise ValueError("the router's residual-norm prologue (pre) runs in the one-launch kernel only")
     if lp.fused:
         sumsq = torch.empty(lp.splits, num_tokens, dtype=torch.float32, device=x.device) if norm else partial
         align, alignment = {}, None
-        if pre is not None:
-            residual, post_w, post_eps = pre
-            assert residual.shape == x.shape and residual.stride(1) == 1
-            align = dict(Res=residual, PostW=post_w.contiguous(), post_eps=float(post_eps), stride_rt=residual.stride(0),
-                         PRE=True)
         if align_block_m is not None and grid[0] == 1 and num_tokens * top_k < ALIGN_SORT_MIN_PAIRS:
             bufs, size, meta = _align_buffers(num_tokens * top_k, num_experts, align_block_m, x.device)
             alignment = bufs[1:]

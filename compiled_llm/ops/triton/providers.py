@@ -21,10 +21,9 @@ from compiled_llm.ops.attention import BIDIR_SPANS_KEY, AttentionSpec
 from compiled_llm.ops.context import (AttentionMetadata, ForwardContext, GroupMetadata, get_forward_context, layer_cache,
                                       set_forward_context)
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
-from compiled_llm.ops.moe_overlap import OVERLAP_MAX_TOKENS, route
-from compiled_llm.ops.norm import ref_rms_norm
+from compiled_llm.ops.moe_overlap import route
 from compiled_llm.ops.triton.moe import (fused_geglu_moe, fused_moe, fused_router_topk, fused_swiglu_moe,
-                                         launch_variants, moe_align, moe_launch_policy, router_launch)
+                                         launch_variants, moe_align, moe_launch_policy)
 from compiled_llm.ops.triton.paged_attention import DecodeQK, attention_launch_policy, paged_decode, paged_prefill
 from compiled_llm.ops.triton.qk_norm_rope import DEFERRED_QK, writes_back
 
@@ -182,34 +181,6 @@ def moe_start(router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, d
     return fn(x.contiguous(), gate_up_proj, down_proj, w, ids, alignment=alignment, policy=pol, sum_slots=not slots)
 
 
-def moe_route(o, residual, post_weight, post_eps: float, proj_weight, scale, per_expert_scale, top_k: int,
-              eps: float, root_size: float):
-    """Gemma 4's router on h = residual + rms_norm(o) * post_weight, h computed in the router kernel
-    (ops/moe_overlap.py moe_route)."""
-    num_tokens, hidden = o.shape
-    if (abs(root_size - hidden ** -0.5) > 1e-12 * root_size
-            or not router_launch(num_tokens, hidden, proj_weight.shape[0]).fused):
-        return router_topk(residual + ref_rms_norm(o, post_weight, post_eps), proj_weight, scale, per_expert_scale,
-                           top_k, eps, root_size)
-    MONITOR.note("moe_route", (o.dtype, hidden, proj_weight.shape[0], top_k))
-    return fused_router_topk(o.contiguous(), scale, proj_weight, per_expert_scale, top_k, eps, ids_dtype=torch.int64,
-                             pre=(residual.contiguous(), post_weight, post_eps))
-
-
-def moe_experts(weights, ids, router_x, proj_weight, scale, per_expert_scale, x, gate_up_proj, down_proj, top_k: int,
-                eps: float, root_size: float, first: int, activation: str, slots: bool = False):
-    """moe_start's routed branch from moe_route's picks; past the side stream's sizes it routes from router_x (h)."""
-    if x.shape[0] > OVERLAP_MAX_TOKENS:
-        weights, ids = router_topk(router_x, proj_weight, scale, per_expert_scale, top_k, eps, root_size)
-    num_tokens, hidden = x.shape
-    pol = moe_launch_policy(num_tokens, top_k, gate_up_proj.shape[0], hidden, gate_up_proj.shape[1] // 2)
-    name = "geglu_moe" if activation == "gelu_tanh" else "swiglu_moe"
-    MONITOR.note(name, (x.dtype, gate_up_proj.shape, ids.shape[1]))
-    fn = fused_geglu_moe if activation == "gelu_tanh" else fused_swiglu_moe
-    return fn(x.contiguous(), gate_up_proj, down_proj, weights, ids - first if first else ids, policy=pol,
-              sum_slots=not slots)
-
-
 # ---- JIT warm-up ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -329,10 +300,6 @@ def _moe_compile(key, device) -> None:
         moe_start(x, torch.zeros(experts, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device),
                   torch.ones(experts, dtype=dtype, device=device), x, gate_up, down, top_k, 1e-6, hidden ** -0.5, 0,
                   "gelu_tanh", False)  # the overlapped branch (the router kernel that aligns too)
-        ones = torch.ones(hidden, dtype=dtype, device=device)
-        if tokens <= OVERLAP_MAX_TOKENS:
-            moe_route(x, x, ones, 1e-6, torch.zeros(experts, hidden, dtype=dtype, device=device), ones,
-                      torch.ones(experts, dtype=dtype, device=device), top_k, 1e-6, hidden ** -0.5)  # its PRE build
 
 
 def _swiglu_compile(key, device) -> None:
