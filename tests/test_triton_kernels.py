@@ -861,7 +861,12 @@ def _check_moe_start(T, E, H, I, k, gemma: bool, seed: int):
                                                   "gelu_tanh" if gemma else "silu", not gemma)
         finally:
             P.ROUTER_ALIGN = was
-        assert torch.equal(out[True], out[False]) and torch.equal(out[False], slots)
+        assert torch.equal(out[False], slots)  # the default path again: the same arithmetic, the same bits
+        # the aligning router runs one token block where the default may run several: on the GPU each logit's sum
+        # is the same either way, but the interpreter's dots are numpy's BLAS, whose FMA kernels (OpenBLAS Haswell
+        # and Zen) round a row differently with the block's row count (T=9 here: 1.7e-6 apart on an AMD host,
+        # bitwise equal on others). So the alignment is checked bit for bit above and the output to float32 here
+        _close(f"moe_start T={T} gemma={gemma} router-aligned", out[True], slots, rtol=1e-5, atol=1e-5)
 
 
 def _check_moe_half_tail():
