@@ -137,3 +137,31 @@ def test_the_env_var_pins_the_library_in_a_new_process():
     env = dict(__import__("os").environ, COMPILED_LLM_CPU_MM="onednn")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["onednn", "True"]
+
+
+def test_added_wide_shapes_join_the_gpu_table_with_their_launch(monkeypatch):
+    """COMPILED_LLM_SKINNY_WIDE_ADD (an A/B before a shape enters WIDE_MEASURED): its wide weights are the op's on any
+    GPU model at a decode batch's rows, on the unsplit launch or, marked ":split", on the narrow weights' split one;
+    "none" adds nothing and a wrong launch name is refused. COMPILED_LLM_SKINNY_SPLIT sets the split launch's slices."""
+    import dataclasses
+
+    from compiled_llm.ops.triton import skinny_gemm
+
+    monkeypatch.setenv(linear.WIDE_ADD_ENV, "4224x2816:split, 2816x2112")
+    assert linear.added_wide() == {(4224, 2816): True, (2816, 2112): False}
+    assert linear.takes(4224, 2816, 4, "Some GPU") and linear.takes(2816, 2112, 1, "Some GPU")
+    assert not linear.takes(4224, 2816, 17, "Some GPU") and not linear.takes(4096, 2816, 4, "Some GPU")
+    assert skinny_gemm.decode_launch(4224, 2816) == skinny_gemm.DECODE_LAUNCH
+    assert skinny_gemm.decode_launch(2816, 2112) == skinny_gemm.WIDE_LAUNCH
+    monkeypatch.setenv(skinny_gemm.SPLIT_ENV, "3")  # the split launch's K slices (an A/B of its 4)
+    assert skinny_gemm.decode_launch(2816, 4096) == dataclasses.replace(skinny_gemm.DECODE_LAUNCH, split_k=3)
+    assert skinny_gemm.decode_launch(4224, 2816).split_k == 3 and skinny_gemm.decode_launch(2816, 2112).split_k == 1
+    monkeypatch.delenv(skinny_gemm.SPLIT_ENV)
+    monkeypatch.setenv(linear.WIDE_ENV, "0")  # the whole wide table off, the added shapes with it
+    assert not linear.takes(4224, 2816, 4, "Some GPU")
+    monkeypatch.delenv(linear.WIDE_ENV)
+    monkeypatch.setenv(linear.WIDE_ADD_ENV, "none")
+    assert linear.added_wide() == {} and not linear.takes(4224, 2816, 4, "Some GPU")
+    monkeypatch.setenv(linear.WIDE_ADD_ENV, "4224x2816:wide")
+    with pytest.raises(ValueError, match="NxK:split"):
+        linear.added_wide()

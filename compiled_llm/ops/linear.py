@@ -53,6 +53,9 @@ SKINNY_MIN_ELEMENTS = 1 << 21  # smaller weights (4 MB in bf16) are launch-bound
 ENV = "COMPILED_LLM_SKINNY_MM"  # 0: every projection on cuBLAS / torch.mm (the pass off, linear_rows too): an A/B
 CPU = "cpu"  # takes()'s device for a CPU engine: every weight (the oneDNN provider)
 WIDE_ENV = "COMPILED_LLM_SKINNY_WIDE"  # 0: the wide shapes stay on cuBLAS (an A/B of WIDE_MEASURED)
+# "NxK[:split],...": wide weights [N, K] the op takes on any GPU model besides WIDE_MEASURED's, on the unsplit tile or,
+# with ":split", on the narrow weights' split launch (an A/B before a shape enters the table; "none": no shape)
+WIDE_ADD_ENV = "COMPILED_LLM_SKINNY_WIDE_ADD"
 
 # Wide weights (N >= K, [N, K]) whose products at 1-8 rows our unsplit 32-row tile (skinny_gemm.py WIDE_LAUNCH) ran
 # at least 3% faster than cuBLAS on that GPU model, at every row count measured (benchmarks/skinny_gemm.py prints
@@ -97,7 +100,20 @@ def wide_shapes(name: str | None) -> frozenset[tuple[int, int]]:
     """The measured wide weight shapes of a GPU model (none where it was not measured, or WIDE_ENV=0)."""
     if name is None or os.environ.get(WIDE_ENV, "1") == "0":
         return frozenset()
-    return WIDE_MEASURED.get(name, frozenset())
+    return WIDE_MEASURED.get(name, frozenset()) | frozenset(added_wide())
+
+
+def added_wide() -> dict[tuple[int, int], bool]:
+    """WIDE_ADD_ENV's shapes: {(n, k): whether on the split launch}."""
+    out = {}
+    for item in os.environ.get(WIDE_ADD_ENV, "").replace("none", "").split(","):
+        if item.strip():
+            shape, _, launch = item.strip().partition(":")
+            n, k = (int(v) for v in shape.split("x"))
+            if launch not in ("", "split"):
+                raise ValueError(f"{WIDE_ADD_ENV}: {item!r}: expected NxK or NxK:split")
+            out[(n, k)] = launch == "split"
+    return out
 
 
 def ref_skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

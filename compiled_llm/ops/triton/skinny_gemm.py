@@ -21,6 +21,8 @@ Accumulation is float32; the output has x's dtype. x may have a row stride (its 
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -254,11 +256,17 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, launch: SkinnyLaunch | None = No
 # global qkv 16.27, cuBLAS 18.60; Qwen3.5's merged in_proj 14.90, cuBLAS 16.12; the LM heads)
 DECODE_LAUNCH = SkinnyLaunch(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4, dot=True, merge=True)
 WIDE_LAUNCH = SkinnyLaunch(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True)
+SPLIT_ENV = "COMPILED_LLM_SKINNY_SPLIT"  # the narrow launch's K slices (an A/B of DECODE_LAUNCH's 4)
 
 
 def decode_launch(n: int, k: int) -> SkinnyLaunch:
-    """The op's launch for a weight [n, k]: split and merged where the output is narrow, else one pass."""
-    return DECODE_LAUNCH if n < k else WIDE_LAUNCH
+    """The op's launch for a weight [n, k]: split and merged where the output is narrow (or an added wide shape asks
+    for it: ops/linear.py WIDE_ADD_ENV), else one pass."""
+    from compiled_llm.ops.linear import added_wide
+    if n < k or added_wide().get((n, k), False):
+        split = int(os.environ.get(SPLIT_ENV, DECODE_LAUNCH.split_k))
+        return DECODE_LAUNCH if split == DECODE_LAUNCH.split_k else dataclasses.replace(DECODE_LAUNCH, split_k=split)
+    return WIDE_LAUNCH
 
 
 def decode_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
