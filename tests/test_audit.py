@@ -131,9 +131,16 @@ def test_the_gpu_code_generation_runs_on_the_cpu(monkeypatch, rows, persistent):
     code generation with an H200's properties and no GPU (compiler/inspect.py fake_cuda_codegen), so its errors
     show here first. The kernels are the GPU's: the residual add + RMSNorm chains over 2,816-wide rows are
     persistent reductions by our heuristic (compiler/codegen.py; `triton_per_`), looped ones (`triton_red_`)
-    with Inductor's own 1,024-element limit. The patched device functions are restored afterwards."""
+    with Inductor's own 1,024-element limit. The patched device functions are restored afterwards. On sm_90
+    Inductor's kernels wait for the previous kernel's writes and release the next launch (programmatic dependent
+    launch, compiler/codegen.py); the second case also switches that off (COMPILED_LLM_INDUCTOR_PDL=0)."""
+    from compiled_llm.compiler import codegen
+
     if rows is not None:
         monkeypatch.setenv("COMPILED_LLM_PERSISTENT_ROWS", rows)
+        monkeypatch.setenv(codegen.PDL_ENV, "0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))  # the compile's GPU: sm_90
+    assert codegen.inductor_pdl("cuda") is (rows is None) and not codegen.inductor_pdl("cpu")
     cfg = config_dict("gemma-4-26b-a4b")
     cfg.update(num_hidden_layers=2, layer_types=cfg["layer_types"][:2])
     props = torch.cuda.get_device_properties
@@ -143,6 +150,13 @@ def test_the_gpu_code_generation_runs_on_the_cpu(monkeypatch, rows, persistent):
     norms = [k for k in r.kernels if "add_mean_mul_pow" in k]
     assert len(norms) >= 4
     assert all(k.startswith("triton_per_" if persistent else "triton_red_") for k in norms), norms
+    assert len(r.kernel_sources) == len(r.kernels)
+    waits = [k for k, src in zip(r.kernels, r.kernel_sources) if "gdc_wait()" in src]
+    releases = [k for k, src in zip(r.kernels, r.kernel_sources) if "gdc_launch_dependents()" in src]
+    if rows is None:
+        assert set(norms) <= set(waits) and set(norms) <= set(releases), (norms, waits)
+    else:
+        assert waits == releases == []
 
 
 def test_replaying_look_alike_pieces_reports_what_inspecting_each_does(tiny_ckpt):

@@ -69,6 +69,30 @@ def test_the_limit_comes_from_the_environment_and_keys_the_cache(monkeypatch):
         codegen.persistent_rows()
 
 
+def test_inductor_pdl_only_for_cuda_compiles_on_sm90_and_keys_the_cache(monkeypatch):
+    """Inductor's kernels take programmatic dependent launch where the compile is for CUDA on sm_90 or later, the
+    GPU answering; not for a CPU compile, an older GPU, no GPU at all, or with COMPILED_LLM_INDUCTOR_PDL=0. The
+    choice is part of the cache key (a compile cache made without it is not reused with it)."""
+    monkeypatch.delenv(codegen.PDL_ENV, raising=False)
+    cap = {"value": (9, 0)}
+
+    def capability(*args, **kwargs):
+        if cap["value"] is None:
+            raise RuntimeError("Found no NVIDIA driver on your system")
+        return cap["value"]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    assert codegen.inductor_pdl("cuda") and not codegen.inductor_pdl("cpu")
+    on = codegen.cache_key("cuda")
+    assert on.endswith(",inductor_pdl") and codegen.cache_key("cpu") == on.removesuffix(",inductor_pdl")
+    for cap["value"] in ((8, 0), None):
+        assert not codegen.inductor_pdl("cuda") and codegen.cache_key("cuda") != on
+    cap["value"] = (10, 0)
+    assert codegen.inductor_pdl("cuda")
+    monkeypatch.setenv(codegen.PDL_ENV, "0")
+    assert not codegen.inductor_pdl("cuda") and codegen.cache_key("cuda") != on
+
+
 def test_fused_norm_is_left_to_inductor_on_the_gpu_and_ours_when_forced():
     """On a CUDA device with Triton the fused add + RMSNorm resolves to Inductor's own kernel: the pass counts
     its matches (the fusion check holds) and leaves the graph, so Inductor fuses the norms around it. Forcing

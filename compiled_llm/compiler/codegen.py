@@ -9,7 +9,14 @@ experts, their sum, the post-feedforward norm, the residual add and the next lay
 kernel of four dependent reductions. Looped, that kernel walked the row five times and took 7.0-7.5 us at
 decode sizes on the H200 (session 12's profile); persistent, each input is read once.
 
-The limit is part of the compile's cache key (the pass manager's uuid), so a changed limit recompiles.
+Programmatic dependent launch (PDL) for Inductor's own kernels on CUDA sm_90+ (`triton.enable_pdl`; Inductor
+puts `griddepcontrol.wait` before a kernel's first read of what the previous kernel wrote, and lets the next launch
+after its last load). Our Triton kernels and cuBLAS's neither wait early nor release early, so Inductor's kernels
+behind them gain only the launch itself. H100, Gemma 4 26B-A4B, alternating two rounds (benchmarks/NOTES.md, session
+62): batch 1 +0.8%, 1024x8x256 +0.2%, 8192x4x512 +0.0%; session 13's -2.6% at batch 1 was an older Inductor's form.
+`COMPILED_LLM_INDUCTOR_PDL=0` turns it off.
+
+The limit and PDL are part of the compile's cache key (the pass manager's uuid), so a change recompiles.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import functools
 import os
 
 ENV = "COMPILED_LLM_PERSISTENT_ROWS"
+PDL_ENV = "COMPILED_LLM_INDUCTOR_PDL"  # 0: Inductor's kernels launched without programmatic dependent launch
 DEFAULT_PERSISTENT_ROWS = 8192
 INDUCTOR_PERSISTENT_ROWS = 1024  # Inductor's own limit for a row reduction (ReductionHint.INNER)
 
@@ -35,8 +43,22 @@ def persistent_rows() -> int:
     return max(value, 0)
 
 
-def cache_key() -> str:
-    return f"persistent_rows={max(persistent_rows(), INDUCTOR_PERSISTENT_ROWS)}"
+def inductor_pdl(device_type: str) -> bool:
+    """Inductor's kernels launched with PDL: a CUDA compile on sm_90+ (the GPU this process compiles for), unless
+    PDL_ENV is 0."""
+    if device_type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    import torch
+
+    try:
+        return torch.cuda.get_device_capability()[0] >= 9
+    except (AssertionError, RuntimeError):  # no GPU here (a CUDA graph's audit on the CPU)
+        return False
+
+
+def cache_key(device_type: str = "cpu") -> str:
+    pdl = ",inductor_pdl" if inductor_pdl(device_type) else ""
+    return f"persistent_rows={max(persistent_rows(), INDUCTOR_PERSISTENT_ROWS)}{pdl}"
 
 
 @functools.cache

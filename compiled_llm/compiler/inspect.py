@@ -100,14 +100,16 @@ class _Unbuilt:
 
 
 @contextlib.contextmanager
-def fake_cuda_codegen(props=H200, kernels: list | None = None):
+def fake_cuda_codegen(props=H200, kernels: list | None = None, sources: list | None = None):
     """Inductor's CUDA code generation on a machine without a GPU: the device's properties from `props`, Triton
-    taken as present, the kernels' sources generated but not built (their names appended to `kernels`). Only for
-    compiles whose result is not run."""
+    taken as present, the kernels' sources generated but not built (their names appended to `kernels`, their
+    sources to `sources`). Only for compiles whose result is not run."""
     names = kernels if kernels is not None else []
 
     def unbuilt(self, kernel_name, *args, **kwargs):
         names.append(kernel_name)
+        if sources is not None:
+            sources.append(args[0] if args else kwargs.get("source_code", ""))
         return _Unbuilt()
 
     import torch._inductor.async_compile as async_compile
@@ -190,7 +192,7 @@ def inspect_compile(tokens: int, stats: dict | None = None, dedupe: bool = True,
     whose signature matches one inspected before is not compiled again: its matches and largest tensor
     are replayed for its own layers. stats (optional) counts 'inspected' and 'replayed' pieces, and with
     codegen=True (CUDA pieces: Inductor's code generation under fake_cuda_codegen, see the module doc)
-    lists in 'kernels' the names of the Triton kernels generated."""
+    lists in 'kernels' the names of the Triton kernels generated and in 'sources' their sources."""
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
@@ -226,7 +228,7 @@ def inspect_compile(tokens: int, stats: dict | None = None, dedupe: bool = True,
                    # lack; it never touches what our patterns match
                    "joint_graph_constant_folding": False}
         if codegen:
-            with fake_cuda_codegen(kernels=stats.setdefault("kernels", [])):
+            with fake_cuda_codegen(kernels=stats.setdefault("kernels", []), sources=stats.setdefault("sources", [])):
                 compile_fx(gm, args, config_patches=patches)  # any error of the code generation propagates
         else:
             try:

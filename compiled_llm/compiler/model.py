@@ -206,7 +206,8 @@ class CompiledModel:
         allow_many_engines()
         # on the CPU every fused op is its PyTorch reference: norms and RoPE are left to Inductor, counted
         self.pass_manager = PassManager(config.passes, config.dtype, self.device, config.tp_group,
-                                        reference_only=self.device.type == "cpu", codegen_key=codegen.cache_key())
+                                        reference_only=self.device.type == "cpu",
+                                        codegen_key=codegen.cache_key(self.device.type))
         self.backend = Backend(config, self.pass_manager, self.state)
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False,
                                       options={"guard_filter_fn": skip_module_guards})

@@ -168,6 +168,8 @@ class PieceRunner:
     def _inductor_config(self, shape: str) -> dict:
         """Our passes and settings; GEMM autotuning for the compiles the config names (static: the batch sizes)."""
         patches = self.backend.pass_manager.inductor_config()
+        if codegen.inductor_pdl(self.backend.pass_manager.device_type):  # compiler/codegen.py: Inductor's kernels' PDL
+            patches = {**patches, "triton.enable_pdl": True}
         autotune = self.backend.config.autotune
         if autotune == "all" or (autotune == "static" and shape != "dynamic"):
             patches = {**patches, "max_autotune_gemm": True}

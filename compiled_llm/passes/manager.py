@@ -99,6 +99,7 @@ class PassManager(CustomGraphPass):
             names.remove("skinny_mm")  # a CUDA kernel choice (a CPU compile may still name it)
         dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
         device = torch.device(device).type
+        self.device_type = device
         self.reference_only = reference_only
         self.passes = [_fusion_pass(known[name], dtypes, device, tp_group) for name in names]
         # passes whose fused op resolved to Inductor's own kernel, or has only its reference here where that is

@@ -51,6 +51,7 @@ class AuditReport:
     inspected: int = 0  # piece compiles run through Inductor
     replayed: int = 0  # piece compiles that repeated an inspected one for other layers
     kernels: list = field(default_factory=list)  # the Triton kernels generated (codegen=True), by name
+    kernel_sources: list = field(default_factory=list)  # and their sources, in the same order
     mismatches: list = field(default_factory=list)
 
     def layer_matches(self, shape: str = "dynamic") -> dict[int | None, Counter]:
@@ -150,6 +151,7 @@ def audit(hf_config: dict, *, device: str = "cuda", dtype: torch.dtype = torch.b
         layers={i: layer_kind(specs[i]) if i in specs else "recurrent" for i in range(cfg.num_hidden_layers)},
         expected=expected, matches=matches, enabled=checked, pieces=len(compiled.backend.pieces),
         graphs=compiled.backend.graph_count, attention_ops=len(compiled.backend.attention_pieces), largest=largest, num_experts=num_experts,
-        inspected=stats.get("inspected", 0), replayed=stats.get("replayed", 0), kernels=stats.get("kernels", []))
+        inspected=stats.get("inspected", 0), replayed=stats.get("replayed", 0), kernels=stats.get("kernels", []),
+        kernel_sources=stats.get("sources", []))
     report.mismatches = compare(expected, matches, checked)
     return report
