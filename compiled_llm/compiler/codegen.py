@@ -13,8 +13,8 @@ Programmatic dependent launch (PDL) for Inductor's own kernels on CUDA sm_90+ (`
 puts `griddepcontrol.wait` before a kernel's first read of what the previous kernel wrote, and lets the next launch
 after its last load). Our Triton kernels and cuBLAS's neither wait early nor release early, so Inductor's kernels
 behind them gain only the launch itself. H100, Gemma 4 26B-A4B, alternating two rounds (benchmarks/NOTES.md, session
-62): batch 1 +0.8%, 1024x8x256 +0.2%, 8192x4x512 +0.0%; session 13's -2.6% at batch 1 was an older Inductor's form.
-`COMPILED_LLM_INDUCTOR_PDL=0` turns it off.
+62): batch 1 +0.8%, 1024x8x256 +0.2%, 8192x4x512 +0.0%. (Session 13, on the same torch 2.11, measured -2.6% at batch
+1, when about 12 of a layer's 17 kernels were Inductor's; now three are.) `COMPILED_LLM_INDUCTOR_PDL=0` turns it off.
 
 The limit and PDL are part of the compile's cache key (the pass manager's uuid), so a change recompiles.
 """
