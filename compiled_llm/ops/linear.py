@@ -37,9 +37,12 @@ on that call's operands) and keeps the faster for the process; `COMPILED_LLM_CPU
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -103,17 +106,23 @@ def wide_shapes(name: str | None) -> frozenset[tuple[int, int]]:
     return WIDE_MEASURED.get(name, frozenset()) | frozenset(added_wide())
 
 
-def added_wide() -> dict[tuple[int, int], bool]:
-    """WIDE_ADD_ENV's shapes: {(n, k): whether on the split launch}."""
+def added_wide() -> Mapping[tuple[int, int], bool]:
+    """WIDE_ADD_ENV's shapes: {(n, k): whether on the split launch}. Parsed once per value of the variable: the LM
+    head's product asks on every decode step (linear_rows, then the launch)."""
+    return _parse_added_wide(os.environ.get(WIDE_ADD_ENV, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_added_wide(text: str) -> Mapping[tuple[int, int], bool]:
     out = {}
-    for item in os.environ.get(WIDE_ADD_ENV, "").replace("none", "").split(","):
+    for item in text.replace("none", "").split(","):
         if item.strip():
             shape, _, launch = item.strip().partition(":")
             n, k = (int(v) for v in shape.split("x"))
             if launch not in ("", "split"):
                 raise ValueError(f"{WIDE_ADD_ENV}: {item!r}: expected NxK or NxK:split")
             out[(n, k)] = launch == "split"
-    return out
+    return MappingProxyType(out)
 
 
 def ref_skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

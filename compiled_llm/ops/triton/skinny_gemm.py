@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from compiled_llm.ops.jit import MONITOR, JitKernel, register_kernel
+from compiled_llm.ops.linear import added_wide
 from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, decode_pdl_steps, dot_f32, dot_precision,
                                              ticket_counters)
 
@@ -262,7 +263,6 @@ SPLIT_ENV = "COMPILED_LLM_SKINNY_SPLIT"  # the narrow launch's K slices (an A/B 
 def decode_launch(n: int, k: int) -> SkinnyLaunch:
     """The op's launch for a weight [n, k]: split and merged where the output is narrow (or an added wide shape asks
     for it: ops/linear.py WIDE_ADD_ENV), else one pass."""
-    from compiled_llm.ops.linear import added_wide
     if n < k or added_wide().get((n, k), False):
         split = int(os.environ.get(SPLIT_ENV, DECODE_LAUNCH.split_k))
         return DECODE_LAUNCH if split == DECODE_LAUNCH.split_k else dataclasses.replace(DECODE_LAUNCH, split_k=split)
