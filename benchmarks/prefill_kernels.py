@@ -218,15 +218,21 @@ def flashinfer_prefill(S, layer, args, opts, backend):
     return lambda: w.run(q, (k, v))
 
 
-def attention_group(S, lens, dev, dt, time_fn, rows, smoke, quick=False, extra=False):
+def attention_group(S, lens, dev, dt, time_fn, rows, smoke, quick=False, extra=False, tma=False):
     R = dataclasses.replace
-    for kind in ("sliding", "glob"):
+    for kind in ("glob",) if tma else ("sliding", "glob"):
         layer = S[kind]
         args, opts, flops = attention_case(S, layer, lens, dev, dt, seed=2)
         p0 = PA.attention_launch_policy(len(lens), 0, layer["head_dim"], prefill=True)
         cands = [p0, R(p0, interior=not p0.interior)]  # the interior tiles without masks, and every tile masked
         calls = {}
-        if extra:  # one stage for the unsplit d512 tiles (never swept: two stages do not fit), and FlashInfer
+        if tma:  # the K=V layer's key and value tiles through TMA (AttnLaunch.tma) against the registers' loads
+            A = PA.AttnLaunch
+            split = A(block_m=128, block_n=32, num_warps=8, num_stages=2, split_d=True)
+            cands = [p0, R(split, tma=True), R(p0, tma=not p0.tma), split, R(split, block_n=16, num_stages=4, tma=True),
+                     R(split, block_n=16, num_stages=3, tma=True),
+                     A(block_m=64, block_n=32, num_warps=4, num_stages=3, split_d=True, tma=True)]
+        elif extra:  # one stage for the unsplit d512 tiles (never swept: two stages do not fit), and FlashInfer
             cands = [p0]
             if layer["head_dim"] >= 512:
                 cands += [PA.AttnLaunch(block_m=64, block_n=bn, num_warps=8, num_stages=1) for bn in (32, 64)]
@@ -294,6 +300,8 @@ def main() -> int:
                     help="MoE: the policy's TMA tiles against the same with half-height tail blocks (MoELaunch.half_tail)")
     ap.add_argument("--attn-quick", action="store_true",
                     help="attention: the policy's launch and the same with every key tile masked (no sweep)")
+    ap.add_argument("--attn-tma", action="store_true",
+                    help="attention: the d512 K=V layer's tiles with and without TMA (AttnLaunch.tma)")
     ap.add_argument("--attn-extra", action="store_true",
                     help="attention: the policy, one-stage unsplit d512 tiles, and FlashInfer's paged prefill (sliding)")
     ap.add_argument("--out", default=None)
@@ -316,7 +324,7 @@ def main() -> int:
             moe_group(S, T, dev, dt, time_fn, rows, a.smoke, a.moe_order, a.moe_tma, a.moe_persistent, a.moe_half_tail)
     if "attention" in groups and "glob" in S:
         for lens in att:
-            attention_group(S, lens, dev, dt, time_fn, rows, a.smoke, a.attn_quick, a.attn_extra)
+            attention_group(S, lens, dev, dt, time_fn, rows, a.smoke, a.attn_quick, a.attn_extra, a.attn_tma)
     if SHARD is not None:
         return 0
     lines = summary(rows)

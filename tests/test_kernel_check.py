@@ -94,6 +94,9 @@ def test_every_kernel_start_up_builds_on_an_h200_builds_for_sm90(name):
         # and the op's own kernels, which a decode step inside a compiled piece's capture and a prefill launch
         qk_own = [b.launch.kwargs for b in built if b.launch.name.startswith("_qk_norm_rope")]
         assert {(kw["HAS_K"], kw.get("ROT", 0)) for kw in qk_own} == {(True, 0), (False, 64)}
+        # the global layers' prefill (head_dim 512, K=V) reads its key and value tiles through TMA descriptors
+        pre = [b.launch.kwargs for b in built if b.launch.name == "_prefill_kernel" and b.launch.kwargs["K_EQ_V"]]
+        assert pre and all(kw.get("TMA") and kw["BLOCK_N"] == 32 and kw["SPLIT_D"] for kw in pre), pre
     assert any(b.wgmma for b in built if b.launch.name == "_gate_up_kernel")
     assert all(b.registers > 0 for b in built)  # ptxas read each one
 

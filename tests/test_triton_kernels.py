@@ -665,10 +665,60 @@ def _check_prefill_interior():
         PA.DENSE_K_LIMIT_BYTES = 1 << 30
 
 
+def _check_prefill_tma():
+    """The K=V prefill's key and value tiles through TMA descriptors over the dense buffers (AttnLaunch.tma) give
+    bit for bit what the same tiles loaded through the registers give, with both dense buffers NaN-filled before
+    the rebuild (the rows past each sequence's last key, which the descriptors read unmasked, must be zeroed) and
+    a block table wider than the longest sequence; a window keeps the registers' loads (the rebuild writes only
+    the window's rows)."""
+    import torch
+
+    from compiled_llm.ops.triton import paged_attention as PA
+
+    PA.DENSE_K_LIMIT_BYTES = 1 << 30
+    made = []
+
+    def poisoned(*args):
+        made.append(args[:4])
+        return PA.torch.full(args[:4], float("nan"), dtype=args[4].dtype, device=args[4].device)
+
+    cases = [  # (seq_lens, q_lens, group, head_dim, window, block_m, block_n, split_d, dtype)
+        ([13, 77], [13, 40], 8, 64, None, 32, 16, True, torch.float32),  # a cached prefix, split output
+        ([13, 77], [13, 40], 8, 64, None, 32, 32, False, torch.float32),  # whole head
+        ([45, 9], [45, 9], 4, 64, None, 32, 16, True, torch.bfloat16),
+        ([50, 31], [20, 31], 4, 32, 11, 16, 16, True, torch.float32),  # window: no TMA
+    ]
+    orig = PA._dense_buffer
+    PA._dense_buffer = poisoned
+    try:
+        for lens, q_lens, group, d, window, bm, bn, split_d, dtype in cases:
+            q, cache, bt, extra = _attn_case(lens, q_lens, page=16, kv_heads=2, group=group, head_dim=d,
+                                             window=window, k_eq_v=True)
+            q, cache = q.to(dtype), cache.to(dtype)
+            bt = torch.cat([bt, torch.full((bt.shape[0], 2), -1, dtype=bt.dtype)], 1)  # 32 rows past the longest
+            opts = dict(scale=d ** -0.5, sliding_window=window, k_eq_v=True, num_kv_heads=2, head_dim=d, **extra)
+            sl = torch.tensor(lens, dtype=torch.int32)
+            qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+            outs, buffers = [], []
+            for tma in (True, False):
+                made.clear()
+                pol = PA.AttnLaunch(block_m=bm, block_n=bn, num_warps=8, num_stages=1, split_d=split_d, tma=tma)
+                outs.append(PA.paged_prefill(q, cache, bt, qsl, sl, policy=pol, **opts))
+                buffers.append(len(made))
+            name = f"prefill TMA tiles {dtype} lens={lens} q={q_lens} g={group} d={d} W={window} split-d:{split_d}"
+            want = [1, 1] if window else [2, 1]  # the value copy is made only for the TMA tiles
+            ok = torch.equal(outs[0], outs[1]) and not outs[0].isnan().any() and buffers == want
+            print(f"  {name}: equal {torch.equal(outs[0], outs[1])}, dense buffers {buffers} {'ok' if ok else 'FAIL'}")
+            assert ok, name
+    finally:
+        PA._dense_buffer = orig
+
+
 def check_prefill():
     import torch
 
     _check_prefill_interior()
+    _check_prefill_tma()
     for case in PREFILL_CASES:
         _check_attention("prefill", **case)
     for case in SPLIT_D_CASES:
@@ -1548,6 +1598,50 @@ if __name__ == "__main__":
     from interp_groups import main
 
     main(sys.argv[1:] or FAST, lambda g: globals()[f"check_{g}"]())
+
+
+def test_d512_prefill_policy_reads_tma_tiles_unless_switched_off(monkeypatch):
+    """The head_dim-512 prefill (Gemma 4's K=V global layers) takes 32-key TMA tiles at two stages by default;
+    COMPILED_LLM_PREFILL_TMA=0 gives the 64-key one-stage tile whose loads go through the registers, and so does a
+    launch where TMA cannot run (a window, a GPU before sm_90, dense buffers past the limit)."""
+    import torch
+
+    from compiled_llm.ops.triton import paged_attention as PA
+
+    pol = PA.attention_launch_policy(1, 0, 512, prefill=True)
+    assert (pol.tma, pol.block_n, pol.num_stages, pol.split_d) == (True, 32, 2, True)
+    assert PA.attention_launch_policy(1, 0, 256, prefill=True).tma is False
+    monkeypatch.setenv(PA.PREFILL_TMA_ENV, "0")
+    pol = PA.attention_launch_policy(1, 0, 512, prefill=True)
+    assert (pol.tma, pol.block_n, pol.num_stages, pol.split_d) == (False, 64, 1, True)
+    monkeypatch.delenv(PA.PREFILL_TMA_ENV)
+    q = torch.zeros(4, 2, 512)
+    cache = torch.zeros(1, 1, 16, 1, 512)
+    assert not PA._tma_fits(q, cache, None, 256, 256, 32, 1 << 20)  # no TMA on this CPU (not interpreted)
+    monkeypatch.setattr(PA._common, "_INTERPRETED", True)
+    assert PA._tma_fits(q, cache, None, 256, 256, 32, 1 << 20)
+    assert not PA._tma_fits(q, cache, 1024, 256, 256, 32, 1 << 20)  # the rebuild writes only the window's rows
+    assert not PA._tma_fits(q, cache, None, 256, 256, 32, 2 << 30)  # both dense buffers past the limit
+    monkeypatch.setattr(PA._common, "_INTERPRETED", False)
+
+    from compiled_llm.ops.rope import rope_inv_freq
+    from compiled_llm.runtime.kernel_check import recorded_launches
+
+    def launch():  # the kernel's arguments as an H100 would get them (recorded, not run)
+        L = 64
+        args = (torch.zeros(L, 16, 512, dtype=torch.bfloat16), torch.zeros(1, 4, 16, 2, 512, dtype=torch.bfloat16),
+                torch.arange(4, dtype=torch.int32)[None], torch.tensor([0, L], dtype=torch.int32),
+                torch.tensor([L], dtype=torch.int32))
+        with recorded_launches(as_sm90=True) as launches:
+            PA.paged_prefill(*args, scale=0.1, k_eq_v=True, num_kv_heads=2, head_dim=512,
+                             k_norm_weight=torch.ones(512, dtype=torch.bfloat16),
+                             inv_freq=rope_inv_freq(512, 1e6, "proportional", partial_rotary_factor=0.25))
+        (kw,) = [lz.kwargs for lz in launches if lz.name == "_prefill_kernel"]
+        return kw.get("TMA", False), kw["BLOCK_N"], kw["num_stages"]
+
+    assert launch() == (True, 32, 2)
+    monkeypatch.setattr(PA, "_tma_fits", lambda *a: False)
+    assert launch() == (False, 64, 1)
 
 
 @pytest.mark.parametrize("seqs,ctx,head_dim,kv_heads,window,splits", [

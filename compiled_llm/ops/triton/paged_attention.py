@@ -13,6 +13,8 @@ per output half, each computing the full scores, so that a head_dim-512 tile kee
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,11 +22,15 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compiled_llm.ops.rope import rotated_block  # noqa: F401  (the decode kernel's ROT; sparse_attention imports it here)
+from compiled_llm.ops.triton import _common
 from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rope_rows, _rot_keys, _rstd_rows
 from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, _reduce_angle, _tanh, decode_pdl_steps, dot_f32,
                                              dot_precision)
+
+log = logging.getLogger("compiled_llm")
 
 # Per-step integers (split counts, batch sizes, block-table width) are marked do_not_specialize so that a
 # new value never triggers a fresh build mid-serving (Triton would otherwise specialise on ==1 / %16).
@@ -48,10 +54,21 @@ class AttnLaunch:
     # prefill: the key tiles that every row of the query tile sees whole (inside the causal edge and the window,
     # none past the last key) run without the position masks; only the edge tiles build and apply them
     interior: bool = True
+    # prefill, K=V layers with the dense rebuilt keys (no window): the key and value tiles through TMA
+    # descriptors over dense [sequences x positions, kv_heads x head_dim] buffers (the values copied there by
+    # the key rebuild), not per-thread loads through the registers and the block table; sm_90+ (or the
+    # interpreter), else ignored
+    tma: bool = False
 
 
 # a d=512 prefill whose keys are rebuilt in the loop cannot split the output (the rebuild needs all of v)
 UNSPLIT_D512 = AttnLaunch(block_m=64, block_n=32, num_warps=8, num_stages=2)
+# the d=512 K=V prefill on the dense rebuilt keys: 64-key tiles, one stage (the most shared memory allows with the
+# loads staged through the registers); through TMA, 32-key tiles at two stages (H100, session 63, prefill_kernels
+# --attn-tma, us: 1 x 8,192 3,944 / 4,043 against 4,126 / 4,119, 8 x 1,024 661 / 665 against 722 / 721, 1 x 4,096
+# 1,092 against 1,159; the 32-key tile without TMA 4,418 at 8,192; end to end 8192x4x512 +0.35%, TTFT 8K -2%)
+PREFILL_D512 = AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=1, split_d=True)
+PREFILL_D512_TMA = AttnLaunch(block_m=128, block_n=32, num_warps=8, num_stages=2, split_d=True, tma=True)
 
 
 def _pow2_floor(x: int) -> int:
@@ -59,6 +76,7 @@ def _pow2_floor(x: int) -> int:
 
 
 PREFILL_INTERIOR_ENV = "COMPILED_LLM_PREFILL_INTERIOR"  # 0: every prefill key tile masked (an A/B)
+PREFILL_TMA_ENV = "COMPILED_LLM_PREFILL_TMA"  # 0: the d512 K=V prefill's tiles loaded through the registers (A/B)
 ROT_TILE_ENV = "COMPILED_LLM_DECODE_ROT_TILE"  # 32: kept-keys decode on the rebuild's 32-key tiles (an A/B)
 SPLIT_ROUND_ENV = "COMPILED_LLM_DECODE_SPLIT_ROUND"  # ceil: d<512 decode splits rounded up to a power of 2 (A/B)
 KEY_TILE_ENV = "COMPILED_LLM_DECODE_KEY_TILE"  # 32 / 64: every d256 K!=V decode on that key tile (an A/B)
@@ -78,7 +96,8 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
         # tokens and 0.74 vs 0.91 ms at 8 x 1,024 (the only split tile that fits shared memory with 64 keys)
         interior = os.environ.get(PREFILL_INTERIOR_ENV, "1") != "0"
         if head_dim >= 512:  # K from the dense rebuilt buffer
-            return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=1, split_d=True, interior=interior)
+            tma = os.environ.get(PREFILL_TMA_ENV, "1") != "0"
+            return dataclasses.replace(PREFILL_D512_TMA if tma else PREFILL_D512, interior=interior)
         if head_dim >= 256:
             return AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=2, interior=interior)
         return AttnLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2, interior=interior)
@@ -610,39 +629,65 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
 
 
 @triton.jit
-def _prefill_tile(kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
-                  MASK: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                  SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
-                  BIDIR: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr, SPLIT_D: tl.constexpr):
-    """One key tile of the prefill's online softmax: keys kstart + n. MASK: the positions past `last`, after a
-    row's own or outside its window are masked (and not loaded); without it every key of the tile is seen by
-    every row (the caller's interior tiles)."""
-    K, V, seq, kvh, d, dmask, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, vpart = kv
-    pos = kstart + n
-    if MASK:
-        pmask = pos < last
-        kvmask = pmask[:, None] & dmask[None, :]
-        page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
-    else:
-        kvmask = (pos >= 0)[:, None] & dmask[None, :]  # folds to d < HALF (all true where BLOCK_D == HALF)
-        page = tl.load(bt_row + pos // PAGE).to(tl.int64)
-    slot = pos % PAGE
-    v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
-    if SPLIT_D:
-        v1 = tl.load(V + v_off + vpart, mask=kvmask, other=0.0)  # this program's half
-        v2 = v1
-    else:
-        v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
-        v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
+def _tile_keys(K, seq, kvh, d, kvmask, pos, page, slot, v1, v2, rope, kstart, like, stride_kb, stride_ks, stride_kh,
+               HALF: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr):
+    """Both halves of a prefill key tile loaded through the registers: from the dense rebuilt buffer (K_DENSE),
+    rebuilt from the values (K=V), or from the paged cache."""
     if K_DENSE:
         k_off = seq.to(tl.int64) * stride_kb + (pos * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
         k1 = tl.load(K + k_off, mask=kvmask, other=0.0)
         k2 = tl.load(K + k_off + HALF, mask=kvmask, other=0.0)
     elif K_EQ_V:
         w1, w2, inv, cos_b, sin_b = rope
-        k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, q1)
+        k1, k2 = _rebuild_keys(v1, v2, w1, w2, inv, cos_b, sin_b, kstart, like)
     else:
         k1, k2 = _cached_keys(K, page, slot, kvh, d, kvmask, stride_kb, stride_ks, stride_kh, HALF)
+    return k1, k2
+
+
+@triton.jit
+def _prefill_tile(kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
+                  kd, vd, drow, MASK: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                  SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
+                  BIDIR: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr, SPLIT_D: tl.constexpr,
+                  TMA: tl.constexpr):
+    """One key tile of the prefill's online softmax: keys kstart + n. MASK: the positions past `last`, after a
+    row's own or outside its window are masked (and not loaded); without it every key of the tile is seen by
+    every row (the caller's interior tiles). TMA: keys and values from the descriptors kd / vd over the dense
+    buffers, rows drow + kstart + n (rows past the sequence's last key hold zeros there: no load mask).
+    """
+    K, V, seq, kvh, d, dmask, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, vpart = kv
+    pos = kstart + n
+    if MASK:
+        pmask = pos < last
+    if TMA:
+        row = drow + kstart
+        col = kvh * (2 * HALF)
+        if SPLIT_D:
+            v1 = vd.load([row, col + vpart])  # this program's half
+            v2 = v1
+        else:
+            v1 = vd.load([row, col])
+            v2 = vd.load([row, col + HALF])
+        k1 = kd.load([row, col])
+        k2 = kd.load([row, col + HALF])
+    else:
+        if MASK:
+            kvmask = pmask[:, None] & dmask[None, :]
+            page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+        else:
+            kvmask = (pos >= 0)[:, None] & dmask[None, :]  # folds to d < HALF (all true where BLOCK_D == HALF)
+            page = tl.load(bt_row + pos // PAGE).to(tl.int64)
+        slot = pos % PAGE
+        v_off = page[:, None] * stride_vb + (slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+        if SPLIT_D:
+            v1 = tl.load(V + v_off + vpart, mask=kvmask, other=0.0)  # this program's half
+            v2 = v1
+        else:
+            v1 = tl.load(V + v_off, mask=kvmask, other=0.0)
+            v2 = tl.load(V + v_off + HALF, mask=kvmask, other=0.0)
+        k1, k2 = _tile_keys(K, seq, kvh, d, kvmask, pos, page, slot, v1, v2, rope, kstart, q1, stride_kb,
+                            stride_ks, stride_kh, HALF, K_EQ_V, K_DENSE)
     qk = _dot(q1, tl.trans(k1), PREC, F32) + _dot(q2, tl.trans(k2), PREC, F32)
     s = _scores(qk, scale, softcap, SOFTCAP)
     if MASK:
@@ -678,12 +723,14 @@ def _prefill_kernel(
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, K_EQ_V: tl.constexpr, K_DENSE: tl.constexpr,
     BIDIR: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr = False, SPLIT_D: tl.constexpr = False,
-    INTERIOR: tl.constexpr = False,
+    INTERIOR: tl.constexpr = False, Kd=None, Vd=None, dense_rows=0, TMA: tl.constexpr = False,
 ):
     # K_DENSE: keys come pre-rebuilt from a dense [num_seqs, positions, kv_heads, head_dim] buffer (K)
     # BIDIR: each new token also sees the keys of its span [SpanLo, SpanHi) (media tokens, both ways)
     # SPLIT_D: axis 1 is kv_heads x 2; program (pid, j) owns KV head j // 2 and output half j % 2. The scores
     # (and so m_i, l_i) are the same in both programs; each reads and accumulates only its half of V.
+    # TMA (K_DENSE): Kd / Vd describe the dense keys and values as [num_seqs * dense_rows, kv_heads * head_dim]
+    # in [BLOCK_N, HALF] boxes; sequence s's key j is row s * dense_rows + j
     tl.static_assert(not SPLIT_D or K_DENSE or not K_EQ_V, "SPLIT_D: the in-loop key rebuild needs all of v")
     pid = tl.program_id(0)
     if SPLIT_D:
@@ -758,6 +805,7 @@ def _prefill_kernel(
     else:
         span = (0, 0)  # unused
     kv = (K, V, seq, kvh, d, dmask, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, vpart)
+    drow = seq * dense_rows
     # INTERIOR: three runs of the same tiles: [first, a_end) and [b_end, last) masked, [a_end, b_end) without
     # the position masks (every row sees every key there: past the window's edge for the tile's last query,
     # at or before the first query's position, before `last`). Spans (BIDIR) widen `last`: all tiles masked.
@@ -770,17 +818,20 @@ def _prefill_kernel(
             for kstart in range(first, a_end, BLOCK_N):
                 m_i, l_i, acc1, acc2 = _prefill_tile(
                     kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
-                    True, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32, SPLIT_D)
+                    Kd, Vd, drow, True, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32,
+                    SPLIT_D, TMA)
         full_hi = tl.minimum(ctx0 + q_off + 1, last)
         b_end = a_end + tl.maximum(full_hi - a_end, 0) // BLOCK_N * BLOCK_N
         for kstart in range(a_end, b_end, BLOCK_N):
             m_i, l_i, acc1, acc2 = _prefill_tile(
                 kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
-                False, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32, SPLIT_D)
+                Kd, Vd, drow, False, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32,
+                SPLIT_D, TMA)
     for kstart in range(b_end, last, BLOCK_N):
         m_i, l_i, acc1, acc2 = _prefill_tile(
             kstart, n, last, qpos, window, m_i, l_i, acc1, acc2, q1, q2, kv, rope, span, scale, softcap,
-            True, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32, SPLIT_D)
+            Kd, Vd, drow, True, HALF, BLOCK_D, PAGE, SLIDING, SOFTCAP, K_EQ_V, K_DENSE, BIDIR, PREC, F32,
+            SPLIT_D, TMA)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o_ptr = Out + (q_begin + tok).to(tl.int64)[:, None] * stride_ot + (head * stride_oh)[:, None] + d[None, :]
@@ -793,13 +844,16 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _rebuild_k_kernel(
-    V, BlockTables, SeqLens, QueryStart, KNorm, InvFreq, KD,
+    V, BlockTables, SeqLens, QueryStart, KNorm, InvFreq, KD, VD,
     stride_vb, stride_vs, stride_vh, stride_bt, stride_ds, stride_dp, stride_dh,
-    window,
+    window, rows,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+    COPY_V: tl.constexpr = False, TAIL: tl.constexpr = 1,
 ):
     """K=V layers, prefill: write rope(v * k_norm_weight) for every position some query of the step can see
-    into a dense [num_seqs, positions, kv_heads, head_dim] buffer: once per key, not once per query tile."""
+    into a dense [num_seqs, positions, kv_heads, head_dim] buffer: once per key, not once per query tile.
+    COPY_V (no window): v itself too, into VD (same layout), and zeros in both at the positions past seq_len up to
+    a multiple of TAIL (below `rows`): the prefill's TMA tiles read those rows unmasked."""
     seq = tl.program_id(0)
     kvh = tl.program_id(2)
     seq_len = tl.load(SeqLens + seq)
@@ -807,8 +861,11 @@ def _rebuild_k_kernel(
     if SLIDING:
         q_len = tl.load(QueryStart + seq + 1) - tl.load(QueryStart + seq)
         first = tl.maximum(seq_len - q_len - window + 1, 0)
+    end = seq_len
+    if COPY_V:
+        end = tl.minimum(tl.cdiv(seq_len, TAIL) * TAIL, rows)
     pos0 = first + tl.program_id(1) * BLOCK_N
-    if pos0 >= seq_len:
+    if pos0 >= end:
         return
     pos = pos0 + tl.arange(0, BLOCK_N)
     pmask = pos < seq_len
@@ -819,6 +876,11 @@ def _rebuild_k_kernel(
     v_off = page[:, None] * stride_vb + ((pos % PAGE) * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
     x1 = tl.load(V + v_off, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(V + v_off + HALF, mask=mask, other=0.0).to(tl.float32)
+    if COPY_V:  # masked rows load as zeros: the tail rows are written as zeros
+        mask = (pos < end)[:, None] & dmask[None, :]
+        vd = VD + seq.to(tl.int64) * stride_ds + (pos * stride_dp + kvh * stride_dh)[:, None] + d[None, :]
+        tl.store(vd, x1.to(VD.dtype.element_ty), mask=mask)
+        tl.store(vd + HALF, x2.to(VD.dtype.element_ty), mask=mask)
     x1 = x1 * tl.load(KNorm + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     x2 = x2 * tl.load(KNorm + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     inv = tl.load(InvFreq + d, mask=dmask, other=0.0)
@@ -834,6 +896,29 @@ def _rebuild_k_kernel(
 
 # dense rebuilt-key buffers above this size fall back to rebuilding keys inside the attention loop
 DENSE_K_LIMIT_BYTES = 1 << 30
+_TMA_WARNED: set = set()
+
+
+def _dense_buffer(num_seqs: int, rows: int, num_kv_heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """A dense [num_seqs, rows, kv_heads, head_dim] buffer the key rebuild fills (a test poisons it with NaN)."""
+    return torch.empty(num_seqs, rows, num_kv_heads, head_dim, dtype=like.dtype, device=like.device)
+
+
+def _tma_fits(q, v_cache, sliding_window, half, block_d, block_n, nbytes) -> bool:
+    """AttnLaunch.tma can run: a device with TMA (sm_90+, or the interpreter), no window (the rebuild writes every
+    row from position 0), power-of-two halves and key tiles of at most 64 (the zeroed tail rows), the values in the
+    query's dtype, and both dense buffers within DENSE_K_LIMIT_BYTES; a GPU that has TMA and misses one is told."""
+    if not (_common._INTERPRETED or _common.sm90(q.device)):
+        return False
+    fits = (sliding_window is None and half == block_d and 16 <= block_n <= 64 and v_cache.dtype == q.dtype
+            and nbytes <= DENSE_K_LIMIT_BYTES)
+    key = (sliding_window, half, block_n, v_cache.dtype, q.dtype, nbytes > DENSE_K_LIMIT_BYTES)
+    if not fits and q.is_cuda and key not in _TMA_WARNED:
+        _TMA_WARNED.add(key)
+        log.warning("prefill attention (head_dim %d, window %s): key and value tiles load without TMA (%d-key tiles, "
+                    "%s values for %s queries, %.2f GB of dense keys and values)", 2 * half, sliding_window,
+                    block_n, v_cache.dtype, q.dtype, nbytes / 1e9)
+    return fits
 
 
 def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
@@ -872,19 +957,31 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     block_d = triton.next_power_of_2(half)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * page
-    dense = k_eq_v and num_seqs * max_seq_len * num_kv_heads * head_dim * q.element_size() <= DENSE_K_LIMIT_BYTES
+    dense_bytes = num_seqs * max_seq_len * num_kv_heads * head_dim * q.element_size()
+    dense = k_eq_v and dense_bytes <= DENSE_K_LIMIT_BYTES
+    tma = dense and pol.tma and _tma_fits(q, v_cache, sliding_window, half, block_d, pol.block_n, 2 * dense_bytes)
+    if pol.tma and not tma and policy is None:  # the policy's TMA tile without TMA: the registers' best tile
+        pol = dataclasses.replace(PREFILL_D512, interior=pol.interior)
     k_src, ks = k_cache, (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    tma_args = {}
     if dense:
         # rows are positions; for sliding windows only the visible ones are written (and read)
-        k_src = torch.empty(num_seqs, max_seq_len, num_kv_heads, head_dim, dtype=q.dtype, device=q.device)
+        k_src = _dense_buffer(num_seqs, max_seq_len, num_kv_heads, head_dim, q)
+        v_src = _dense_buffer(num_seqs, max_seq_len, num_kv_heads, head_dim, q) if tma else k_src
         ks = (k_src.stride(0), k_src.stride(1), k_src.stride(2))
         rows = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + num_tokens)
         _rebuild_k_kernel[(num_seqs, triton.cdiv(rows, 16), num_kv_heads)](
-            v_cache, block_tables, seq_lens, query_start_loc, knw, inv, k_src,
+            v_cache, block_tables, seq_lens, query_start_loc, knw, inv, k_src, v_src,
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *ks,
-            int(sliding_window or 0),
-            HALF=half, BLOCK_D=block_d, PAGE=page, BLOCK_N=16, SLIDING=sliding_window is not None, num_warps=8,
+            int(sliding_window or 0), max_seq_len,
+            HALF=half, BLOCK_D=block_d, PAGE=page, BLOCK_N=16, SLIDING=sliding_window is not None, COPY_V=tma,
+            TAIL=pol.block_n, num_warps=8,
         )
+        if tma:
+            box = [pol.block_n, half]
+            tma_args = dict(Kd=TensorDescriptor.from_tensor(k_src.view(num_seqs * max_seq_len, -1), box),
+                            Vd=TensorDescriptor.from_tensor(v_src.view(num_seqs * max_seq_len, -1), box),
+                            dense_rows=max_seq_len, TMA=True)
     split_d = pol.split_d and not (k_eq_v and not dense)  # the in-loop rebuild needs both halves of v
     if pol.split_d and not split_d and policy is None:  # the policy's split tile, unsplit, would not fit
         pol = UNSPLIT_D512
@@ -907,7 +1004,7 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         PAGE=page, BLOCK_N=block_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, K_EQ_V=k_eq_v, K_DENSE=dense,
         BIDIR=spans is not None, PREC=dot_precision(q.dtype), F32=dot_f32(q.dtype), SPLIT_D=split_d,
-        INTERIOR=pol.interior,
+        INTERIOR=pol.interior, **tma_args,
         num_warps=pol.num_warps, num_stages=pol.num_stages,
     )
     return out
