@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import floor  # noqa: E402
 from configs import config_dict, qwen_layer_types, write_config_folder  # noqa: E402
+from side_by_side import run_side_by_side  # noqa: E402
 
 
 def test_floor_of_the_26b_shape_matches_the_known_figure():
@@ -401,12 +402,12 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     the partial one agree, --stream's kernel sums exactly the rows the engine's launch reads (checked inside, with
     and without the block table), --qk's two forms of the decode with its QK-norm inside give equal outputs, and the
     chain's Triton GEMMs equal cuBLAS's (float32)."""
-    import subprocess
-
-    out = tmp_path / "attn.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--dry-run", "--quick",
-                        "--stream", "--ladder", "--qk", "--out", str(out)], capture_output=True, text=True, timeout=600,
-                       cwd=ROOT)
+    out, pdl = tmp_path / "attn.json", tmp_path / "pdl.json"
+    r, r_pdl = run_side_by_side(
+        dict(args=[sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--dry-run", "--quick",
+                   "--stream", "--ladder", "--qk", "--out", str(out)], timeout=600),
+        dict(args=[sys.executable, str(ROOT / "benchmarks" / "pdl_chain.py"), "--dry-run", "--out", str(pdl)],
+             timeout=300))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     checked = [row for row in rows if "max_diff" in row]
@@ -424,11 +425,9 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     assert all(row["max_diff"] == 0 for row in qk if "in-register" in row["candidate"])
     streams = [row for row in rows if row["candidate"].startswith("stream")]
     assert len(streams) == 2 * 2 * 2  # both layers, both cases, with and without the block table
-    out = tmp_path / "pdl.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pdl_chain.py"), "--dry-run", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = r_pdl
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads(pdl.read_text())["rows"]
     assert [(row["tokens"], row["variant"]) for row in rows] == [
         (m, v) for m in (1, 8) for v in ("cublas", "triton", "triton@32x128w4")]  # a swept tile too
     assert all(row["max_diff_vs_cublas"] < 1e-4 for row in rows)
@@ -457,15 +456,15 @@ def test_l2_prefetch_and_prefill_kernels_dry_runs(tmp_path):
     """benchmarks/l2_prefetch.py's decode-layer chain and prefill_kernels.py's MoE sweep with and without TMA
     (MoELaunch.tma) run their CPU paths under the Triton interpreter; every MoE candidate agrees with the policy's."""
     import os
-    import subprocess
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "l2_prefetch.py"), "--dry-run"], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT, env=env)
-    assert r.returncode == 0 and "dry run: chain ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "prefill.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_kernels.py"), "--smoke", "--groups", "moe",
-                        "--moe-tma", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    r, r_prefill = run_side_by_side(
+        dict(args=[sys.executable, str(ROOT / "benchmarks" / "l2_prefetch.py"), "--dry-run"], timeout=300, env=env),
+        dict(args=[sys.executable, str(ROOT / "benchmarks" / "prefill_kernels.py"), "--smoke", "--groups", "moe",
+                   "--moe-tma", "--out", str(out)], timeout=300, env=env))
+    assert r.returncode == 0 and "dry run: chain ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    r = r_prefill
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["default"] and {row["cand"]["tma"] for row in rows} == {True, False}
@@ -529,13 +528,17 @@ def test_moe_stream_dry_run(tmp_path):
     down kernels each alone, whose output is checked equal to the whole routed op's; with --launch, the routed op
     at another tile, checked close to the policy's)."""
     import os
-    import subprocess
 
     pytest.importorskip("triton")
-    out = tmp_path / "moe_stream.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_stream.py"), "--smoke", "--parts",
-                        "--launch", "b_block_n=32,b_stages=2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    out, flush, layers = (tmp_path / f"moe_stream_{name}.json" for name in ("parts", "flush", "layers"))
+    script, env = str(ROOT / "benchmarks" / "moe_stream.py"), dict(os.environ, TRITON_INTERPRET="1")
+    r, r_flush, r_layers = run_side_by_side(
+        dict(args=[sys.executable, script, "--smoke", "--parts", "--launch", "b_block_n=32,b_stages=2", "--out",
+                   str(out)], timeout=300, env=env),
+        dict(args=[sys.executable, script, "--smoke", "--distinct", "4", "--flush-mb", "1", "--out", str(flush)],
+             timeout=300, env=env),
+        dict(args=[sys.executable, script, "--smoke", "--distinct", "8", "--layers", "3", "--out", str(layers)],
+             timeout=300, env=env))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [row["distinct"] for row in data["rows"]] == [4, 8, 12, 16]
@@ -546,17 +549,13 @@ def test_moe_stream_dry_run(tmp_path):
     assert set(data["fit"]) == set(names)
     # --flush-mb: a read of that size before each timed call, its own time taken off (on the CPU a wall-clock
     # difference, any sign)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_stream.py"), "--smoke", "--distinct", "4",
-                        "--flush-mb", "1", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    r = r_flush
     assert r.returncode == 0 and "L2 flush: 1 MB read before each call" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert json.loads(out.read_text())["flush_mb"] == 1
+    assert json.loads(flush.read_text())["flush_mb"] == 1
     # --layers: each op over that many copies of the weights in turn, beside the same op on one copy
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_stream.py"), "--smoke", "--distinct", "8",
-                        "--layers", "3", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    r = r_layers
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    row = json.loads(out.read_text())["row"]
+    row = json.loads(layers.read_text())["row"]
     assert row["distinct"] == 8 and row["layers"] == 3
     assert set(row) - {"distinct", "layers"} == {"moe", "gate_up", "down", "stream_dot", "copy"}
     assert all(v["one_layer_us"] > 0 and v["layers_us"] > 0 for k, v in row.items() if isinstance(v, dict))
@@ -573,15 +572,15 @@ def test_router_kernel_stages_dry_run(tmp_path):
     picks what the default does (bitwise), the other tiles the same experts, and every launch leaves its ticket
     counters at zero; both router forms (Gemma 4's normed, Qwen3.5's softmax)."""
     import os
-    import subprocess
 
     pytest.importorskip("triton")
-    for form in ([], ["--softmax"]):
-        out = tmp_path / "router.json"
-        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "router_kernel.py"), "--smoke", "--experts", "32",
-                            "--hidden", "256", "--top-k", "4", "--tokens", "1,3", "--sweep", *form, "--out", str(out)],
-                           capture_output=True, text=True, timeout=600, cwd=ROOT,
-                           env=dict(os.environ, TRITON_INTERPRET="1"))
+    forms, outs = ([], ["--softmax"]), (tmp_path / "router.json", tmp_path / "router_softmax.json")
+    runs = run_side_by_side(*(dict(args=[sys.executable, str(ROOT / "benchmarks" / "router_kernel.py"), "--smoke",
+                                         "--experts", "32", "--hidden", "256", "--top-k", "4", "--tokens", "1,3",
+                                         "--sweep", *form, "--out", str(out)],
+                                   timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+                              for form, out in zip(forms, outs)))
+    for form, out, r in zip(forms, outs, runs):
         assert r.returncode == 0 and "all checks passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
         rows = json.loads(out.read_text())["rows"]
         for t in (1, 3):

@@ -503,27 +503,34 @@ def test_benchmark_synthetic_prefill_and_batch_limit(tmp_path):
     """benchmarks/sparse_kv.py --synthetic-prefill (decode-only figures for batches whose prefill would not fit
     a device call): the prompt steps skip the model, every request still decodes over whole-batch steps; the
     batch the KV memory holds does not follow max_num_seqs (the planner sizes sliding groups for it)."""
-    import subprocess
     import sys
     from pathlib import Path
 
+    from side_by_side import run_side_by_side
+
     root = Path(__file__).resolve().parent.parent
+
+    def cmd(batch: int, output: int) -> list[str]:
+        return [sys.executable, str(root / "benchmarks" / "sparse_kv.py"), "--tiny", "--device", "cpu", "--dtype",
+                "float32", "--lengths", "384", "--output", str(output), "--methods", "dense", "--batch", str(batch),
+                "--max-num-batched-tokens", "384", "--synthetic-prefill", "--enforce-eager", "--out",
+                str(tmp_path / f"{batch}x{output}")]
+
+    # the three runs side by side (tests/side_by_side.py); the last: an output too short for any whole-batch
+    # decode step
+    runs = run_side_by_side(*(dict(args=cmd(batch, output), timeout=300)
+                              for batch, output in ((1, 10), (3, 10), (3, 4))))
     limits = {}
-    for batch in (1, 3):
-        out = tmp_path / str(batch)
-        cmd = [sys.executable, str(root / "benchmarks" / "sparse_kv.py"), "--tiny", "--device", "cpu", "--dtype",
-               "float32", "--lengths", "384", "--output", "10", "--methods", "dense", "--batch", str(batch),
-               "--max-num-batched-tokens", "384", "--synthetic-prefill", "--enforce-eager", "--out", str(out)]
-        subprocess.run(cmd, check=True, cwd=root, capture_output=True, timeout=300)
-        (row,) = json.loads(next(out.glob("sparse_kv_tiny_*.json")).read_text())["rows"]
+    for batch, done in zip((1, 3), runs):
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        (row,) = json.loads(next((tmp_path / f"{batch}x10").glob("sparse_kv_tiny_*.json")).read_text())["rows"]
         # a 384-token prompt a step at most (the budget), a decode row's token beside the next prompt's chunk
         assert row["synthetic_prefill"] and batch <= row["skipped_prefill_steps"] <= 2 * batch, row
         assert row["full_batch_steps"] >= 2 and row["decode_tok_s"] > 0, row
         limits[batch] = row["kv_batch_limit"]
     assert limits[1] == limits[3] > 3, limits
     # an output too short for any whole-batch decode step is a one-line error, not a row without figures
-    cmd[cmd.index("--output") + 1] = "4"
-    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    r = runs[2]
     assert r.returncode == 2 and "leaves no step with the whole batch decoding" in r.stderr, r.stderr[-500:]
 
 
