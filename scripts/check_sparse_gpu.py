@@ -67,10 +67,13 @@ def main() -> int:
     (folder / "config.json").write_text(json.dumps(CONFIG))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (300, 161, 90, 257)]
-    ok, report = True, {}
+    ok, report, refs = True, {}, {}
     for name in args.methods.split(","):
         t0 = time.time()
-        ref, _ = run(str(folder), args.device, True, METHODS[REFERENCE.get(name, name)], prompts, args.out_len)
+        reference = REFERENCE.get(name, name)  # eager OmniKV's tokens serve OmniKV and its offload alike: run once
+        if reference not in refs:
+            refs[reference], _ = run(str(folder), args.device, True, METHODS[reference], prompts, args.out_len)
+        ref = refs[reference]
         got, info = run(str(folder), args.device, False, METHODS[name], prompts, args.out_len)
         equal = sum(a == b for a, b in zip(got, ref))
         first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, ref)]
