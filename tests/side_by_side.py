@@ -20,14 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SIDE = 2  # processes at a time (the CI machine has two cores)
 
 
-def _run(kw: dict) -> subprocess.CompletedProcess:
+def _run(kw: dict, keep_errors: bool = False) -> subprocess.CompletedProcess | subprocess.SubprocessError:
     env = dict(kw.get("env") or os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run(**{"capture_output": True, "text": True, "cwd": ROOT, **kw, "env": env})
+    try:
+        return subprocess.run(**{"capture_output": True, "text": True, "cwd": ROOT, **kw, "env": env})
+    except subprocess.TimeoutExpired as e:
+        if keep_errors:
+            return e
+        raise
 
 
-def run_side_by_side(*commands: dict) -> list[subprocess.CompletedProcess]:
-    """Runs the commands, at most SIDE (and the machine's core count) at a time, in the order given; their
-    results in that order (a run's own timeout raises here, as subprocess.run's would)."""
+def run_side_by_side(*commands: dict, keep_errors: bool = False) -> list:
+    """Runs the commands, at most SIDE (and the machine's core count) at a time, started in the order given;
+    their results in that order. A run past its own timeout raises here, as subprocess.run's would, once the
+    others are done; keep_errors: its TimeoutExpired stands in its result's place instead."""
     with ThreadPoolExecutor(max_workers=max(1, min(SIDE, os.cpu_count() or 1, len(commands)))) as pool:
-        return list(pool.map(_run, commands))
+        return list(pool.map(lambda kw: _run(kw, keep_errors), commands))

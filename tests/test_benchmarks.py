@@ -326,11 +326,84 @@ def test_word_tokenizer_decodes_every_id_to_text(tmp_path):
     assert tok.encode("w5 w77", add_special_tokens=False) == [5, 77]
 
 
-def test_skinny_gemm_shapes_and_dry_run(tmp_path):
+def dry_run_commands(folder: Path) -> list[tuple[str, dict]]:
+    """The dry-run tests' subprocesses: (test name, subprocess.run's keyword arguments), each run writing under
+    folder / the test's name. Listed about longest first (on a 2-core host: the sparse check ~30 s, moe_stream's
+    --parts run and norm_chain's compiles ~20 s, ... pdl_chain ~5 s), the order they start in."""
+    py, bench = sys.executable, ROOT / "benchmarks"
+    interp = dict(os.environ, TRITON_INTERPRET="1")
+
+    def out(test: str, file: str) -> list[str]:
+        return ["--out", str(folder / f"test_{test}" / file)]
+
+    router = [py, str(bench / "router_kernel.py"), "--smoke", "--experts", "32", "--hidden", "256", "--top-k", "4",
+              "--tokens", "1,3", "--sweep"]
+    moe_stream = [py, str(bench / "moe_stream.py"), "--smoke"]
+    norm = "norm_chain_dry_run_compiles_both_chains_under_each_row_limit"
+    runs = [
+        ("sparse_gpu_check_on_the_cpu", dict(args=[py, str(ROOT / "scripts" / "check_sparse_gpu.py"), "--device", "cpu",
+                                                   "--methods", "omnikv,omnikv-offload", "--out-len", "8"],
+                                             timeout=600)),
+        ("moe_stream_dry_run", dict(args=moe_stream + ["--parts", "--launch", "b_block_n=32,b_stages=2"]
+                                    + out("moe_stream_dry_run", "parts.json"), timeout=300, env=interp)),
+        (norm, dict(args=[py, str(bench / "norm_chain.py"), "--dry-run", "--hidden", "256"] + out(norm, "norm.json"),
+                    timeout=600, env={k: v for k, v in os.environ.items() if k != "COMPILED_LLM_PERSISTENT_ROWS"})),
+        ("router_kernel_stages_dry_run", dict(args=router + out("router_kernel_stages_dry_run", "router.json"),
+                                              timeout=600, env=interp)),
+        ("router_kernel_stages_dry_run", dict(args=router + ["--softmax"]
+                                              + out("router_kernel_stages_dry_run", "router_softmax.json"),
+                                              timeout=600, env=interp)),
+        ("decode_attention_and_pdl_chain_dry_runs",
+         dict(args=[py, str(bench / "decode_attention.py"), "--dry-run", "--quick", "--stream", "--ladder", "--qk"]
+              + out("decode_attention_and_pdl_chain_dry_runs", "attn.json"), timeout=600)),
+        ("state_kernels_dry_run", dict(args=[py, str(bench / "state_kernels.py"), "--smoke"]
+                                       + out("state_kernels_dry_run", "state.json"), timeout=300, env=interp)),
+        ("l2_prefetch_and_prefill_kernels_dry_runs",
+         dict(args=[py, str(bench / "l2_prefetch.py"), "--dry-run"], timeout=300, env=interp)),
+        ("l2_prefetch_and_prefill_kernels_dry_runs",
+         dict(args=[py, str(bench / "prefill_kernels.py"), "--smoke", "--groups", "moe", "--moe-tma"]
+              + out("l2_prefetch_and_prefill_kernels_dry_runs", "prefill.json"), timeout=300, env=interp)),
+        ("skinny_gemm_shapes_and_dry_run", dict(args=[py, str(bench / "skinny_gemm.py"), "--device", "cpu", "--dry-run"]
+                                                + out("skinny_gemm_shapes_and_dry_run", "skinny.json"), timeout=300)),
+        ("moe_stream_dry_run", dict(args=moe_stream + ["--distinct", "4", "--flush-mb", "1"]
+                                    + out("moe_stream_dry_run", "flush.json"), timeout=300, env=interp)),
+        ("moe_stream_dry_run", dict(args=moe_stream + ["--distinct", "8", "--layers", "3"]
+                                    + out("moe_stream_dry_run", "layers.json"), timeout=300, env=interp)),
+        ("decode_attention_and_pdl_chain_dry_runs",
+         dict(args=[py, str(bench / "pdl_chain.py"), "--dry-run"]
+              + out("decode_attention_and_pdl_chain_dry_runs", "pdl.json"), timeout=300)),
+    ]
+    return [(f"test_{name}", kw) for name, kw in runs]
+
+
+@pytest.fixture(scope="module")
+def dry_runs(request, tmp_path_factory):
+    """dry_runs(test name) -> (its subprocesses' results in dry_run_commands' order, its output folder). The first
+    call runs those of every dry-run test this session selected from the module, side by side
+    (tests/side_by_side.py: each test is a process start and a single-threaded loop or compile, the test process
+    only waiting), so most of them run beside another; a run past its timeout fails its own test."""
+    folder = tmp_path_factory.mktemp("dry_runs")
+    selected = {getattr(item, "originalname", None) for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    runs = [(name, kw) for name, kw in dry_run_commands(folder) if name in selected]
+    for name in {name for name, _ in runs}:
+        (folder / name).mkdir()
+    by_test: dict[str, list] = {}
+    for (name, _), result in zip(runs, run_side_by_side(*(kw for _, kw in runs), keep_errors=True)):
+        by_test.setdefault(name, []).append(result)
+
+    def get(name: str):
+        for result in by_test[name]:
+            if isinstance(result, BaseException):
+                raise result
+        return by_test[name], folder / name
+
+    return get
+
+
+def test_skinny_gemm_shapes_and_dry_run(dry_runs):
     """benchmarks/skinny_gemm.py: the decode projection shapes match a hand count of the released configs, and
     the whole benchmark path (checks, timings, table, step totals, JSON) runs at tiny sizes on the CPU."""
-    import subprocess
-
     import skinny_gemm
 
     g = {s.name: (s.N, s.K, s.per_step) for s in skinny_gemm.gemma_shapes()}
@@ -344,11 +417,9 @@ def test_skinny_gemm_shapes_and_dry_run(tmp_path):
     assert q["linear in_proj [qkv;z;b;a] merged"] == (8192 + 4096 + 32 + 32, 2048, 30)  # the model's one GEMM
     assert q["full qkv (q+gate)"] == (16 * 2 * 256 + 2 * 2 * 256, 2048, 10)
     assert q["shared_expert down"] == (2048, 512, 40) and q["lm_head"] == (248320, 2048, 1)
-    out = tmp_path / "skinny.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "skinny_gemm.py"), "--device", "cpu", "--dry-run",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    (r,), out = dry_runs("test_skinny_gemm_shapes_and_dry_run")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads((out / "skinny.json").read_text())["rows"]
     assert rows and all(r["default_us"] and r["best_us"] and not r["skipped"] for r in rows)
 
 
@@ -396,20 +467,15 @@ def test_the_narrow_decode_launches_are_what_the_h200_run_measured_fastest():
         assert t < r["engine_us"] and t < r["cublas_us"], (r["name"], r["M"])
 
 
-def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
+def test_decode_attention_and_pdl_chain_dry_runs(dry_runs):
     """benchmarks/decode_attention.py and pdl_chain.py run their whole path on the CPU (Triton interpreter,
     tiny shapes): every candidate agrees with the engine's launch (--ladder's top level too), the global layer's full key rebuild and
     the partial one agree, --stream's kernel sums exactly the rows the engine's launch reads (checked inside, with
     and without the block table), --qk's two forms of the decode with its QK-norm inside give equal outputs, and the
     chain's Triton GEMMs equal cuBLAS's (float32)."""
-    out, pdl = tmp_path / "attn.json", tmp_path / "pdl.json"
-    r, r_pdl = run_side_by_side(
-        dict(args=[sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--dry-run", "--quick",
-                   "--stream", "--ladder", "--qk", "--out", str(out)], timeout=600),
-        dict(args=[sys.executable, str(ROOT / "benchmarks" / "pdl_chain.py"), "--dry-run", "--out", str(pdl)],
-             timeout=300))
+    (r, r_pdl), out = dry_runs("test_decode_attention_and_pdl_chain_dry_runs")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads((out / "attn.json").read_text())["rows"]
     checked = [row for row in rows if "max_diff" in row]
     assert len(checked) >= 12 and all(row["max_diff"] < 1e-4 for row in checked), checked
     assert {row["candidate"] for row in rows if row["layer"] == "global"} >= {
@@ -427,24 +493,20 @@ def test_decode_attention_and_pdl_chain_dry_runs(tmp_path):
     assert len(streams) == 2 * 2 * 2  # both layers, both cases, with and without the block table
     r = r_pdl
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(pdl.read_text())["rows"]
+    rows = json.loads((out / "pdl.json").read_text())["rows"]
     assert [(row["tokens"], row["variant"]) for row in rows] == [
         (m, v) for m in (1, 8) for v in ("cublas", "triton", "triton@32x128w4")]  # a swept tile too
     assert all(row["max_diff_vs_cublas"] < 1e-4 for row in rows)
 
 
-def test_norm_chain_dry_run_compiles_both_chains_under_each_row_limit(tmp_path):
+def test_norm_chain_dry_run_compiles_both_chains_under_each_row_limit(dry_runs):
     """benchmarks/norm_chain.py on the CPU: both of a Gemma 4 MoE layer's norm chains (the feedforward one summing
     the 8 routed picks) compiled with the token count dynamic under each persistent-row limit and first-run size,
     each equal to the eager chain at every row count."""
-    import subprocess
-
-    out = tmp_path / "norm.json"
-    env = {k: v for k, v in os.environ.items() if k != "COMPILED_LLM_PERSISTENT_ROWS"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "norm_chain.py"), "--dry-run", "--hidden", "256",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    (r,), out = dry_runs("test_norm_chain_dry_run_compiles_both_chains_under_each_row_limit")  # (without
+    # COMPILED_LLM_PERSISTENT_ROWS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads((out / "norm.json").read_text())["rows"]
     variants = {(8192, 5), (0, 5), (0, 8192)}
     for chain in ("attn", "ffn"):
         got = {(row["persistent_rows"], row["first_run"], row["rows"]) for row in rows if row["chain"] == chain}
@@ -452,21 +514,14 @@ def test_norm_chain_dry_run_compiles_both_chains_under_each_row_limit(tmp_path):
     assert all(row["max_err"] < 1e-3 and row["us"] is None for row in rows)
 
 
-def test_l2_prefetch_and_prefill_kernels_dry_runs(tmp_path):
+def test_l2_prefetch_and_prefill_kernels_dry_runs(dry_runs):
     """benchmarks/l2_prefetch.py's decode-layer chain and prefill_kernels.py's MoE sweep with and without TMA
     (MoELaunch.tma) run their CPU paths under the Triton interpreter; every MoE candidate agrees with the policy's."""
-    import os
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = tmp_path / "prefill.json"
-    r, r_prefill = run_side_by_side(
-        dict(args=[sys.executable, str(ROOT / "benchmarks" / "l2_prefetch.py"), "--dry-run"], timeout=300, env=env),
-        dict(args=[sys.executable, str(ROOT / "benchmarks" / "prefill_kernels.py"), "--smoke", "--groups", "moe",
-                   "--moe-tma", "--out", str(out)], timeout=300, env=env))
+    (r, r_prefill), out = dry_runs("test_l2_prefetch_and_prefill_kernels_dry_runs")
     assert r.returncode == 0 and "dry run: chain ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     r = r_prefill
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads((out / "prefill.json").read_text())["rows"]
     assert rows[0]["default"] and {row["cand"]["tma"] for row in rows} == {True, False}
     assert all(row["ok"] for row in rows), rows
 
@@ -483,21 +538,16 @@ def test_power_cap_reports_the_rate_window_by_window():
     assert all(r["flops"] > 0 for r in rows)
 
 
-def test_state_kernels_dry_run(tmp_path):
+def test_state_kernels_dry_run(dry_runs):
     """benchmarks/state_kernels.py (Qwen3.5's conv and delta-rule decode tiles, the two in one launch, the MoE
     top-k sum's) runs its
     whole path on the CPU under the Triton interpreter: the first row of each group is the engine's launch, and
     every other tile computes the same outputs and new state (the conv and the sum bitwise)."""
-    import os
-    import subprocess
-
     from compiled_llm.ops.triton.conv1d import conv_tiles
 
-    out = tmp_path / "state.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "state_kernels.py"), "--smoke", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    (r,), out = dry_runs("test_state_kernels_dry_run")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads((out / "state.json").read_text())["rows"]
     for group in ("conv", "gdr_recurrent", "conv_gdr", "conv_gdr_tiles", "topk_sum H=96"):
         mine = [row for row in rows if row["group"] == group]
         assert len(mine) >= 2 and mine[0]["default"] and all(row["ok"] for row in mine), mine
@@ -507,40 +557,26 @@ def test_state_kernels_dry_run(tmp_path):
     assert all(row["max_diff"] == 0.0 for row in rows if row["group"] in ("conv", "conv_gdr", "topk_sum H=96"))
 
 
-def test_sparse_gpu_check_on_the_cpu():
+def test_sparse_gpu_check_on_the_cpu(dry_runs):
     """scripts/check_sparse_gpu.py (issue 19's token check for the GPU) runs its whole path on the CPU: OmniKV
     compiled against eager, tokens equal (no CUDA graphs here, so no whole-graph steps are asked for), and
     compiled with the sparse layers' KV offloaded against eager with all of it on the device."""
-    import subprocess
-
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_sparse_gpu.py"), "--device", "cpu",
-                        "--methods", "omnikv,omnikv-offload", "--out-len", "8"], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+    (r,), _ = dry_runs("test_sparse_gpu_check_on_the_cpu")
     assert r.returncode == 0 and "SPARSE GPU CHECK PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("tokens 4/4 equal") == 2
 
 
-def test_moe_stream_dry_run(tmp_path):
+def test_moe_stream_dry_run(dry_runs):
     """benchmarks/moe_stream.py (the decode MoE's time against the experts it touches, and a kernel that only
     streams the same gate/up tiles) runs its whole path on the CPU under the Triton interpreter: the stream
     kernel's sums equal the touched weights' own (checked inside), each call's picks cover exactly the asked
     number of experts with no expert twice in a token, and the fit spans every point (with --parts, the gate/up and
     down kernels each alone, whose output is checked equal to the whole routed op's; with --launch, the routed op
     at another tile, checked close to the policy's)."""
-    import os
-
     pytest.importorskip("triton")
-    out, flush, layers = (tmp_path / f"moe_stream_{name}.json" for name in ("parts", "flush", "layers"))
-    script, env = str(ROOT / "benchmarks" / "moe_stream.py"), dict(os.environ, TRITON_INTERPRET="1")
-    r, r_flush, r_layers = run_side_by_side(
-        dict(args=[sys.executable, script, "--smoke", "--parts", "--launch", "b_block_n=32,b_stages=2", "--out",
-                   str(out)], timeout=300, env=env),
-        dict(args=[sys.executable, script, "--smoke", "--distinct", "4", "--flush-mb", "1", "--out", str(flush)],
-             timeout=300, env=env),
-        dict(args=[sys.executable, script, "--smoke", "--distinct", "8", "--layers", "3", "--out", str(layers)],
-             timeout=300, env=env))
+    (r, r_flush, r_layers), out = dry_runs("test_moe_stream_dry_run")  # --parts --launch; --flush-mb; --layers
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = json.loads((out / "parts.json").read_text())
     assert [row["distinct"] for row in data["rows"]] == [4, 8, 12, 16]
     names = ("moe", "gate_up", "down", "gate_up_aligned", "stream", "stream_dot", "copy",  # --parts: each alone
              "moe[b_block_n=32,b_stages=2]", "gate_up[b_block_n=32,b_stages=2]",  # --launch: another tile
@@ -551,11 +587,11 @@ def test_moe_stream_dry_run(tmp_path):
     # difference, any sign)
     r = r_flush
     assert r.returncode == 0 and "L2 flush: 1 MB read before each call" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert json.loads(flush.read_text())["flush_mb"] == 1
+    assert json.loads((out / "flush.json").read_text())["flush_mb"] == 1
     # --layers: each op over that many copies of the weights in turn, beside the same op on one copy
     r = r_layers
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    row = json.loads(layers.read_text())["row"]
+    row = json.loads((out / "layers.json").read_text())["row"]
     assert row["distinct"] == 8 and row["layers"] == 3
     assert set(row) - {"distinct", "layers"} == {"moe", "gate_up", "down", "stream_dot", "copy"}
     assert all(v["one_layer_us"] > 0 and v["layers_us"] > 0 for k, v in row.items() if isinstance(v, dict))
@@ -566,20 +602,14 @@ def test_moe_stream_dry_run(tmp_path):
         assert ids.unique().numel() == d and all(row.unique().numel() == 8 for row in ids)
 
 
-def test_router_kernel_stages_dry_run(tmp_path):
+def test_router_kernel_stages_dry_run(dry_runs):
     """benchmarks/router_kernel.py --parts (here --smoke: the CPU under the Triton interpreter) times the fused
     router's stages as builds of their own (RouterLaunch.parts) and, with --sweep, other tiles: the full build
     picks what the default does (bitwise), the other tiles the same experts, and every launch leaves its ticket
     counters at zero; both router forms (Gemma 4's normed, Qwen3.5's softmax)."""
-    import os
-
     pytest.importorskip("triton")
-    forms, outs = ([], ["--softmax"]), (tmp_path / "router.json", tmp_path / "router_softmax.json")
-    runs = run_side_by_side(*(dict(args=[sys.executable, str(ROOT / "benchmarks" / "router_kernel.py"), "--smoke",
-                                         "--experts", "32", "--hidden", "256", "--top-k", "4", "--tokens", "1,3",
-                                         "--sweep", *form, "--out", str(out)],
-                                   timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
-                              for form, out in zip(forms, outs)))
+    runs, folder = dry_runs("test_router_kernel_stages_dry_run")
+    forms, outs = ([], ["--softmax"]), (folder / "router.json", folder / "router_softmax.json")
     for form, out, r in zip(forms, outs, runs):
         assert r.returncode == 0 and "all checks passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
         rows = json.loads(out.read_text())["rows"]
