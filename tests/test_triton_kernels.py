@@ -989,7 +989,7 @@ def _check_moe_tma():
     assert M.moe_launch_policy(1536, 8, 128, 2816, 704).block_m == 64  # 96 pairs an expert
     with mock.patch.object(M, "TMA", False):
         assert M.moe_launch_policy(4096, 8, 128, 2816, 704).block_m == 64
-    with mock.patch.object(M, "_INTERPRETED", False):  # a CPU tensor without the interpreter: no TMA
+    with mock.patch.object(M._common, "_INTERPRETED", False):  # a CPU tensor without the interpreter: no TMA
         assert not M.tma_usable(torch.zeros(1, 80), torch.zeros(4, 192, 80), torch.zeros(4, 80, 96), M.MoELaunch(*T))
         # a GPU with TMA whose experts' rows the tiles do not divide (Gemma 4 at TP 2: I = 352): a warning, once
         import logging

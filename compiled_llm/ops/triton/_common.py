@@ -49,6 +49,12 @@ def sm90(device: torch.device) -> bool:
     return _SM90[device]
 
 
+def has_tma(device: torch.device) -> bool:
+    """The device has TMA (compute capability 9.0+: sm90), or the Triton interpreter, which emulates it.
+    (runtime/kernel_check.py answers for an H100/H200 while it records launches on CPU tensors.)"""
+    return _INTERPRETED or sm90(device)
+
+
 # the output address of the last split combine launched (combine_splits): a projection of exactly that tensor is
 # the kernel right after it in stream order (decode_mm launches it with PDL; a stale match costs a PDL launch behind
 # another kernel, never a wrong result: the projection still waits for the kernel before it)

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compiled_llm.ops.triton import _common
-from compiled_llm.ops.triton._common import _INTERPRETED, _dot, _gelu_tanh, dot_f32, dot_precision, ticket_counters
+from compiled_llm.ops.triton._common import _dot, _gelu_tanh, dot_f32, dot_precision, ticket_counters
 from compiled_llm.ops.triton.skinny_gemm import num_sms
 
 log = logging.getLogger("compiled_llm")
@@ -633,17 +633,11 @@ ACTIVATIONS = ("gelu_tanh", "silu")
 _TMA_WARNED: set = set()
 
 
-def has_tma(device: torch.device) -> bool:
-    """The device has TMA (compute capability 9.0+: _common.sm90), or the Triton interpreter, which emulates it.
-    (runtime/kernel_check.py answers for an H100/H200 while it records launches on CPU tensors.)"""
-    return _INTERPRETED or _common.sm90(device)
-
-
 def tma_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, pol: MoELaunch) -> bool:
     """MoELaunch.tma can run here: a device with TMA (compute capability 9.0+; the Triton interpreter emulates
     it), whole weight tensors (their 2D views are the descriptors' tensors), and column tiles that divide the
     expert's rows (a tile must not cross into the next expert, or from gate to up)."""
-    if not has_tma(x.device):
+    if not _common.has_tma(x.device):
         return False
     inter, hidden = down_proj.shape[2], down_proj.shape[1]
     fits = (gate_up_proj.is_contiguous() and down_proj.is_contiguous() and inter % pol.a_block_n == 0

@@ -908,7 +908,7 @@ def _tma_fits(q, v_cache, sliding_window, half, block_d, block_n, nbytes) -> boo
     """AttnLaunch.tma can run: a device with TMA (sm_90+, or the interpreter), no window (the rebuild writes every
     row from position 0), power-of-two halves and key tiles of at most 64 (the zeroed tail rows), the values in the
     query's dtype, and both dense buffers within DENSE_K_LIMIT_BYTES; a GPU that has TMA and misses one is told."""
-    if not (_common._INTERPRETED or _common.sm90(q.device)):
+    if not _common.has_tma(q.device):
         return False
     fits = (sliding_window is None and half == block_d and 16 <= block_n <= 64 and v_cache.dtype == q.dtype
             and nbytes <= DENSE_K_LIMIT_BYTES)
