@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 VENV211 ?= .venv-torch2.11
 PY211 := $(VENV211)/bin/python
 PYTEST_ARGS ?=
+# without PYTEST_ARGS the suite runs as two pytest processes side by side, each on a fixed half of the test files
+# (scripts/run_tests.py: one process used ~1.1 of CI's two cores); with them, one process as they select
+PYTEST := $(if $(PYTEST_ARGS),-m pytest,scripts/run_tests.py --)
 SERVE_ARGS ?=
 COMPILER_TESTS ?= tests/passes tests/test_audit.py
 # private torch APIs whose presence differs by version, checked under 2.11 too (OmniKV offload's device view, the
@@ -69,8 +72,8 @@ serve: install
 	$(PY) -m compiled_llm serve $(SERVE_ARGS)
 
 test: install install-torch2.11
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-	$(PY211) -m pytest -q -p no:cacheprovider $(COMPILER_TESTS) $(TORCH_API_TESTS) $(KERNEL_BUILD_TESTS) \
+	$(PY) $(PYTEST) -q $(PYTEST_ARGS)
+	$(PY211) scripts/run_tests.py $(COMPILER_TESTS) $(TORCH_API_TESTS) $(KERNEL_BUILD_TESTS) -- -q -p no:cacheprovider \
 		$(COMPILER_TESTS_211_SKIP)
 
 test-compiler-torch2.11: install-torch2.11
