@@ -249,3 +249,18 @@ def test_the_decodes_query_norm_reduces_once_before_its_loop():
     ttir = build_sm90(lz).asm["ttir"].splitlines()
     loop = next(i for i, ln in enumerate(ttir) if "scf.for" in ln)
     assert sum("tt.reduce" in ln and "tt.reduce.return" not in ln for ln in ttir[:loop]) == 3
+
+
+def test_the_gluon_d512_prefill_prototype_builds_for_sm90_without_spills():
+    """benchmarks/gluon_d512_prefill.py: the head_dim-512 K=V prefill as a Gluon kernel (two warpgroups holding the
+    whole 512-wide output, the scores computed once; not in the engine yet). Gluon has no CPU interpreter, so this
+    build is what the CPU can check before a GPU runs it: the plain tile and the K=V tile that reads only the keys'
+    rotated dims, within shared memory and without spills, under the GPU's Triton (3.6) as well as 3.8."""
+    import gluon_d512_prefill as G
+
+    for block_n, stages, rot in [(64, 1, 0), (32, 2, 64)]:
+        kernel = G.build_sm90(block_n, stages, rot)
+        usage = G.ptxas_usage(kernel.asm["ptx"])
+        assert kernel.metadata.shared <= SMEM_LIMIT, (block_n, stages, rot, kernel.metadata.shared)
+        assert " 0 bytes spill stores" in usage, (block_n, stages, rot, usage)
+        assert kernel.asm["ptx"].count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in kernel.asm["ptx"]
