@@ -1,5 +1,7 @@
 """Prototype (not wired into the engine): a Gluon (Hopper wgmma + TMA) kernel for the head_dim-512 K=V global
 attention prefill of Gemma 4 26B-A4B (16 query heads, 2 KV heads, causal, bf16), one sequence, no cached prefix.
+H100, session 64 (benchmarks/NOTES.md): the plain 64-key one-stage tile 2,583 us at 8,192 tokens against the engine's
+Triton kernel's 3,937 (-34%), 53.6 against 115.5 at 1,024; the K=V and 32-key tiles slower than it.
 
 Design. A CTA owns BLOCK_M = 64 rows = 8 query tokens x the 8 query heads of one KV head (row = token * 8 + head,
 as _prefill_kernel packs them) and the WHOLE 512-wide output: 8 warps = two warpgroups, every wgmma accumulator
@@ -31,11 +33,7 @@ each half rotating, so key dims outside [0, ROT) and [256, 256 + ROT) are v * w:
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -258,50 +256,31 @@ def gluon_prefill_d512(q, k, v, scale, out=None, block_n: int = 64, stages: int 
 # --build-only: compile for sm_90 on a machine without a GPU (as compiled_llm/runtime/kernel_check.py does)
 
 def build_sm90(block_n: int = 64, stages: int = 1, rot: int = 0, T: int = 256):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
+    """The kernel built for sm_90a on this machine (compiled_llm.runtime.kernel_check's build, no GPU needed)."""
+    from compiled_llm.runtime.kernel_check import Launch, build_sm90 as build
 
     q = torch.zeros(T, 16, HEAD_D, dtype=torch.bfloat16)
     v = torch.zeros(T, 2, HEAD_D, dtype=torch.bfloat16)
     k = torch.zeros(T, 2, 2 * rot, dtype=torch.bfloat16) if rot else v.clone()
     w = torch.ones(HEAD_D) if rot else None
     _, args, kwargs = launch_args(q, k, v, HEAD_D ** -0.5, torch.empty_like(q), block_n, stages, w)
-    fn = _attn_d512_kernel
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-
-
-def ptxas_usage(ptx: str) -> str:
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        out = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    return " ".join(line.strip() for line in out.splitlines() if "Used" in line or "spill" in line)
+    return build(Launch(_attn_d512_kernel, args, kwargs))
 
 
 def build_only(block_n: int, stages: int, rot: int) -> int:
     if block_n is None:  # every variant of the GPU run
         return max(build_only(bn, st, 64 if kv else 0) for bn, st, kv in VARIANTS.values())
+    from compiled_llm.runtime.kernel_check import SMEM_LIMIT, ptxas_usage
+
     k = build_sm90(block_n, stages, rot)
     ptx = k.asm["ptx"]
-    usage = ptxas_usage(ptx)
-    regs = re.search(r"Used (\d+) registers", usage)
-    spill = re.search(r"(\d+) bytes spill stores", usage)
+    regs, spilled = ptxas_usage(ptx)
     print(f"triton {triton.__version__} torch {torch.__version__}: BLOCK_N={block_n} STAGES={stages} ROT={rot} "
           f"built for sm_90a")
     print(f"  shared memory {k.metadata.shared} B ({k.metadata.shared / 1024:.1f} KiB of 227), "
-          f"registers {regs and regs.group(1)}, spill stores {spill and spill.group(1)} B, "
+          f"registers {regs}, spill stores {spilled} B, "
           f"wgmma {ptx.count('wgmma.mma_async')}, TMA copies {ptx.count('cp.async.bulk.tensor')}")
-    print(f"  ptxas: {usage}")
-    return 0 if k.metadata.shared <= 232448 and spill and spill.group(1) == "0" else 1
+    return 0 if k.metadata.shared <= SMEM_LIMIT and spilled == 0 else 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,17 +298,9 @@ def reference(q, k, v, scale):
 
 def kernel_us(fn, name: str, calls: int = 5) -> float:
     """Mean device time a call of the kernels whose name contains `name` (torch.profiler), -1 if none seen."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    total = 0.0
-    for ev in prof.key_averages():
-        if name in ev.key:
-            total += getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-    return total / calls if total else -1.0
+    from grouped_mm_moe import kernel_times_us
+
+    return sum(us for k, us in kernel_times_us(fn, calls).items() if name in k) or -1.0
 
 
 def keqv_keys(v: torch.Tensor, w: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

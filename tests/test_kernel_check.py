@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiled_llm.runtime.kernel_check import SMEM_LIMIT, build_sm90, check_model, recorded_launches
+from compiled_llm.runtime.kernel_check import SMEM_LIMIT, build_sm90, check_model, ptxas_usage, recorded_launches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from configs import config_dict  # noqa: E402
@@ -260,7 +260,6 @@ def test_the_gluon_d512_prefill_prototype_builds_for_sm90_without_spills():
 
     for block_n, stages, rot in [(64, 1, 0), (32, 2, 64)]:
         kernel = G.build_sm90(block_n, stages, rot)
-        usage = G.ptxas_usage(kernel.asm["ptx"])
-        assert kernel.metadata.shared <= SMEM_LIMIT, (block_n, stages, rot, kernel.metadata.shared)
-        assert " 0 bytes spill stores" in usage, (block_n, stages, rot, usage)
+        regs, spilled = ptxas_usage(kernel.asm["ptx"])
+        assert kernel.metadata.shared <= SMEM_LIMIT and spilled == 0 and regs > 0, (block_n, stages, rot, regs, spilled)
         assert kernel.asm["ptx"].count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in kernel.asm["ptx"]

@@ -54,8 +54,8 @@ def test_the_recorded_table_names_every_file_of_the_suite():
 
 
 def test_a_failing_part_fails_the_run_and_both_parts_print(tmp_path):
-    for name, body in [("test_ok.py", "def test_ok():\n    pass\n"), ("test_bad.py", "def test_bad():\n    assert 0\n")]:
-        (tmp_path / name).write_text(body)
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
+    (tmp_path / "test_bad.py").write_text("def test_bad():\n    assert 0\n")
     code = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import run_tests as r; "
             "r.ROOT = pathlib.Path(sys.argv[2]); r.DURATIONS = r.ROOT / 'none.json'; "
             "sys.exit(r.main(['.', '--', '-q', '-p', 'no:cacheprovider']))")

@@ -89,10 +89,12 @@ def recorded_launches(as_sm90: bool = False):
 
 def build_sm90(launch: Launch):
     """The launch's kernel built for sm_90: Triton's CompiledKernel (asm: ttir ... ptx, cubin; metadata.shared).
-    Raises Triton's CompilationError where a GPU's build would."""
+    Raises Triton's CompilationError where a GPU's build would. A Gluon kernel (@gluon.jit) builds from its own
+    source class."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import create_function_from_signature
 
     target = GPUTarget(*SM90)
@@ -101,7 +103,8 @@ def build_sm90(launch: Launch):
     kwargs = dict(launch.kwargs)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    return triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def ptxas_usage(ptx: str) -> tuple[int, int]:
