@@ -69,11 +69,12 @@ def weight(table: dict[str, dict[str, float]], file: str, ids: list[str]) -> flo
 def split(files: dict[str, list[str]], table: dict[str, dict[str, float]], shards: int) -> list[list[str]]:
     """The files in `shards` parts of about equal weight: longest first onto the lightest (the lower index on a
     tie), each part in path order."""
+    seconds = {f: weight(table, f, ids) for f, ids in files.items()}
     load = [0.0] * shards
     parts: list[list[str]] = [[] for _ in range(shards)]
-    for f in sorted(files, key=lambda f: (-weight(table, f, files[f]), f)):
+    for f in sorted(files, key=lambda f: (-seconds[f], f)):
         i = min(range(shards), key=lambda i: (load[i], i))
-        load[i] += weight(table, f, files[f])
+        load[i] += seconds[f]
         parts[i].append(f)
     return [sorted(p) for p in parts if p]
 
