@@ -226,12 +226,12 @@ def attention_group(S, lens, dev, dt, time_fn, rows, smoke, quick=False, extra=F
         p0 = PA.attention_launch_policy(len(lens), 0, layer["head_dim"], prefill=True)
         cands = [p0, R(p0, interior=not p0.interior)]  # the interior tiles without masks, and every tile masked
         calls = {}
-        if tma:  # the K=V layer's key and value tiles through TMA (AttnLaunch.tma) against the registers' loads
-            A = PA.AttnLaunch
-            split = A(block_m=128, block_n=32, num_warps=8, num_stages=2, split_d=True)
-            cands = [p0, R(split, tma=True), R(p0, tma=not p0.tma), split, R(split, block_n=16, num_stages=4, tma=True),
-                     R(split, block_n=16, num_stages=3, tma=True),
-                     A(block_m=64, block_n=32, num_warps=4, num_stages=3, split_d=True, tma=True)]
+        if tma:  # the K=V layer's Gluon kernel (AttnLaunch.gluon), and the Triton tiles through TMA or the registers
+            split = PA.PREFILL_D512_TMA
+            cands = [p0, split, R(split, tma=False), PA.PREFILL_D512,
+                     PA.AttnLaunch(block_m=64, block_n=32, num_warps=4, num_stages=3, split_d=True, tma=True)]
+            if p0.gluon:  # its 32-key two-stage tile
+                cands.append(R(p0, block_n=32, num_stages=2))
         elif extra:  # one stage for the unsplit d512 tiles (never swept: two stages do not fit), and FlashInfer
             cands = [p0]
             if layer["head_dim"] >= 512:

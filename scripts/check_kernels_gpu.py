@@ -165,8 +165,22 @@ def attn_reference(q, cache, bt, seq_lens, q_lens, *, kv_heads, head_dim, window
     return out.view(q.shape)
 
 
+GLUON_CALLS = [0]  # paged_prefill's launches of the Gluon d512 kernel (ops/triton/gluon_prefill.py), counted
+
+
+def _counted(fn):
+    def call(*args, **kwargs):
+        GLUON_CALLS[0] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
+PA.gluon_prefill.prefill_d512 = _counted(PA.gluon_prefill.prefill_d512)
+
+
 def attn_check(mode, seq_lens, q_lens, layer, softcap=None, seed=0):
     cfg = dict(layer)
+    calls = GLUON_CALLS[0]
     q, cache, bt, extra = make_attn_case(seq_lens, q_lens, seed=seed, **cfg)
     scale = cfg["head_dim"] ** -0.5
     opts = dict(scale=scale, sliding_window=cfg["window"], softcap=softcap, k_eq_v=cfg["k_eq_v"],
@@ -182,7 +196,8 @@ def attn_check(mode, seq_lens, q_lens, layer, softcap=None, seed=0):
     if not torch.isfinite(out).all():
         err = float("inf")
     name = (f"{mode} d={cfg['head_dim']} kv={cfg['kv_heads']} W={cfg['window']} kv=v:{int(cfg['k_eq_v'])} "
-            f"cap={softcap} lens={_short(seq_lens)}" + (f" q={_short(q_lens)}" if mode == "prefill" else ""))
+            f"cap={softcap} lens={_short(seq_lens)}" + (f" q={_short(q_lens)}" if mode == "prefill" else "")
+            + (" (gluon)" if GLUON_CALLS[0] > calls else ""))
     record(name, err, 2e-2 * max(1.0, ref.abs().max().item()))
 
 
@@ -279,6 +294,9 @@ def run_prefill():
     attn_check("prefill", S_([2500, 130]), S_([300, 130]), GLOBAL, softcap=50.0, seed=3)
     attn_check("prefill", S_([1500, 4100]), S_([1500, 999]), dict(SLIDING, kv_heads=2), softcap=30.0, seed=4)
     attn_check("prefill", S_([900]), S_([900]), dict(GLOBAL, kv_heads=8, k_eq_v=False), seed=5)
+    # the Gluon kernel (GLOBAL without a soft-cap on sm_90): a whole 4K prompt, and 4-head groups with a prefix
+    attn_check("prefill", S_([4100]), S_([4100]), GLOBAL, seed=6)
+    attn_check("prefill", S_([700, 33, 1500, 64]), S_([700, 9, 1, 64]), dict(GLOBAL, kv_heads=4), seed=7)
     for L in [2048, 8192]:
         attn_time_prefill(L, GLOBAL, "prefill global d512 K=V")
         attn_time_prefill(L, SLIDING, "prefill sliding d256")

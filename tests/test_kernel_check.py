@@ -94,9 +94,9 @@ def test_every_kernel_start_up_builds_on_an_h200_builds_for_sm90(name):
         # and the op's own kernels, which a decode step inside a compiled piece's capture and a prefill launch
         qk_own = [b.launch.kwargs for b in built if b.launch.name.startswith("_qk_norm_rope")]
         assert {(kw["HAS_K"], kw.get("ROT", 0)) for kw in qk_own} == {(True, 0), (False, 64)}
-        # the global layers' prefill (head_dim 512, K=V) reads its key and value tiles through TMA descriptors
-        pre = [b.launch.kwargs for b in built if b.launch.name == "_prefill_kernel" and b.launch.kwargs["K_EQ_V"]]
-        assert pre and all(kw.get("TMA") and kw["BLOCK_N"] == 32 and kw["SPLIT_D"] for kw in pre), pre
+        # the global layers' prefill (head_dim 512, K=V) is the Gluon kernel (wgmma, its tiles through TMA)
+        assert not [b for b in built if b.launch.name == "_prefill_kernel" and b.launch.kwargs["K_EQ_V"]]
+        assert [b.wgmma > 0 for b in built if b.launch.name == "_prefill_d512_kernel"] == [True]
     assert any(b.wgmma for b in built if b.launch.name == "_gate_up_kernel")
     assert all(b.registers > 0 for b in built)  # ptxas read each one
 
@@ -251,15 +251,53 @@ def test_the_decodes_query_norm_reduces_once_before_its_loop():
     assert sum("tt.reduce" in ln and "tt.reduce.return" not in ln for ln in ttir[:loop]) == 3
 
 
-def test_the_gluon_d512_prefill_prototype_builds_for_sm90_without_spills():
-    """benchmarks/gluon_d512_prefill.py: the head_dim-512 K=V prefill as a Gluon kernel (two warpgroups holding the
-    whole 512-wide output, the scores computed once; not in the engine yet). Gluon has no CPU interpreter, so this
-    build is what the CPU can check before a GPU runs it: the plain tile and the K=V tile that reads only the keys'
-    rotated dims, within shared memory and without spills, under the GPU's Triton (3.6) as well as 3.8."""
-    import gluon_d512_prefill as G
+def _global_prefill_launches(softcap=None):
+    """paged_prefill at Gemma 4 26B-A4B's global layers (head_dim 512, K=V, 2 KV heads of 8-head groups, page 16),
+    three sequences with cached prefixes (one new token, a chunk, a whole prompt), recorded as on an H100/H200."""
+    from compiled_llm.ops.rope import rope_inv_freq
+    from compiled_llm.ops.triton.paged_attention import paged_prefill
 
-    for block_n, stages, rot in [(64, 1, 0), (32, 2, 64)]:
-        kernel = G.build_sm90(block_n, stages, rot)
-        regs, spilled = ptxas_usage(kernel.asm["ptx"])
-        assert kernel.metadata.shared <= SMEM_LIMIT and spilled == 0 and regs > 0, (block_n, stages, rot, regs, spilled)
-        assert kernel.asm["ptx"].count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in kernel.asm["ptx"]
+    seq_lens, q_lens = [1000, 300, 77], [1, 200, 77]
+    qsl = torch.tensor([0, 1, 201, 278], dtype=torch.int32)
+    tables = torch.arange(3 * 64, dtype=torch.int32).view(3, 64)  # 1,024 positions a sequence
+    cache = torch.zeros(1, 3 * 64, 16, 2, 512, dtype=torch.bfloat16)
+    q = torch.zeros(sum(q_lens), 16, 512, dtype=torch.bfloat16)
+    inv = rope_inv_freq(512, 1e6, "proportional", partial_rotary_factor=0.25)
+    with recorded_launches(as_sm90=True) as launches, torch.inference_mode():
+        paged_prefill(q, cache, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), scale=1.0, softcap=softcap,
+                      k_eq_v=True, k_norm_weight=torch.ones(512, dtype=torch.bfloat16), inv_freq=inv,
+                      num_kv_heads=2, head_dim=512)
+    return launches
+
+
+def test_the_global_layers_prefill_runs_the_gluon_kernel_on_hopper_and_it_builds(monkeypatch, caplog):
+    """On an H100/H200 Gemma 4's global-layer prefill (head_dim 512, K=V) rebuilds its keys and copies its values
+    into the dense buffers (their tails zeroed to the 64-key tile), then launches the Gluon kernel
+    (ops/triton/gluon_prefill.py) over query tiles of 8 tokens x 8 heads plus one per sequence, for both KV heads;
+    that launch builds for sm_90 within shared memory, with wgmma, TMA and no spills, under the GPU's Triton (3.6)
+    as well as 3.8. Gluon has no interpreter: this build and the launch's arguments are what the CPU can check. A
+    soft-capped layer runs the Triton tile and says why; the A/B switch runs the Triton tile without a word."""
+    launches = _global_prefill_launches()
+    assert [lz.name for lz in launches] == ["_rebuild_k_kernel", "_prefill_d512_kernel"]
+    rebuild, gluon = launches
+    assert rebuild.kwargs["COPY_V"] and rebuild.kwargs["TAIL"] == 64
+    assert gluon.grid == (-(-278 // 8) + 3, 2)
+    assert (gluon.kwargs["GROUP"], gluon.kwargs["BLOCK_N"], gluon.kwargs["STAGES"], gluon.kwargs["num_warps"]) == (
+        8, 64, 1, 8)
+    k_desc, v_desc, dense_rows = gluon.args[1], gluon.args[2], gluon.args[8]
+    assert dense_rows == 1024 and list(k_desc.shape) == list(v_desc.shape) == [3 * 1024, 2 * 512]
+    assert list(k_desc.block_shape) == [64, 256]
+    kernel = build_sm90(gluon)
+    regs, spilled = ptxas_usage(kernel.asm["ptx"])
+    assert kernel.metadata.shared <= SMEM_LIMIT and spilled == 0 and regs > 0, (kernel.metadata.shared, regs, spilled)
+    assert kernel.asm["ptx"].count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in kernel.asm["ptx"]
+
+    caplog.set_level("WARNING", logger="compiled_llm")
+    capped = _global_prefill_launches(softcap=30.0)
+    assert [lz.name for lz in capped] == ["_rebuild_k_kernel", "_prefill_kernel"] and capped[1].kwargs["TMA"]
+    assert "soft-cap 30.0" in caplog.text and "not the Gluon kernel" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("COMPILED_LLM_PREFILL_GLUON", "0")
+    triton_tile = _global_prefill_launches()
+    assert [lz.name for lz in triton_tile] == ["_rebuild_k_kernel", "_prefill_kernel"]
+    assert triton_tile[1].kwargs["TMA"] and triton_tile[1].kwargs["BLOCK_N"] == 32 and not caplog.text

@@ -1601,15 +1601,20 @@ if __name__ == "__main__":
 
 
 def test_d512_prefill_policy_reads_tma_tiles_unless_switched_off(monkeypatch):
-    """The head_dim-512 prefill (Gemma 4's K=V global layers) takes 32-key TMA tiles at two stages by default;
-    COMPILED_LLM_PREFILL_TMA=0 gives the 64-key one-stage tile whose loads go through the registers, and so does a
-    launch where TMA cannot run (a window, a GPU before sm_90, dense buffers past the limit)."""
+    """The head_dim-512 prefill (Gemma 4's K=V global layers) takes the Gluon kernel by default (on sm_90:
+    tests/test_kernel_check.py); COMPILED_LLM_PREFILL_GLUON=0, or a launch the Gluon kernel cannot take, the Triton
+    tile: 32-key TMA tiles at two stages; COMPILED_LLM_PREFILL_TMA=0 gives the 64-key one-stage tile whose loads go
+    through the registers, and so does a launch where TMA cannot run (a window, a GPU before sm_90, dense buffers
+    past the limit)."""
     import torch
 
     from compiled_llm.ops.triton import paged_attention as PA
 
+    assert PA.attention_launch_policy(1, 0, 512, prefill=True) == PA.PREFILL_D512_GLUON
+    assert PA.attention_launch_policy(1, 0, 256, prefill=True).gluon is False
+    monkeypatch.setenv(PA.PREFILL_GLUON_ENV, "0")
     pol = PA.attention_launch_policy(1, 0, 512, prefill=True)
-    assert (pol.tma, pol.block_n, pol.num_stages, pol.split_d) == (True, 32, 2, True)
+    assert (pol.tma, pol.block_n, pol.num_stages, pol.split_d, pol.gluon) == (True, 32, 2, True, False)
     assert PA.attention_launch_policy(1, 0, 256, prefill=True).tma is False
     monkeypatch.setenv(PA.PREFILL_TMA_ENV, "0")
     pol = PA.attention_launch_policy(1, 0, 512, prefill=True)

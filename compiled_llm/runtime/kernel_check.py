@@ -40,6 +40,7 @@ class Launch:
     args: tuple
     kwargs: dict
     source: str = ""  # the JIT kernel key whose compile function launched it
+    grid: object = None  # the launch grid (a tuple, or a function of the launch's meta-parameters)
 
     @property
     def name(self) -> str:
@@ -67,24 +68,24 @@ class Built:
 def recorded_launches(as_sm90: bool = False):
     """Within: Triton launches are recorded (kernel, arguments, options) into the yielded list, not run.
     as_sm90: the wrappers' device checks answer as an H100/H200 would for CPU tensors (ops/triton/_common.py sm90:
-    the MoE kernels' TMA, the decode projection's programmatic dependent launch)."""
+    the MoE kernels' TMA, the decode projection's programmatic dependent launch; hopper: the Gluon prefill)."""
     from triton.runtime.jit import JITFunction
 
     from compiled_llm.ops.triton import _common
 
     launches: list[Launch] = []
-    run, sm90 = JITFunction.run, _common.sm90
+    run, sm90, hopper = JITFunction.run, _common.sm90, _common.hopper
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self, args, kwargs))
+        launches.append(Launch(self, args, kwargs, grid=grid))
 
     JITFunction.run = record
     if as_sm90:
-        _common.sm90 = lambda device: True
+        _common.sm90 = _common.hopper = lambda device: True
     try:
         yield launches
     finally:
-        JITFunction.run, _common.sm90 = run, sm90
+        JITFunction.run, _common.sm90, _common.hopper = run, sm90, hopper
 
 
 def build_sm90(launch: Launch):

@@ -38,6 +38,7 @@ def dot_f32(dtype: torch.dtype) -> bool:
 # tiles behind the QK-norm kernel (Gemma 4 -2% at batches 4 and 8, nothing at batch 1).
 DECODE_PDL_ENV = "COMPILED_LLM_DECODE_PDL"
 _SM90: dict[torch.device, bool] = {}
+_HOPPER: dict[torch.device, bool] = {}
 
 
 def sm90(device: torch.device) -> bool:
@@ -47,6 +48,16 @@ def sm90(device: torch.device) -> bool:
     if device not in _SM90:
         _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
     return _SM90[device]
+
+
+def hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.x: Hopper's warpgroup MMA (wgmma), which the Gluon kernels issue
+    (sm_100 has no wgmma). Never under the interpreter."""
+    if _INTERPRETED or device.type != "cuda":
+        return False
+    if device not in _HOPPER:
+        _HOPPER[device] = torch.cuda.get_device_capability(device)[0] == 9
+    return _HOPPER[device]
 
 
 def has_tma(device: torch.device) -> bool:

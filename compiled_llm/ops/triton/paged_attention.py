@@ -8,7 +8,9 @@ K=V layers cache only v (normalised, unrotated); keys are rebuilt in-kernel as r
 Both kernels work on head_dim split into two halves (the rotate-half pairs), so the K=V rebuild needs no
 shuffles and head_dim 512 is processed as two 256-wide chunks. One program owns one KV head and all
 the query heads of its GQA group, so every K/V tile is read once per group (prefill with split_d: two, one
-per output half, each computing the full scores, so that a head_dim-512 tile keeps a 256-wide accumulator).
+per output half, each computing the full scores, so that a head_dim-512 tile keeps a 256-wide accumulator). On
+Hopper the head_dim-512 K=V prefill runs gluon_prefill.py's kernel instead, over the dense buffers the key rebuild
+fills here: it holds the whole 512-wide output and computes the scores once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compiled_llm.ops.rope import rotated_block  # noqa: F401  (the decode kernel's ROT; sparse_attention imports it here)
-from compiled_llm.ops.triton import _common
+from compiled_llm.ops.triton import _common, gluon_prefill
 from compiled_llm.ops.triton.qk_norm_rope import _norm, _norm_rope_rows, _rot_keys, _rstd_rows
 from compiled_llm.ops.triton._common import (LAST_COMBINE, _dot, _reduce_angle, _tanh, decode_pdl_steps, dot_f32,
                                              dot_precision)
@@ -59,6 +61,10 @@ class AttnLaunch:
     # the key rebuild), not per-thread loads through the registers and the block table; sm_90+ (or the
     # interpreter), else ignored
     tma: bool = False
+    # prefill, head_dim-512 K=V layers with the dense rebuilt keys: the Gluon kernel (gluon_prefill.py; 64-row CTAs
+    # holding the whole 512-wide output, the scores computed once); Hopper (sm_90) only, without a window or a
+    # soft-cap, else PREFILL_D512_TMA (with a warning on a GPU)
+    gluon: bool = False
 
 
 # a d=512 prefill whose keys are rebuilt in the loop cannot split the output (the rebuild needs all of v)
@@ -69,6 +75,9 @@ UNSPLIT_D512 = AttnLaunch(block_m=64, block_n=32, num_warps=8, num_stages=2)
 # 1,092 against 1,159; the 32-key tile without TMA 4,418 at 8,192; end to end 8192x4x512 +0.35%, TTFT 8K -2%)
 PREFILL_D512 = AttnLaunch(block_m=128, block_n=64, num_warps=8, num_stages=1, split_d=True)
 PREFILL_D512_TMA = AttnLaunch(block_m=128, block_n=32, num_warps=8, num_stages=2, split_d=True, tma=True)
+# the Gluon kernel: 64 rows, 64-key tiles, one stage (H100, session 64, one sequence, the kernel alone: 2,583 us at
+# 8,192 tokens against PREFILL_D512_TMA's 3,937, 53.6 against 115.5 at 1,024)
+PREFILL_D512_GLUON = AttnLaunch(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
 
 
 def _pow2_floor(x: int) -> int:
@@ -77,6 +86,7 @@ def _pow2_floor(x: int) -> int:
 
 PREFILL_INTERIOR_ENV = "COMPILED_LLM_PREFILL_INTERIOR"  # 0: every prefill key tile masked (an A/B)
 PREFILL_TMA_ENV = "COMPILED_LLM_PREFILL_TMA"  # 0: the d512 K=V prefill's tiles loaded through the registers (A/B)
+PREFILL_GLUON_ENV = "COMPILED_LLM_PREFILL_GLUON"  # 0: the d512 K=V prefill on the Triton tile, not Gluon's (A/B)
 ROT_TILE_ENV = "COMPILED_LLM_DECODE_ROT_TILE"  # 32: kept-keys decode on the rebuild's 32-key tiles (an A/B)
 SPLIT_ROUND_ENV = "COMPILED_LLM_DECODE_SPLIT_ROUND"  # ceil: d<512 decode splits rounded up to a power of 2 (A/B)
 KEY_TILE_ENV = "COMPILED_LLM_DECODE_KEY_TILE"  # 32 / 64: every d256 K!=V decode on that key tile (an A/B)
@@ -96,6 +106,8 @@ def attention_launch_policy(num_seqs: int, max_seq_len: int, head_dim: int, *, n
         # tokens and 0.74 vs 0.91 ms at 8 x 1,024 (the only split tile that fits shared memory with 64 keys)
         interior = os.environ.get(PREFILL_INTERIOR_ENV, "1") != "0"
         if head_dim >= 512:  # K from the dense rebuilt buffer
+            if os.environ.get(PREFILL_GLUON_ENV, "1") != "0":
+                return PREFILL_D512_GLUON
             tma = os.environ.get(PREFILL_TMA_ENV, "1") != "0"
             return dataclasses.replace(PREFILL_D512_TMA if tma else PREFILL_D512, interior=interior)
         if head_dim >= 256:
@@ -897,6 +909,7 @@ def _rebuild_k_kernel(
 # dense rebuilt-key buffers above this size fall back to rebuilding keys inside the attention loop
 DENSE_K_LIMIT_BYTES = 1 << 30
 _TMA_WARNED: set = set()
+_GLUON_WARNED: set = set()
 
 
 def _dense_buffer(num_seqs: int, rows: int, num_kv_heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
@@ -919,6 +932,25 @@ def _tma_fits(q, v_cache, sliding_window, half, block_d, block_n, nbytes) -> boo
                     "%s values for %s queries, %.2f GB of dense keys and values)", 2 * half, sliding_window,
                     block_n, v_cache.dtype, q.dtype, nbytes / 1e9)
     return fits
+
+
+def _gluon_fits(q, v_cache, sliding_window, softcap, group, head_dim, nbytes) -> bool:
+    """AttnLaunch.gluon can run (dense rebuilt keys given): a Hopper GPU (wgmma), head_dim 512, no window, no soft-cap,
+    bf16 queries and values, both dense buffers within DENSE_K_LIMIT_BYTES. An sm_90+ device that misses one is
+    told which (the layer then runs the Triton tile, ~1.5x slower at 8K tokens on an H100)."""
+    if not _common.sm90(q.device):
+        return False
+    why = [reason for reason, miss in [
+        ("not a Hopper GPU (sm_90)", not _common.hopper(q.device)),
+        (f"head_dim {head_dim}, group {group}", not gluon_prefill.fits(group, head_dim)),
+        (f"a {sliding_window}-token window", sliding_window is not None), (f"soft-cap {softcap}", softcap is not None),
+        (f"{q.dtype} queries, {v_cache.dtype} values", q.dtype != torch.bfloat16 or v_cache.dtype != q.dtype),
+        (f"{nbytes / 1e9:.2f} GB of dense keys and values", nbytes > DENSE_K_LIMIT_BYTES)] if miss]
+    if why and tuple(why) not in _GLUON_WARNED:
+        _GLUON_WARNED.add(tuple(why))
+        log.warning("prefill attention (head_dim %d, K=V): the Triton tile runs, not the Gluon kernel: %s", head_dim,
+                    "; ".join(why))
+    return not why
 
 
 def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
@@ -950,20 +982,24 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * page
+    dense_bytes = num_seqs * max_seq_len * num_kv_heads * head_dim * q.element_size()
+    dense = k_eq_v and dense_bytes <= DENSE_K_LIMIT_BYTES
+    gluon = dense and pol.gluon and _gluon_fits(q, v_cache, sliding_window, softcap, group, head_dim, 2 * dense_bytes)
+    if pol.gluon and not gluon:  # the Triton tile's best (the warning above says why, on a GPU)
+        pol = dataclasses.replace(PREFILL_D512_TMA, interior=pol.interior)
     gp = triton.next_power_of_2(group)
     block_m = max(pol.block_m, gp, 16)
     block_q = block_m // gp
     half = head_dim // 2
     block_d = triton.next_power_of_2(half)
-    if max_seq_len is None:
-        max_seq_len = block_tables.shape[1] * page
-    dense_bytes = num_seqs * max_seq_len * num_kv_heads * head_dim * q.element_size()
-    dense = k_eq_v and dense_bytes <= DENSE_K_LIMIT_BYTES
     tma = dense and pol.tma and _tma_fits(q, v_cache, sliding_window, half, block_d, pol.block_n, 2 * dense_bytes)
     if pol.tma and not tma and policy is None:  # the policy's TMA tile without TMA: the registers' best tile
         pol = dataclasses.replace(PREFILL_D512, interior=pol.interior)
     k_src, ks = k_cache, (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     tma_args = {}
+    tma = tma or gluon  # the Gluon kernel reads the dense values too, by TMA
     if dense:
         # rows are positions; for sliding windows only the visible ones are written (and read)
         k_src = _dense_buffer(num_seqs, max_seq_len, num_kv_heads, head_dim, q)
@@ -977,6 +1013,11 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
             HALF=half, BLOCK_D=block_d, PAGE=page, BLOCK_N=16, SLIDING=sliding_window is not None, COPY_V=tma,
             TAIL=pol.block_n, num_warps=8,
         )
+        if gluon:
+            return gluon_prefill.prefill_d512(
+                q, k_src.view(num_seqs * max_seq_len, -1), v_src.view(num_seqs * max_seq_len, -1), query_start_loc,
+                seq_lens, max_seq_len, scale, out, num_kv_heads=num_kv_heads, block_n=pol.block_n,
+                stages=pol.num_stages)
         if tma:
             box = [pol.block_n, half]
             tma_args = dict(Kd=TensorDescriptor.from_tensor(k_src.view(num_seqs * max_seq_len, -1), box),
