@@ -301,3 +301,29 @@ def test_the_global_layers_prefill_runs_the_gluon_kernel_on_hopper_and_it_builds
     triton_tile = _global_prefill_launches()
     assert [lz.name for lz in triton_tile] == ["_rebuild_k_kernel", "_prefill_kernel"]
     assert triton_tile[1].kwargs["TMA"] and triton_tile[1].kwargs["BLOCK_N"] == 32 and not caplog.text
+
+
+def test_the_gluon_moe_gate_up_prototype_builds_for_sm90_without_spills():
+    """benchmarks/gluon_moe_gate_up.py: the MoE gate/up grouped GEMM as a Gluon kernel (gathered token rows by
+    cp.async, gate and up tiles by TMA into one buffer, wgmma; not in the engine). Gluon has no interpreter, so the
+    CPU checks the sm_90 build, under the GPU's Triton (3.6) as well as 3.8: 128-row blocks (two warpgroups) with
+    gate and up in one N = 128 wgmma, and 64-row blocks (the 1,024-token policy's) with the N = 256 one, within
+    shared memory and without spills; and the launch: one program a column block and row block, the descriptor
+    over the weights as [E * 2I, H]."""
+    import gluon_moe_gate_up as G
+
+    for variant, block_m in [("f64x6", 128), ("f128x4", 64)]:
+        kernel = G.build_sm90(variant, block_m)
+        ptx = kernel.asm["ptx"]
+        regs, spilled = ptxas_usage(ptx)
+        assert kernel.metadata.shared <= SMEM_LIMIT and spilled == 0 and regs > 0, (variant, block_m, regs, spilled)
+        n = 2 * G.VARIANTS[variant][0]
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16") == 4, variant  # a 64-deep K step
+        assert "cp.async.bulk.tensor" in ptx and "cp.async.cg.shared.global" in ptx and "ld.local" not in ptx
+
+    x, w = torch.zeros(5, 2816, dtype=torch.bfloat16), torch.zeros(3, 2 * 704, 2816, dtype=torch.bfloat16)
+    sorted_ids, expert_ids = torch.zeros(4 * 128, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    act = torch.empty(4 * 128, 704, dtype=torch.bfloat16)
+    grid, args, kwargs = G.launch_args(x, w, sorted_ids, expert_ids, expert_ids[:1], act, 8, 128, "f128x4")
+    assert grid == (6, 4) and kwargs["num_warps"] == 8 and args[6:9] == (5 * 8, 704, 2816)
+    assert list(args[1].shape) == [3 * 2 * 704, 2816] and list(args[1].block_shape) == [128, 64]

@@ -1,0 +1,428 @@
+"""Prototype (not wired into the engine): the MoE grouped GEMM's gate/up half (ops/triton/moe.py _gate_up_kernel)
+as a Gluon kernel (Hopper wgmma + TMA, explicit layouts), at prefill sizes of Gemma 4 26B-A4B (E 128, H 2,816,
+I 704, top-8). The engine's Triton kernel (TMA weight tiles, 128 x 64 tiles, 8 warps) reaches ~486 TFLOP/s at
+8,192 tokens on an H100; this asks whether hand-placed layouts and a deeper pipeline get further.
+
+Semantics as the engine's: pairs p = t * k + j sorted by expert into blocks of BLOCK_M rows (moe_align:
+sorted_ids, padding entries = num_pairs; expert_ids a block; num_padded), act[row] = gelu_tanh(x[p // k] @
+gate[e].T) * (x[p // k] @ up[e].T) in bf16, padding rows not stored, blocks of expert -1 skipped.
+
+Design. A CTA owns one row block (BLOCK_M = 128 rows: two warpgroups of 64 rows, wgmma accumulators in
+NVMMADistributedLayout(warps_per_cta=[8, 1]); BLOCK_M = 64: one warpgroup) and BLOCK_N columns of both gate and up.
+The column blocks of a row block are grid axis 0 (the engine's n_fast order), so a block's gathered token rows
+come from L2 after the first column block reads them.
+  - A: the block's token rows, gathered (Hopper's TMA has no row gather): 16-byte cp.async copies from every
+    thread (async_copy, zero-filled for padding rows and past K) into an NVMMA-swizzled [BLOCK_M, 64] buffer.
+  - W: the descriptor views gate_up_proj as [E * 2I, H]; the gate tile and the up tile of a K step ([BLOCK_N, 64]
+    each) land by TMA in one [2 * BLOCK_N, 64] buffer (gate rows first), one mbarrier a stage.
+  - FUSED: one wgmma of N = 2 * BLOCK_N over that buffer per K step (acc columns [0, BN) gate, [BN, 2BN) up; the
+    A tile read once, and wide-N wgmma reads less shared memory per flop); else two wgmma of N = BLOCK_N. The
+    epilogue splits the fused accumulator: a column and the one BLOCK_N to its right sit in the same thread.
+  - Pipeline (one partition, every warp loads and multiplies): STAGES buffers; at K step i the CTA waits for its
+    own cp.async group of tile i (wait_group), fences (cp.async writes are generic-proxy, wgmma reads through
+    the async proxy) and meets at a CTA barrier; past that barrier both warpgroups have retired step i - 2's
+    wgmma (each keeps one step in flight: warpgroup_mma_wait(<wgmma a step>)), so tile i + STAGES - 2 loads into
+    its stage. Prefetch distance STAGES - 2 for one barrier a step.
+  - Epilogue: GEGLU in fp32 registers, bf16 into shared memory, then 16-byte row-masked stores.
+I = 704 is 11 x 64: BLOCK_N 128 computes 6 x 128 columns (the last tile's second half is the next rows of W,
+discarded: 9% more tensor work for fewer A re-reads); BLOCK_N 64 wastes nothing.
+
+    python3 benchmarks/gluon_moe_gate_up.py --build-only [--variants f64x6,f128x4,s64x6]
+        # CPU: each variant built for sm_90a, shared memory / ptxas registers / spills / wgmma count printed
+    python3 benchmarks/gluon_moe_gate_up.py --dry-run [--tokens 1024,8192]
+        # CPU: the GPU mode's inputs at small scale on CPU tensors, the launches recorded and built for sm_90a
+    python3 benchmarks/gluon_moe_gate_up.py [--tokens 1024,2048,4096,8192] [--variants f64x6,f128x4,s64x6]
+        # GPU: each variant checked against the engine's gate/up output and an fp32 torch reference on sampled
+        # rows, then timed with CUDA-graph replays beside the engine's _gate_up_kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                               warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+# a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.6, gl.barrier from Triton 3.7 on
+_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+GEMMA4 = dict(E=128, H=2816, I=704, k=8)
+BLOCK_K = 64
+VARIANTS = {  # name: (BLOCK_N, STAGES, FUSED)
+    "f64x6": (64, 6, True), "f64x4": (64, 4, True), "f128x4": (128, 4, True), "f128x3": (128, 3, True),
+    "s64x6": (64, 6, False),
+}
+DEFAULT_VARIANTS = "f64x6,f128x4,s64x6"
+REL_TOL = 2e-2  # max |variant - engine| / max |engine| over the real rows (bf16 outputs, different fp32 sum order)
+
+
+@gluon.jit
+def _issue_loads(x_ptrs, rmask, kk, k0, K, w_desc, n0, N, a_buf, w_buf, bar, pred, BLOCK_N: gl.constexpr):
+    """K step at column k0: the gathered A rows by cp.async (one commit group a step, also when nothing is
+    copied, so that wait_group's count stays one group a step) and the gate / up tiles by TMA onto bar."""
+    amask = rmask[:, None] & (kk < K - k0)[None, :] & pred
+    async_copy.async_copy_global_to_shared(a_buf, x_ptrs + k0, mask=amask)
+    async_copy.commit_group()
+    mbarrier.expect(bar, 2 * w_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(w_desc, [n0, k0], bar, w_buf.slice(0, BLOCK_N), pred=pred)
+    tma.async_copy_global_to_shared(w_desc, [n0 + N, k0], bar, w_buf.slice(BLOCK_N, BLOCK_N), pred=pred)
+
+
+@gluon.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the engine's form (_common.py)
+    z = 1.5957691216057308 * (x + 0.044715 * x * x * x)
+    return x / (1.0 + gl.exp(-z))
+
+
+@gluon.jit(do_not_specialize=["num_pairs"])
+def _gate_up_gluon_kernel(X, w_desc, SortedIds, ExpertIds, NumPadded, Act, num_pairs, N, K, stride_xt, stride_an,
+                          TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          BLOCK_K: gl.constexpr, STAGES: gl.constexpr, FUSED: gl.constexpr):
+    """X [T, K]; w_desc: gate_up_proj as [E * 2N, K] in [BLOCK_N, BLOCK_K] boxes; Act [padded rows, N].
+    Program (column block, row block)."""
+    gl.static_assert(gl.num_warps() * 16 == BLOCK_M, "a warp a 16-row slice of the wgmma tile")
+    gl.static_assert(STAGES >= 3, "the prefetch distance is STAGES - 2")
+    NW: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = X.dtype.element_ty
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # 16-byte chunks, 128 B a row
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [NW, 1], [1, 0])
+    a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    if pid_m * BLOCK_M >= gl.load(NumPadded):
+        return
+    e = gl.load(ExpertIds + pid_m)
+    if e < 0:  # another rank's pairs (expert parallelism): the down kernel zeroes their rows
+        return
+
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+    pair = gl.load(SortedIds + rows)
+    rmask = pair < num_pairs
+    tok = gl.where(rmask, pair // TOP_K, 0).to(gl.int64)
+    kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld_layout))
+    x_ptrs = X + tok[:, None] * stride_xt + kk[None, :]
+    n0 = e * 2 * N + pid_n * BLOCK_N  # the gate tile's first row of W [E * 2N, K]; the up tile's is n0 + N
+
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_sl)
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()  # the initialised barriers are visible to the TMA unit before the first copy
+
+    n_k = gl.cdiv(K, BLOCK_K)
+    for s in gl.static_range(STAGES - 2):
+        _issue_loads(x_ptrs, rmask, kk, s * BLOCK_K, K, w_desc, n0, N, a_smem.index(s), w_smem.index(s),
+                     bars.index(s), s < n_k, BLOCK_N)
+
+    if FUSED:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                             instr_shape=[16, 2 * BLOCK_N, 16])
+        acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, acc_layout)
+    else:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+
+    for i in range(0, n_k):
+        st = i % STAGES
+        async_copy.wait_group(STAGES - 3)  # this thread's copies of tile i are in (tiles i + 1 .. may still run)
+        fence_async_shared()  # ... and visible to the async proxy that wgmma reads through
+        _cta_barrier()  # every thread's part of tile i; both warpgroups past step i - 2's wgmma
+        nxt = i + STAGES - 2
+        sn = nxt % STAGES
+        _issue_loads(x_ptrs, rmask, kk, nxt * BLOCK_K, K, w_desc, n0, N, a_smem.index(sn), w_smem.index(sn),
+                     bars.index(sn), nxt < n_k, BLOCK_N)
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        a_s = a_smem.index(st)
+        w_s = w_smem.index(st)
+        if FUSED:
+            acc = warpgroup_mma(a_s, w_s.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+        else:
+            acc_g = warpgroup_mma(a_s, w_s.slice(0, BLOCK_N).permute((1, 0)), acc_g, is_async=True)
+            acc_u = warpgroup_mma(a_s, w_s.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u, is_async=True)
+            acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
+    if FUSED:
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        # columns c and c + BLOCK_N (gate and up of one output column) are in the same thread: a register split
+        acc_g, acc_u = acc.reshape([BLOCK_M, 2, BLOCK_N]).permute((0, 2, 1)).split()
+    else:
+        acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
+    async_copy.wait_group(0)  # the tail's empty groups
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+    act = (_gelu_tanh(acc_g) * acc_u).to(dtype)
+    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], o_sl)
+    o_smem.store(act)
+    _cta_barrier()
+    ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+    co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
+    omask = (gl.load(SortedIds + ro) < num_pairs)[:, None] & (co < N)[None, :]
+    gl.store(Act + ro.to(gl.int64)[:, None] * stride_an + co[None, :], o_smem.load(st_layout), mask=omask)
+
+
+def launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k: int, block_m: int,
+                variant: str):
+    """(grid, args, kwargs) of the Gluon kernel: x [T, H]; gate_up_proj [E, 2I, H] (contiguous); moe_align's
+    outputs at block_m; act [len(sorted_ids), I]."""
+    bn, stages, fused = VARIANTS[variant]
+    E, two_i, H = gate_up_proj.shape
+    inter = two_i // 2
+    assert gate_up_proj.is_contiguous() and x.stride(1) == 1 and act.stride(1) == 1 and block_m in (64, 128)
+    box = [bn, BLOCK_K]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+    wd = TensorDescriptor.from_tensor(gate_up_proj.view(E * two_i, H), box, layout)
+    grid = (triton.cdiv(inter, bn), expert_ids.numel())
+    args = (x, wd, sorted_ids, expert_ids, num_padded, act, top_k * x.shape[0], inter, H,
+            x.stride(0), act.stride(0))
+    kwargs = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=stages, FUSED=fused,
+                  num_warps=block_m // 16, num_stages=1)
+    return grid, args, kwargs
+
+
+def gate_up_gluon(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m, variant):
+    grid, args, kwargs = launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m,
+                                     variant)
+    _gate_up_gluon_kernel[grid](*args, **kwargs)
+    return act
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: builds for sm_90a (compiled_llm/runtime/kernel_check.py's build, no GPU needed)
+
+def build_sm90(variant: str, block_m: int = 128, T: int = 64):
+    """The variant built for sm_90a on this machine, for Gemma 4's H and I (two experts: the expert count is only
+    the descriptor's runtime shape, and 128 experts' weights would be a 1 GB CPU tensor)."""
+    from compiled_llm.runtime.kernel_check import Launch, build_sm90 as build
+
+    E, H, I, k = 2, GEMMA4["H"], GEMMA4["I"], GEMMA4["k"]
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    w = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16)
+    rows = 4 * block_m
+    sorted_ids = torch.zeros(rows, dtype=torch.int32)
+    expert_ids = torch.zeros(rows // block_m, dtype=torch.int32)
+    act = torch.empty(rows, I, dtype=torch.bfloat16)
+    _, args, kwargs = launch_args(x, w, sorted_ids, expert_ids, torch.zeros(1, dtype=torch.int32), act, k, block_m,
+                                  variant)
+    return build(Launch(_gate_up_gluon_kernel, args, kwargs))
+
+
+def usage(kernel) -> dict:
+    from compiled_llm.runtime.kernel_check import ptxas_usage
+
+    ptx = kernel.asm["ptx"]
+    regs, spilled = ptxas_usage(ptx)
+    return dict(shared=kernel.metadata.shared, regs=regs, spilled=spilled, wgmma=ptx.count("wgmma.mma_async"),
+                tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg.shared.global")
+                + ptx.count("cp.async.ca.shared.global"), local=ptx.count("ld.local") + ptx.count("st.local"))
+
+
+def build_only(variants: list[str], block_ms: list[int]) -> int:
+    from compiled_llm.runtime.kernel_check import SMEM_LIMIT
+
+    print(f"triton {triton.__version__} torch {torch.__version__}: built for sm_90a")
+    bad = 0
+    for bm in block_ms:
+        for v in variants:
+            try:
+                u = usage(build_sm90(v, bm))
+            except Exception as exc:  # noqa: BLE001 - every variant is reported
+                print(f"  BLOCK_M={bm:<3} {v:<8} FAILED {type(exc).__name__}: {str(exc).strip()[-400:]}")
+                bad += 1
+                continue
+            fits = u["shared"] <= SMEM_LIMIT and u["spilled"] == 0
+            bad += not fits
+            print(f"  BLOCK_M={bm:<3} {v:<8} shared {u['shared']:6d} B ({u['shared'] / 1024:5.1f} KiB of 227) "
+                  f"regs {u['regs']:3d} spill {u['spilled']:4d} B wgmma {u['wgmma']:3d} TMA {u['tma']:2d} "
+                  f"cp.async {u['cp_async']:3d} local ld/st {u['local']}{'' if fits else '  OVER/SPILLS'}")
+    return 1 if bad else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the inputs and the engine's launch (shared by the GPU mode and --dry-run)
+
+def make_case(T: int, dev, S: dict, seed: int = 1, pol=None, align=None):
+    """Random x, weights scaled so the products are O(1), random distinct top-k ids; the engine's alignment at
+    its policy's block_m (pol: another policy, e.g. the real token count's where the dry run stands in smaller
+    shapes; align: another alignment function); the engine's gate/up call (moe_launches' gate_up) and its
+    activations buffer."""
+    from compiled_llm.ops.triton import moe as M
+
+    E, H, I, k = S["E"], S["H"], S["I"], S["k"]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H ** -0.5).to(torch.bfloat16)
+    # unused by gate/up, but contiguous: moe_launches' TMA check (tma_usable) looks at both weights
+    down = torch.empty(E, H, I, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices.to(torch.int32)
+    wts = torch.full((T, k), 1.0 / k, device=dev)
+    pol = pol or M.moe_launch_policy(T, k, E, H, I)
+    alignment = (align or M.moe_align)(ids, E, pol.block_m)
+    gate_up, _ = M.moe_launches(x, w, down, wts, ids, policy=pol, alignment=alignment)
+    return dict(x=x, w=w, ids=ids, pol=pol, alignment=alignment, engine=gate_up, T=T, S=S)
+
+
+def engine_act(case) -> torch.Tensor:
+    """The activations buffer moe_launches made (its gate_up closure's `act`)."""
+    fn = case["engine"]
+    return fn.__closure__[fn.__code__.co_freevars.index("act")].cell_contents
+
+
+def reference_rows(case, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 torch of the given padded rows (real ones): gelu_tanh(x gate^T) * (x up^T)."""
+    sorted_ids, expert_ids, _ = case["alignment"]
+    k, I = case["S"]["k"], case["S"]["I"]
+    pairs = sorted_ids[rows].long()
+    e = expert_ids[rows // case["pol"].block_m].long()
+    xs = case["x"][pairs // k].float()
+    out = torch.empty(rows.numel(), I, device=xs.device)
+    for ex in e.unique().tolist():
+        sel = e == ex
+        h = xs[sel] @ case["w"][ex].float().T
+        out[sel] = torch.nn.functional.gelu(h[:, :I], approximate="tanh") * h[:, I:]
+    return out
+
+
+def dry_run(tokens: list[int], variants: list[str]) -> int:
+    """The GPU mode's host side on CPU tensors, cheaply: 16 experts and H 256 (Gemma 4's I and top-8), a tenth of
+    the tokens, at the policy (block_m, tiles) of the real token count; the alignment by torch's ops
+    (moe_align_sorted: moe_align's outputs without a Triton launch), so sorted_ids and the fp32 reference are
+    real. The engine's and each variant's launches are recorded (as on an H100) and built for sm_90a."""
+    from compiled_llm.ops.triton import moe as M
+    from compiled_llm.runtime.kernel_check import SMEM_LIMIT, check_launch, recorded_launches
+
+    ok = True
+    S = dict(GEMMA4, E=16, H=256)
+    for T in tokens:
+        pol = M.moe_launch_policy(T, GEMMA4["k"], GEMMA4["E"], GEMMA4["H"], GEMMA4["I"])
+        small = max(1, T // 10)
+        with recorded_launches(as_sm90=True) as launches, torch.inference_mode():
+            case = make_case(small, torch.device("cpu"), S, pol=pol, align=M.moe_align_sorted)
+            case["engine"]()
+            sorted_ids, expert_ids, num_padded = case["alignment"]
+            act = torch.empty(sorted_ids.numel(), S["I"], dtype=torch.bfloat16)
+            for v in variants:
+                gate_up_gluon(case["x"], case["w"], sorted_ids, expert_ids, num_padded, act, S["k"], pol.block_m, v)
+            real = torch.nonzero(sorted_ids < small * S["k"]).flatten()
+            ref = reference_rows(case, real[torch.randperm(real.numel())[:64]])
+        good = real.numel() == small * S["k"] and bool(torch.isfinite(ref).all()) and ref.abs().max() > 0.1
+        ok &= good
+        print(f"T={T} (on the CPU: {small} tokens, E {S['E']}, H {S['H']}): block_m {pol.block_m}, padded "
+              f"{int(num_padded)} rows in {expert_ids.numel()} blocks, fp32 reference of 64 rows max "
+              f"{float(ref.abs().max()):.2f}{'' if good else ' FAILED'}")
+        for lz in launches:
+            b = check_launch(lz)
+            good = not b.error and b.shared <= SMEM_LIMIT and b.spilled == 0
+            ok &= good
+            what = b.error or f"{b.shared} B shared, {b.registers} regs, {b.spilled} B spilled, wgmma {b.wgmma}"
+            tiles = (lz.kwargs.get("BLOCK_M"), lz.kwargs.get("BLOCK_N"), lz.kwargs.get("STAGES", lz.kwargs.get(
+                "num_stages")), "TMA" if lz.kwargs.get("TMA") or "w_desc" in str(lz.kernel.arg_names) else "")
+            print(f"  {lz.name:<22} grid {lz.grid} tiles {tiles}: {what}{'' if good else '  FAILED'}")
+    print("ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: check and timing
+
+def gpu_main(tokens: list[int], variants: list[str], check_only: bool) -> int:
+    from graph_timing import kernel_timer
+
+    dev = torch.device("cuda")
+    time_fn = kernel_timer(False, calls=5, replays=10)
+    ok, rows = True, []
+    S = GEMMA4
+    for T in tokens:
+        case = make_case(T, dev, S, seed=T)
+        sorted_ids, expert_ids, num_padded = case["alignment"]
+        bm = case["pol"].block_m
+        num_pairs = T * S["k"]
+        case["engine"]()
+        ref_act = engine_act(case)
+        torch.cuda.synchronize()
+        real = torch.nonzero(sorted_ids < num_pairs).flatten()  # the padded rows that hold a pair
+        assert real.numel() == num_pairs
+        sample = real[torch.randperm(real.numel(), device=dev)[:512]]
+        ref32 = reference_rows(case, sample)
+        eng = ref_act[real].float()
+        scale = float(eng.abs().max())
+        e_err = float((ref_act[sample].float() - ref32).abs().max()) / float(ref32.abs().max())
+        print(f"T={T}: block_m {bm}, {expert_ids.numel()} row blocks, padded {int(num_padded)} rows; engine vs fp32 "
+              f"on {sample.numel()} rows {e_err:.2e} of max |ref|", flush=True)
+        flops = 2.0 * num_pairs * 2 * S["I"] * S["H"]
+        row = dict(T=T, flops=flops, engine=time_fn(case["engine"]))
+        for v in variants:
+            act = torch.full_like(ref_act, float("nan"))
+            try:
+                gate_up_gluon(case["x"], case["w"], sorted_ids, expert_ids, num_padded, act, S["k"], bm, v)
+                torch.cuda.synchronize()
+                d_eng = float((act[real].float() - eng).abs().max()) / scale
+                d_ref = float((act[sample].float() - ref32).abs().max()) / float(ref32.abs().max())
+                good = d_eng < REL_TOL and d_ref < REL_TOL and bool(torch.isfinite(act[real]).all())
+            except Exception as exc:  # a build or launch failure is reported, the other variants still run
+                print(f"T={T} {v}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+                ok, row[v] = False, None
+                continue
+            ok &= good
+            print(f"T={T} {v}: max |gluon - engine| / max |engine| {d_eng:.2e} over the {num_pairs} real rows, "
+                  f"vs fp32 {d_ref:.2e} on {sample.numel()} ({'ok' if good else f'FAIL: over {REL_TOL}'})",
+                  flush=True)
+            if good and not check_only:
+                row[v] = time_fn(lambda: gate_up_gluon(case["x"], case["w"], sorted_ids, expert_ids, num_padded,
+                                                       act, S["k"], bm, v))
+        rows.append(row)
+        del case, ref_act, eng
+        torch.cuda.empty_cache()
+    if not check_only:
+        cols = ["engine"] + variants
+        print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}; us a call (TFLOP/s of useful work, "
+              f"2 * pairs * 2I * H)")
+        print(f"{'T':>6} " + " ".join(f"{c:>18}" for c in cols))
+        for row in rows:
+            cells = []
+            for c in cols:
+                us = row.get(c)
+                cells.append(f"{us:>8.1f} ({row['flops'] / us / 1e6:>5.0f})" if us else f"{'-':>18}")
+            print(f"{row['T']:>6} " + " ".join(f"{x:>18}" for x in cells))
+        print("engine: moe_launches' gate_up() (_gate_up_kernel at the policy's tiles); variants: BLOCK_N x STAGES,")
+        print("f = gate and up in one wgmma of N = 2 BLOCK_N, s = two wgmma; CUDA-graph replays, 5 calls a graph")
+    print("ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build-only", action="store_true", help="compile for sm_90a on the CPU, print usage")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: the GPU mode's launches recorded and built")
+    ap.add_argument("--tokens", default="1024,2048,4096,8192")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
+    ap.add_argument("--block-m", default="128,64", help="--build-only: row blocks to build")
+    ap.add_argument("--check-only", action="store_true", help="GPU: correctness only, no timing")
+    a = ap.parse_args()
+    variants = a.variants.split(",")
+    assert all(v in VARIANTS for v in variants), variants
+    if a.build_only:
+        return build_only(variants, [int(b) for b in a.block_m.split(",")])
+    tokens = [int(t) for t in a.tokens.split(",")]
+    if a.dry_run:
+        return dry_run(tokens, variants)
+    return gpu_main(tokens, variants, a.check_only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
