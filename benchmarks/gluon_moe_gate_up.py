@@ -23,17 +23,34 @@ come from L2 after the first column block reads them.
     the async proxy) and meets at a CTA barrier; past that barrier both warpgroups have retired step i - 2's
     wgmma (each keeps one step in flight: warpgroup_mma_wait(<wgmma a step>)), so tile i + STAGES - 2 loads into
     its stage. Prefetch distance STAGES - 2 for one barrier a step.
-  - Epilogue: GEGLU in fp32 registers, bf16 into shared memory, then 16-byte row-masked stores.
+  - Epilogue: GEGLU in fp32 registers, bf16 into shared memory (the stage buffers' space, free by then), then
+    16-byte row-masked stores.
+  - Warp-specialized (_gate_up_ws_kernel, variants w*): LOADER_WARPS producer warps (gl.warp_specialize) issue the
+    cp.async rows and the TMA tiles; each loader thread's copies arrive on the stage's `ready` mbarrier through
+    cp.async.mbarrier.arrive.noinc (so `ready` expects LOADER_WARPS * 32 arrivals plus the TMA's expect); the two
+    consumer warpgroups only wait, fence, multiply, and release the stage of the step retired (`empty`, one
+    arrive after a barrier of their 8 warps). No CTA-wide barrier in the loop, and the prefetch distance is the
+    whole STAGES.
 I = 704 is 11 x 64: BLOCK_N 128 computes 6 x 128 columns (the last tile's second half is the next rows of W,
 discarded: 9% more tensor work for fewer A re-reads); BLOCK_N 64 wastes nothing.
 
-    python3 benchmarks/gluon_moe_gate_up.py --build-only [--variants f64x6,f128x4,s64x6]
-        # CPU: each variant built for sm_90a, shared memory / ptxas registers / spills / wgmma count printed
+Variants (VARIANTS): f<BN>x<STAGES> fused, s<BN>x<STAGES> two wgmma, w<BN>x<STAGES> warp-specialized (fused). The
+row block is the engine policy's (64 rows at 1,024 tokens: 4 warps, one warpgroup; 128 from 2,048 on).
+Built for sm_90a on the CPU (--build-only), 128-row blocks, Triton 3.6 / 3.8: shared memory, ptxas registers
+(ws: the launch bound; setmaxnreg gives the consumers 208 and the loaders 88), no spills in any:
+    f64x6  192.0 KiB 119 / 120    f64x3  96.0 KiB 119 / 120 (two CTAs an SM)    f128x4 192.0 KiB 178 / 173
+    s64x6  192.0 KiB 119 / 120    w64x4 128.2 KiB 168           w64x6 192.2 KiB 168    w128x4 192.2 KiB 168
+
+    python3 benchmarks/gluon_moe_gate_up.py --build-only [--variants f64x6,w64x6] [--block-m 128,64]
+        # CPU: each variant built for sm_90a: shared memory, ptxas registers and spills, wgmma / TMA / cp.async
+        # counts; exit 1 on a spill, shared memory past 227 KiB, or a failed build
     python3 benchmarks/gluon_moe_gate_up.py --dry-run [--tokens 1024,8192]
-        # CPU: the GPU mode's inputs at small scale on CPU tensors, the launches recorded and built for sm_90a
-    python3 benchmarks/gluon_moe_gate_up.py [--tokens 1024,2048,4096,8192] [--variants f64x6,f128x4,s64x6]
-        # GPU: each variant checked against the engine's gate/up output and an fp32 torch reference on sampled
-        # rows, then timed with CUDA-graph replays beside the engine's _gate_up_kernel
+        # CPU: the GPU mode's set-up on CPU tensors (16 experts, H 256, a tenth of the tokens, the real token
+        # count's policy), the engine's and the variants' launches recorded as on an H100 and built for sm_90a;
+        # under Triton 3.7+ also the engine's kernel in the interpreter against this file's fp32 reference
+    python3 benchmarks/gluon_moe_gate_up.py [--tokens 1024,2048,4096,8192] [--variants ...] [--check-only]
+        # GPU: each variant checked against the engine's gate/up output on every real row and an fp32 torch
+        # reference on 512 sampled rows, then timed with CUDA-graph replays beside the engine's _gate_up_kernel
 """
 
 from __future__ import annotations
@@ -57,11 +74,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 GEMMA4 = dict(E=128, H=2816, I=704, k=8)
 BLOCK_K = 64
+LOADER_WARPS, LOADER_REGS = 4, 88  # the warp-specialized variants' producer warps and their register budget
 VARIANTS = {  # name: (BLOCK_N, STAGES, FUSED)
     "f64x6": (64, 6, True), "f64x4": (64, 4, True), "f128x4": (128, 4, True), "f128x3": (128, 3, True),
+    "f64x3": (64, 3, True),  # 96 KiB: two CTAs an SM, one's epilogue under the other's main loop
     "s64x6": (64, 6, False),
+    # warp-specialized (_gate_up_ws_kernel: 4 loader warps besides the consumer warpgroups; gate and up fused)
+    "w64x4": (64, 4, "ws"), "w64x6": (64, 6, "ws"), "w128x4": (128, 4, "ws"),
 }
-DEFAULT_VARIANTS = "f64x6,f128x4,s64x6"
+DEFAULT_VARIANTS = "f64x6,f64x3,f128x4,s64x6,w64x4,w64x6,w128x4"
 REL_TOL = 2e-2  # max |variant - engine| / max |engine| over the real rows (bf16 outputs, different fp32 sum order)
 
 
@@ -92,6 +113,7 @@ def _gate_up_gluon_kernel(X, w_desc, SortedIds, ExpertIds, NumPadded, Act, num_p
     Program (column block, row block)."""
     gl.static_assert(gl.num_warps() * 16 == BLOCK_M, "a warp a 16-row slice of the wgmma tile")
     gl.static_assert(STAGES >= 3, "the prefetch distance is STAGES - 2")
+    gl.static_assert(BLOCK_K == 64, "the row loads: 8 threads x 16 bytes a 128-byte row")
     NW: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = X.dtype.element_ty
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # 16-byte chunks, 128 B a row
@@ -176,6 +198,113 @@ def _gate_up_gluon_kernel(X, w_desc, SortedIds, ExpertIds, NumPadded, Act, num_p
     gl.store(Act + ro.to(gl.int64)[:, None] * stride_an + co[None, :], o_smem.load(st_layout), mask=omask)
 
 
+@gluon.jit
+def _ws_loader(X, SortedIds, w_desc, a_smem, w_smem, ready, empty, pid_m, n0, num_pairs, N, K, stride_xt,
+               TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               STAGES: gl.constexpr):
+    """The warp-specialized kernel's producer warps: tile i's gathered A rows (cp.async, each thread's copies
+    signalled on ready[i % STAGES] by a no-increment async arrive: LOADER_THREADS of its expected arrivals) and
+    its gate / up tiles (TMA, the last arrival with the expected bytes), once the consumers freed the stage."""
+    gl.static_assert(BLOCK_K == 64, "the row loads: 8 threads x 16 bytes a 128-byte row")
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+    pair = gl.load(SortedIds + rows)
+    rmask = pair < num_pairs
+    tok = gl.where(rmask, pair // TOP_K, 0).to(gl.int64)
+    kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld_layout))
+    x_ptrs = X + tok[:, None] * stride_xt + kk[None, :]
+    n_k = gl.cdiv(K, BLOCK_K)
+    for i in range(0, n_k):
+        st = i % STAGES
+        # the consumers' release of the stage's previous tile (i - STAGES); the first round passes at once: a
+        # fresh barrier counts its phase before 0 (parity 1) as complete
+        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+        k0 = i * BLOCK_K
+        async_copy.async_copy_global_to_shared(a_smem.index(st), x_ptrs + k0,
+                                               mask=rmask[:, None] & (kk < K - k0)[None, :])
+        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+        w_buf = w_smem.index(st)
+        mbarrier.expect(ready.index(st), 2 * w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [n0, k0], ready.index(st), w_buf.slice(0, BLOCK_N))
+        tma.async_copy_global_to_shared(w_desc, [n0 + N, k0], ready.index(st), w_buf.slice(BLOCK_N, BLOCK_N))
+
+
+@gluon.jit
+def _ws_mma(a_smem, w_smem, ready, empty, K, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The consumer warpgroups (the default partition): one N = 2 BLOCK_N wgmma a K step, one step in flight;
+    a stage is released (one arrive, after a barrier of the partition's warps, so both warpgroups are past it)
+    once the step that read it has retired."""
+    acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, acc_layout)
+    n_k = gl.cdiv(K, BLOCK_K)
+    for i in range(0, n_k):
+        st = i % STAGES
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        fence_async_shared()  # the cp.async rows were written through the generic proxy; wgmma reads async
+        acc = warpgroup_mma(a_smem.index(st), w_smem.index(st).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        _cta_barrier()  # both warpgroups have retired step i - 1
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    return (acc,)  # a tuple: Triton 3.6's warp_specialize iterates over the default partition's results
+
+
+@gluon.jit(do_not_specialize=["num_pairs"])
+def _gate_up_ws_kernel(X, w_desc, SortedIds, ExpertIds, NumPadded, Act, num_pairs, N, K, stride_xt, stride_an,
+                       TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                       LOADER_REGS: gl.constexpr):
+    """_gate_up_gluon_kernel (FUSED) warp-specialized: LOADER_WARPS producer warps fill STAGES stages, the
+    BLOCK_M / 16 warps of the default partition only multiply; stage hand-offs through mbarriers (ready: the
+    rows' async arrives and the TMA bytes; empty: the consumers' release), no CTA-wide barrier in the loop."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW * 16 == BLOCK_M, "a warp a 16-row slice of the wgmma tile")
+    dtype: gl.constexpr = X.dtype.element_ty
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [NW, 1], [1, 0])
+    a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, 2 * BLOCK_N, 16])
+
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    if pid_m * BLOCK_M >= gl.load(NumPadded):
+        return
+    e = gl.load(ExpertIds + pid_m)
+    if e < 0:
+        return
+    n0 = e * 2 * N + pid_n * BLOCK_N
+
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_sl)
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=LOADER_WARPS * 32 + 1)  # each loader thread's async arrive + TMA's
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+
+    res = gl.warp_specialize([
+        (_ws_mma, (a_smem, w_smem, ready, empty, K, acc_layout, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_ws_loader, (X, SortedIds, w_desc, a_smem, w_smem, ready, empty, pid_m, n0, num_pairs, N, K, stride_xt,
+                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+    acc = res[0]
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+    acc_g, acc_u = acc.reshape([BLOCK_M, 2, BLOCK_N]).permute((0, 2, 1)).split()
+    act = (_gelu_tanh(acc_g) * acc_u).to(dtype)
+    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], o_sl)
+    o_smem.store(act)
+    _cta_barrier()
+    ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+    co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
+    omask = (gl.load(SortedIds + ro) < num_pairs)[:, None] & (co < N)[None, :]
+    gl.store(Act + ro.to(gl.int64)[:, None] * stride_an + co[None, :], o_smem.load(st_layout), mask=omask)
+
+
 def launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k: int, block_m: int,
                 variant: str):
     """(grid, args, kwargs) of the Gluon kernel: x [T, H]; gate_up_proj [E, 2I, H] (contiguous); moe_align's
@@ -190,15 +319,20 @@ def launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k:
     grid = (triton.cdiv(inter, bn), expert_ids.numel())
     args = (x, wd, sorted_ids, expert_ids, num_padded, act, top_k * x.shape[0], inter, H,
             x.stride(0), act.stride(0))
-    kwargs = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=stages, FUSED=fused,
+    kwargs = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=stages,
                   num_warps=block_m // 16, num_stages=1)
+    kwargs.update(dict(LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS) if fused == "ws" else dict(FUSED=fused))
     return grid, args, kwargs
+
+
+def kernel_of(variant: str):
+    return _gate_up_ws_kernel if VARIANTS[variant][2] == "ws" else _gate_up_gluon_kernel
 
 
 def gate_up_gluon(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m, variant):
     grid, args, kwargs = launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m,
                                      variant)
-    _gate_up_gluon_kernel[grid](*args, **kwargs)
+    kernel_of(variant)[grid](*args, **kwargs)
     return act
 
 
@@ -219,7 +353,7 @@ def build_sm90(variant: str, block_m: int = 128, T: int = 64):
     act = torch.empty(rows, I, dtype=torch.bfloat16)
     _, args, kwargs = launch_args(x, w, sorted_ids, expert_ids, torch.zeros(1, dtype=torch.int32), act, k, block_m,
                                   variant)
-    return build(Launch(_gate_up_gluon_kernel, args, kwargs))
+    return build(Launch(kernel_of(variant), args, kwargs))
 
 
 def usage(kernel) -> dict:
@@ -256,19 +390,20 @@ def build_only(variants: list[str], block_ms: list[int]) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # the inputs and the engine's launch (shared by the GPU mode and --dry-run)
 
-def make_case(T: int, dev, S: dict, seed: int = 1, pol=None, align=None):
+def make_case(T: int, dev, S: dict, seed: int = 1, pol=None, align=None, dtype=torch.bfloat16):
     """Random x, weights scaled so the products are O(1), random distinct top-k ids; the engine's alignment at
     its policy's block_m (pol: another policy, e.g. the real token count's where the dry run stands in smaller
     shapes; align: another alignment function); the engine's gate/up call (moe_launches' gate_up) and its
-    activations buffer."""
+    activations buffer. dtype: float16 / float32 for the Triton interpreter, which mishandles bf16 here (a check
+    of this benchmark's own reference and row selection against the engine's kernel, on the CPU)."""
     from compiled_llm.ops.triton import moe as M
 
     E, H, I, k = S["E"], S["H"], S["I"], S["k"]
     g = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
-    w = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H ** -0.5).to(torch.bfloat16)
+    x = torch.randn(T, H, device=dev, generator=g).to(dtype)
+    w = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H ** -0.5).to(dtype)
     # unused by gate/up, but contiguous: moe_launches' TMA check (tma_usable) looks at both weights
-    down = torch.empty(E, H, I, device=dev, dtype=torch.bfloat16)
+    down = torch.empty(E, H, I, device=dev, dtype=dtype)
     ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices.to(torch.int32)
     wts = torch.full((T, k), 1.0 / k, device=dev)
     pol = pol or M.moe_launch_policy(T, k, E, H, I)
@@ -333,7 +468,44 @@ def dry_run(tokens: list[int], variants: list[str]) -> int:
             tiles = (lz.kwargs.get("BLOCK_M"), lz.kwargs.get("BLOCK_N"), lz.kwargs.get("STAGES", lz.kwargs.get(
                 "num_stages")), "TMA" if lz.kwargs.get("TMA") or "w_desc" in str(lz.kernel.arg_names) else "")
             print(f"  {lz.name:<22} grid {lz.grid} tiles {tiles}: {what}{'' if good else '  FAILED'}")
+    import os
+    import subprocess
+
+    # the check of the check runs under the Triton interpreter of 3.7 on (3.6's fails inside the engine's K loop)
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7):
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        ok &= subprocess.run([sys.executable, __file__, "--interp-check"], env=env).returncode == 0
+    else:
+        print(f"  (the interpreter check of reference_rows: Triton 3.7+ only, this is {triton.__version__})")
     print("ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def interp_check() -> int:
+    """Under the Triton interpreter (TRITON_INTERPRET=1, set by --dry-run's subprocess): the engine's gate/up
+    kernel on small fp32 inputs against this benchmark's fp32 reference over the real rows this benchmark picks,
+    with and without TMA: checks the GPU mode's check itself (engine_act, reference_rows, the real rows)."""
+    import dataclasses
+
+    from compiled_llm.ops.triton import moe as M
+
+    S = dict(GEMMA4, E=8, H=128, I=64)
+    T, ok = 40, True
+    for use_tma in (True, False):
+        pol = dataclasses.replace(M.moe_launch_policy(8192, 8, 128, 2816, 704), a_block_n=64, tma=use_tma)
+        case = make_case(T, torch.device("cpu"), S, pol=pol, align=M.moe_align_sorted, dtype=torch.float32)
+        engine_act(case).fill_(float("nan"))
+        case["engine"]()
+        act = engine_act(case)
+        sorted_ids = case["alignment"][0]
+        real = torch.nonzero(sorted_ids < T * S["k"]).flatten()
+        ref = reference_rows(case, real)
+        d = float((act[real] - ref).abs().max() / ref.abs().max())
+        written = int((~act.isnan().any(1)).sum())
+        good = d < 1e-4 and written == real.numel() == T * S["k"]
+        ok &= good
+        print(f"  interpreter, TMA {use_tma}: the engine's gate/up on {T} tokens (fp32) against reference_rows: "
+              f"{d:.1e} of max |ref|, {written} rows written, {real.numel()} real{'' if good else '  FAILED'}")
     return 0 if ok else 1
 
 
@@ -365,11 +537,12 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool) -> int:
         print(f"T={T}: block_m {bm}, {expert_ids.numel()} row blocks, padded {int(num_padded)} rows; engine vs fp32 "
               f"on {sample.numel()} rows {e_err:.2e} of max |ref|", flush=True)
         flops = 2.0 * num_pairs * 2 * S["I"] * S["H"]
-        row = dict(T=T, flops=flops, engine=time_fn(case["engine"]))
+        row = dict(T=T, flops=flops, engine=None if check_only else time_fn(case["engine"]))
+        inputs = (case["x"], case["w"], sorted_ids, expert_ids, num_padded)
         for v in variants:
-            act = torch.full_like(ref_act, float("nan"))
+            act = torch.full_like(ref_act, float("nan"))  # rows the kernel misses show up as NaN in the check
             try:
-                gate_up_gluon(case["x"], case["w"], sorted_ids, expert_ids, num_padded, act, S["k"], bm, v)
+                gate_up_gluon(*inputs, act, S["k"], bm, v)
                 torch.cuda.synchronize()
                 d_eng = float((act[real].float() - eng).abs().max()) / scale
                 d_ref = float((act[sample].float() - ref32).abs().max()) / float(ref32.abs().max())
@@ -383,11 +556,12 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool) -> int:
                   f"vs fp32 {d_ref:.2e} on {sample.numel()} ({'ok' if good else f'FAIL: over {REL_TOL}'})",
                   flush=True)
             if good and not check_only:
-                row[v] = time_fn(lambda: gate_up_gluon(case["x"], case["w"], sorted_ids, expert_ids, num_padded,
-                                                       act, S["k"], bm, v))
+                try:
+                    row[v] = time_fn(lambda: gate_up_gluon(*inputs, act, S["k"], bm, v))
+                except Exception as exc:  # noqa: BLE001 - e.g. a capture failure: reported, the others still run
+                    print(f"T={T} {v}: timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+                    ok = False
         rows.append(row)
-        del case, ref_act, eng
-        torch.cuda.empty_cache()
     if not check_only:
         cols = ["engine"] + variants
         print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}; us a call (TFLOP/s of useful work, "
@@ -413,7 +587,10 @@ def main() -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
     ap.add_argument("--block-m", default="128,64", help="--build-only: row blocks to build")
     ap.add_argument("--check-only", action="store_true", help="GPU: correctness only, no timing")
+    ap.add_argument("--interp-check", action="store_true", help=argparse.SUPPRESS)  # --dry-run's subprocess
     a = ap.parse_args()
+    if a.interp_check:
+        return interp_check()
     variants = a.variants.split(",")
     assert all(v in VARIANTS for v in variants), variants
     if a.build_only:

@@ -307,12 +307,12 @@ def test_the_gluon_moe_gate_up_prototype_builds_for_sm90_without_spills():
     """benchmarks/gluon_moe_gate_up.py: the MoE gate/up grouped GEMM as a Gluon kernel (gathered token rows by
     cp.async, gate and up tiles by TMA into one buffer, wgmma; not in the engine). Gluon has no interpreter, so the
     CPU checks the sm_90 build, under the GPU's Triton (3.6) as well as 3.8: 128-row blocks (two warpgroups) with
-    gate and up in one N = 128 wgmma, and 64-row blocks (the 1,024-token policy's) with the N = 256 one, within
-    shared memory and without spills; and the launch: one program a column block and row block, the descriptor
-    over the weights as [E * 2I, H]."""
+    gate and up in one N = 128 wgmma, the same warp-specialized (loader warps apart), and 64-row blocks (the
+    1,024-token policy's) with the N = 256 one, within shared memory and without spills; and the launch: one
+    program a column block and row block, the descriptor over the weights as [E * 2I, H]."""
     import gluon_moe_gate_up as G
 
-    for variant, block_m in [("f64x6", 128), ("f128x4", 64)]:
+    for variant, block_m in [("f64x6", 128), ("w64x6", 128), ("f128x4", 64)]:
         kernel = G.build_sm90(variant, block_m)
         ptx = kernel.asm["ptx"]
         regs, spilled = ptxas_usage(ptx)
