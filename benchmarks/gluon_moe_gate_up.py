@@ -47,7 +47,10 @@ Built for sm_90a on the CPU (--build-only), 128-row blocks, Triton 3.6 / 3.8: sh
     python3 benchmarks/gluon_moe_gate_up.py --dry-run [--tokens 1024,8192]
         # CPU: the GPU mode's set-up on CPU tensors (16 experts, H 256, a tenth of the tokens, the real token
         # count's policy), the engine's and the variants' launches recorded as on an H100 and built for sm_90a;
-        # under Triton 3.7+ also the engine's kernel in the interpreter against this file's fp32 reference
+        # under Triton 3.7+ also --smoke
+    python3 benchmarks/gluon_moe_gate_up.py --smoke
+        # CPU (Triton 3.7+): the GPU mode's code end to end on small fp32 shapes, the engine's kernel in the
+        # interpreter, the Gluon kernels stood in by torch (Gluon has no interpreter)
     python3 benchmarks/gluon_moe_gate_up.py [--tokens 1024,2048,4096,8192] [--variants ...] [--check-only]
         # GPU: each variant checked against the engine's gate/up output on every real row and an fp32 torch
         # reference on 512 sampled rows, then timed with CUDA-graph replays beside the engine's _gate_up_kernel
@@ -56,8 +59,13 @@ Built for sm_90a on the CPU (--build-only), 128-row blocks, Triton 3.6 / 3.8: sh
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the engine's kernel in the interpreter
 
 import torch
 import triton
@@ -394,8 +402,7 @@ def make_case(T: int, dev, S: dict, seed: int = 1, pol=None, align=None, dtype=t
     """Random x, weights scaled so the products are O(1), random distinct top-k ids; the engine's alignment at
     its policy's block_m (pol: another policy, e.g. the real token count's where the dry run stands in smaller
     shapes; align: another alignment function); the engine's gate/up call (moe_launches' gate_up) and its
-    activations buffer. dtype: float16 / float32 for the Triton interpreter, which mishandles bf16 here (a check
-    of this benchmark's own reference and row selection against the engine's kernel, on the CPU)."""
+    activations buffer. dtype: float32 for --smoke (the engine's kernel in the interpreter; see smoke)."""
     from compiled_llm.ops.triton import moe as M
 
     E, H, I, k = S["E"], S["H"], S["I"], S["k"]
@@ -468,65 +475,79 @@ def dry_run(tokens: list[int], variants: list[str]) -> int:
             tiles = (lz.kwargs.get("BLOCK_M"), lz.kwargs.get("BLOCK_N"), lz.kwargs.get("STAGES", lz.kwargs.get(
                 "num_stages")), "TMA" if lz.kwargs.get("TMA") or "w_desc" in str(lz.kernel.arg_names) else "")
             print(f"  {lz.name:<22} grid {lz.grid} tiles {tiles}: {what}{'' if good else '  FAILED'}")
-    import os
     import subprocess
 
-    # the check of the check runs under the Triton interpreter of 3.7 on (3.6's fails inside the engine's K loop)
+    # the engine's kernel runs under the Triton interpreter of 3.7 on (3.6's fails inside its K loop)
     if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7):
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        ok &= subprocess.run([sys.executable, __file__, "--interp-check"], env=env).returncode == 0
+        print("--smoke (the GPU mode's code on the CPU, the engine's kernel in the interpreter):", flush=True)
+        ok &= subprocess.run([sys.executable, __file__, "--smoke", "--variants", ",".join(variants)]).returncode == 0
     else:
-        print(f"  (the interpreter check of reference_rows: Triton 3.7+ only, this is {triton.__version__})")
+        print(f"  (--smoke, the GPU mode's code on the CPU: Triton 3.7+ only, this is {triton.__version__})")
     print("ok" if ok else "FAILED")
     return 0 if ok else 1
 
 
-def interp_check() -> int:
-    """Under the Triton interpreter (TRITON_INTERPRET=1, set by --dry-run's subprocess): the engine's gate/up
-    kernel on small fp32 inputs against this benchmark's fp32 reference over the real rows this benchmark picks,
-    with and without TMA: checks the GPU mode's check itself (engine_act, reference_rows, the real rows)."""
-    import dataclasses
+def torch_gate_up(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m, variant):
+    """gate_up_gluon's semantics in torch, block by block (--smoke's stand-in for the Gluon kernels, which have no
+    interpreter): real rows written, padding rows and skipped blocks left alone."""
+    n, inter = x.shape[0] * top_k, gate_up_proj.shape[1] // 2
+    for b in range(int(num_padded) // block_m):
+        e = int(expert_ids[b])
+        rows = torch.arange(b * block_m, (b + 1) * block_m, device=x.device)
+        pair = sorted_ids[rows].long()
+        real = pair < n
+        if e < 0 or not bool(real.any()):
+            continue
+        h = x[pair[real] // top_k].float() @ gate_up_proj[e].float().T
+        act[rows[real]] = (torch.nn.functional.gelu(h[:, :inter], approximate="tanh") * h[:, inter:]).to(act.dtype)
+    return act
 
-    from compiled_llm.ops.triton import moe as M
 
-    S = dict(GEMMA4, E=8, H=128, I=64)
-    T, ok = 40, True
-    for use_tma in (True, False):
-        pol = dataclasses.replace(M.moe_launch_policy(8192, 8, 128, 2816, 704), a_block_n=64, tma=use_tma)
-        case = make_case(T, torch.device("cpu"), S, pol=pol, align=M.moe_align_sorted, dtype=torch.float32)
-        engine_act(case).fill_(float("nan"))
-        case["engine"]()
-        act = engine_act(case)
-        sorted_ids = case["alignment"][0]
-        real = torch.nonzero(sorted_ids < T * S["k"]).flatten()
-        ref = reference_rows(case, real)
-        d = float((act[real] - ref).abs().max() / ref.abs().max())
-        written = int((~act.isnan().any(1)).sum())
-        good = d < 1e-4 and written == real.numel() == T * S["k"]
-        ok &= good
-        print(f"  interpreter, TMA {use_tma}: the engine's gate/up on {T} tokens (fp32) against reference_rows: "
-              f"{d:.1e} of max |ref|, {written} rows written, {real.numel()} real{'' if good else '  FAILED'}")
-    return 0 if ok else 1
+def smoke(variants: list[str]) -> int:
+    """The GPU mode's code on the CPU (TRITON_INTERPRET=1, set at import): 8 experts, H 128, I 64, fp32 (in bf16
+    the engine's kernel gave values of 1e22 under the 3.8 interpreter), the engine's gate/up kernel in the
+    interpreter, each Gluon variant stood in by torch_gate_up: the checks (engine_act, the real rows,
+    reference_rows), the timing calls and the table run as on the GPU. 40 tokens take the 64-row tier, 160 the 128-row one."""
+    global gate_up_gluon
+    gate_up_gluon = torch_gate_up
+    return gpu_main([40, 160], variants, False, dev=torch.device("cpu"), S=dict(GEMMA4, E=8, H=128, I=64),
+                    dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: check and timing
 
-def gpu_main(tokens: list[int], variants: list[str], check_only: bool) -> int:
+HANG_S = 90
+
+
+def _hung(T: int, variant: str) -> None:
+    print(f"T={T} {variant}: no result after {HANG_S} s, the build included: a hang (a pipeline barrier's bug?); "
+          f"exiting: rerun without it", flush=True)
+    os._exit(3)
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def gpu_main(tokens: list[int], variants: list[str], check_only: bool, dev=None, S: dict = GEMMA4,
+             dtype=torch.bfloat16) -> int:
+    """dev, S, dtype: another device and shapes (a CPU run of this code under the interpreter, the kernels
+    stood in for: tests of this file)."""
     from graph_timing import kernel_timer
 
-    dev = torch.device("cuda")
-    time_fn = kernel_timer(False, calls=5, replays=10)
+    dev = dev or torch.device("cuda")
+    time_fn = kernel_timer(dev.type != "cuda", calls=5, replays=10)
     ok, rows = True, []
-    S = GEMMA4
     for T in tokens:
-        case = make_case(T, dev, S, seed=T)
+        case = make_case(T, dev, S, seed=T, dtype=dtype)
         sorted_ids, expert_ids, num_padded = case["alignment"]
         bm = case["pol"].block_m
         num_pairs = T * S["k"]
         case["engine"]()
         ref_act = engine_act(case)
-        torch.cuda.synchronize()
+        _sync(dev)
         real = torch.nonzero(sorted_ids < num_pairs).flatten()  # the padded rows that hold a pair
         assert real.numel() == num_pairs
         sample = real[torch.randperm(real.numel(), device=dev)[:512]]
@@ -534,16 +555,26 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool) -> int:
         eng = ref_act[real].float()
         scale = float(eng.abs().max())
         e_err = float((ref_act[sample].float() - ref32).abs().max()) / float(ref32.abs().max())
+        ok &= e_err < REL_TOL  # the check of the check: the engine's rows, as this file picks them, match fp32
         print(f"T={T}: block_m {bm}, {expert_ids.numel()} row blocks, padded {int(num_padded)} rows; engine vs fp32 "
-              f"on {sample.numel()} rows {e_err:.2e} of max |ref|", flush=True)
+              f"on {sample.numel()} rows {e_err:.2e} of max |ref|{'' if e_err < REL_TOL else ' FAIL'}", flush=True)
         flops = 2.0 * num_pairs * 2 * S["I"] * S["H"]
         row = dict(T=T, flops=flops, engine=None if check_only else time_fn(case["engine"]))
+        if row["engine"]:
+            print(f"T={T} engine: {row['engine']:.1f} us ({flops / row['engine'] / 1e6:.0f} TFLOP/s)", flush=True)
         inputs = (case["x"], case["w"], sorted_ids, expert_ids, num_padded)
         for v in variants:
             act = torch.full_like(ref_act, float("nan"))  # rows the kernel misses show up as NaN in the check
             try:
-                gate_up_gluon(*inputs, act, S["k"], bm, v)
-                torch.cuda.synchronize()
+                # a pipeline's barrier bug hangs the GPU, not Python: past HANG_S (the build included) the process
+                # says which variant it was and exits, rather than waiting for the machine's time limit
+                watchdog = threading.Timer(HANG_S, _hung, (T, v))
+                watchdog.start()
+                try:
+                    gate_up_gluon(*inputs, act, S["k"], bm, v)
+                    _sync(dev)  # (torch.cuda.synchronize releases the GIL: the watchdog's thread runs meanwhile)
+                finally:
+                    watchdog.cancel()
                 d_eng = float((act[real].float() - eng).abs().max()) / scale
                 d_ref = float((act[sample].float() - ref32).abs().max()) / float(ref32.abs().max())
                 good = d_eng < REL_TOL and d_ref < REL_TOL and bool(torch.isfinite(act[real]).all())
@@ -558,13 +589,15 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool) -> int:
             if good and not check_only:
                 try:
                     row[v] = time_fn(lambda: gate_up_gluon(*inputs, act, S["k"], bm, v))
+                    print(f"T={T} {v}: {row[v]:.1f} us ({flops / row[v] / 1e6:.0f} TFLOP/s)", flush=True)
                 except Exception as exc:  # noqa: BLE001 - e.g. a capture failure: reported, the others still run
                     print(f"T={T} {v}: timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
                     ok = False
         rows.append(row)
     if not check_only:
         cols = ["engine"] + variants
-        print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}; us a call (TFLOP/s of useful work, "
+        name = torch.cuda.get_device_name() if dev.type == "cuda" else str(dev)
+        print(f"\n{name}, triton {triton.__version__}; us a call (TFLOP/s of useful work, "
               f"2 * pairs * 2I * H)")
         print(f"{'T':>6} " + " ".join(f"{c:>18}" for c in cols))
         for row in rows:
@@ -574,7 +607,8 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool) -> int:
                 cells.append(f"{us:>8.1f} ({row['flops'] / us / 1e6:>5.0f})" if us else f"{'-':>18}")
             print(f"{row['T']:>6} " + " ".join(f"{x:>18}" for x in cells))
         print("engine: moe_launches' gate_up() (_gate_up_kernel at the policy's tiles); variants: BLOCK_N x STAGES,")
-        print("f = gate and up in one wgmma of N = 2 BLOCK_N, s = two wgmma; CUDA-graph replays, 5 calls a graph")
+        print("f = gate and up in one wgmma of N = 2 BLOCK_N, s = two wgmma, w = f warp-specialized (loader warps);")
+        print("CUDA-graph replays, 5 calls a graph, 10 replays")
     print("ok" if ok else "FAILED")
     return 0 if ok else 1
 
@@ -587,15 +621,16 @@ def main() -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
     ap.add_argument("--block-m", default="128,64", help="--build-only: row blocks to build")
     ap.add_argument("--check-only", action="store_true", help="GPU: correctness only, no timing")
-    ap.add_argument("--interp-check", action="store_true", help=argparse.SUPPRESS)  # --dry-run's subprocess
+    ap.add_argument("--smoke", action="store_true", help="CPU: the GPU mode's code, the engine in the interpreter, "
+                    "the Gluon kernels stood in by torch")
     a = ap.parse_args()
-    if a.interp_check:
-        return interp_check()
     variants = a.variants.split(",")
     assert all(v in VARIANTS for v in variants), variants
     if a.build_only:
         return build_only(variants, [int(b) for b in a.block_m.split(",")])
     tokens = [int(t) for t in a.tokens.split(",")]
+    if a.smoke:
+        return smoke(variants)
     if a.dry_run:
         return dry_run(tokens, variants)
     return gpu_main(tokens, variants, a.check_only)
