@@ -507,7 +507,8 @@ def smoke(variants: list[str]) -> int:
     """The GPU mode's code on the CPU (TRITON_INTERPRET=1, set at import): 8 experts, H 128, I 64, fp32 (in bf16
     the engine's kernel gave values of 1e22 under the 3.8 interpreter), the engine's gate/up kernel in the
     interpreter, each Gluon variant stood in by torch_gate_up: the checks (engine_act, the real rows,
-    reference_rows), the timing calls and the table run as on the GPU. 40 tokens take the 64-row tier, 160 the 128-row one."""
+    reference_rows), the timing calls and the table run as on the GPU. 40 tokens take the 64-row tier, 160 the
+    128-row one."""
     global gate_up_gluon
     gate_up_gluon = torch_gate_up
     return gpu_main([40, 160], variants, False, dev=torch.device("cpu"), S=dict(GEMMA4, E=8, H=128, I=64),
