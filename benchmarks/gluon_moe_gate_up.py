@@ -1,7 +1,9 @@
 """Prototype (not wired into the engine): the MoE grouped GEMM's gate/up half (ops/triton/moe.py _gate_up_kernel)
 as a Gluon kernel (Hopper wgmma + TMA, explicit layouts), at prefill sizes of Gemma 4 26B-A4B (E 128, H 2,816,
 I 704, top-8). The engine's Triton kernel (TMA weight tiles, 128 x 64 tiles, 8 warps) reaches ~486 TFLOP/s at
-8,192 tokens on an H100; this asks whether hand-placed layouts and a deeper pipeline get further.
+8,192 tokens on an H100; this asks whether hand-placed layouts and a deeper pipeline get further. H100, session 65
+(benchmarks/NOTES.md): every variant equal to the engine's output on every real row; at 8,192 tokens f128x4 and
+w128x4 3-8% faster than the engine's kernel (two machines), 2-5% at 4,096, tied below (the weights' bytes bind).
 
 Semantics as the engine's: pairs p = t * k + j sorted by expert into blocks of BLOCK_M rows (moe_align:
 sorted_ids, padding entries = num_pairs; expert_ids a block; num_padded), act[row] = gelu_tanh(x[p // k] @
@@ -89,6 +91,7 @@ VARIANTS = {  # name: (BLOCK_N, STAGES, FUSED)
     "s64x6": (64, 6, False),
     # warp-specialized (_gate_up_ws_kernel: 4 loader warps besides the consumer warpgroups; gate and up fused)
     "w64x4": (64, 4, "ws"), "w64x6": (64, 6, "ws"), "w128x4": (128, 4, "ws"),
+    "w64x3": (64, 3, "ws"), "w128x2": (128, 2, "ws"), "w128x3": (128, 3, "ws"),  # (session 65's second call)
 }
 DEFAULT_VARIANTS = "f64x6,f64x3,f128x4,s64x6,w64x4,w64x6,w128x4"
 REL_TOL = 2e-2  # max |variant - engine| / max |engine| over the real rows (bf16 outputs, different fp32 sum order)
