@@ -21,9 +21,10 @@ qsl[s + 1] // BLOCK_T + s + 1) (as _prefill_kernel); its key j is row s * dense_
 whose rows past seq_len up to a multiple of BLOCK_N hold zeros (the rebuild's COPY_V tail): a key tile is read
 whole, unmasked, its keys past the query's position masked in the scores.
 
-H100, session 64 (benchmarks/gluon_d512_prefill.py, one sequence, kernel alone): 2,583 us at 8,192 tokens against
-the Triton tile's 3,937 (-34%), 53.6 against 115.5 at 1,024 (-54%). Gluon has no interpreter: the CPU checks are the
-sm_90 builds (runtime/kernel_check.py), the numerics are checked on the GPU (scripts/check_kernels_gpu.py).
+H100, session 65 (benchmarks/NOTES.md; prefill_kernels.py --attn-tma, the whole paged_prefill call): 2,568 us at
+8,192 tokens against the Triton tile's 3,922 (-35%), 432 against 674 at 8 x 1,024, 59.6 against 119.4 at 1,024;
+TTFT 8K -5.1%. Gluon has no interpreter: the CPU checks are the sm_90 builds (runtime/kernel_check.py), the numerics
+are checked on the GPU (scripts/check_kernels_gpu.py --only prefill, against an fp32 reference).
 """
 
 from __future__ import annotations
