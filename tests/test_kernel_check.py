@@ -327,3 +327,33 @@ def test_the_gluon_moe_gate_up_prototype_builds_for_sm90_without_spills():
     grid, args, kwargs = G.launch_args(x, w, sorted_ids, expert_ids, expert_ids[:1], act, 8, 128, "f128x4")
     assert grid == (6, 4) and kwargs["num_warps"] == 8 and args[6:9] == (5 * 8, 704, 2816)
     assert list(args[1].shape) == [3 * 2 * 704, 2816] and list(args[1].block_shape) == [128, 64]
+
+
+def test_the_gluon_moe_down_prototype_builds_for_sm90_without_spills():
+    """benchmarks/gluon_moe_down.py: the MoE down grouped GEMM as a persistent Gluon kernel (activation rows and
+    weight tiles by TMA, wgmma, the stage ring running across tiles; not in the engine). Gluon has no interpreter,
+    so the CPU checks the sm_90 build under the GPU's Triton (3.6) as well as 3.8: the engine's 8,192-token tile
+    (128 x 256, two warpgroups, 3 stages plus the epilogue's buffer) and 128 x 128 at 4 stages, within shared
+    memory and without spills; and the launch: a program an SM (never more than the tiles), descriptors over act
+    in [BLOCK_M, 64] boxes and over the weights as [E * H, I]."""
+    import gluon_moe_down as D
+
+    for variant in ("p256x3", "p128x4"):
+        kernel = D.build_sm90(variant, 128)
+        ptx = kernel.asm["ptx"]
+        regs, spilled = ptxas_usage(ptx)
+        assert kernel.metadata.shared <= SMEM_LIMIT and spilled == 0 and regs > 0, (variant, regs, spilled)
+        n = D.VARIANTS[variant][0]
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16") == 4, variant  # a 64-deep K step
+        assert "cp.async.bulk.tensor" in ptx and "ld.local" not in ptx, variant
+
+    act, w = torch.zeros(4 * 128, 704, dtype=torch.bfloat16), torch.zeros(3, 2816, 704, dtype=torch.bfloat16)
+    sorted_ids, expert_ids = torch.zeros(4 * 128, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    y = torch.empty(5 * 8, 2816, dtype=torch.bfloat16)
+    grid, args, kwargs = D.launch_args(act, w, sorted_ids, expert_ids, expert_ids[:1], torch.zeros(5, 8), y, 128,
+                                       "p256x3", 132)
+    assert grid == (4 * 11,) and kwargs["num_warps"] == 8 and args[7:11] == (5 * 8, 2816, 704, 3)
+    assert list(args[0].block_shape) == [128, 64] and list(args[1].shape) == [3 * 2816, 704]
+    assert list(args[1].block_shape) == [256, 64]
+    assert D.launch_args(act, w, sorted_ids, expert_ids, expert_ids[:1], torch.zeros(5, 8), y, 128, "p128x4",
+                         20)[0] == (20,)
