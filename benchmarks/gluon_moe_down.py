@@ -22,10 +22,18 @@ loads of the next tile's first STAGES - 1 K steps are in flight while this tile'
   - Epilogue: rows scaled by their pick's weight in fp32 (zeros for a block of expert -1, as the engine), bf16
     into a dedicated shared buffer (the stage ring is busy with the next tile's loads), read back row-major and
     stored with 16-byte row-masked stores to the pairs' rows (scattered rows: no TMA store).
-Variants (VARIANTS): p<BLOCK_N>x<STAGES>. Shared memory: STAGES * (16 KiB + BLOCK_N * 128 B) + the epilogue's
-BLOCK_M * BLOCK_N * 2 B; p256x3 (the engine's 8,192-token tiles) is 208 KiB, p256x4 would be 256 (over 227).
-Built for sm_90a on the CPU (--build-only), 128-row blocks, Triton 3.6 / 3.8 (shared memory, ptxas registers):
-    (filled in from the build: see the commit message / benchmarks/NOTES.md)
+  - Warp-specialized (_down_ws_kernel, variants w*): LOADER_WARPS producer warps (gl.warp_specialize; one thread
+    issues the TMA) walk the CTA's K steps, each stage handed over by mbarriers (ready: the TMA bytes; empty:
+    the consumers' release, one arrive after a barrier of their 8 warps); no CTA-wide barrier in the loop, the
+    prefetch distance is the whole STAGES, and the loads run on through the consumers' epilogue.
+Variants (VARIANTS): p<BLOCK_N>x<STAGES> (one partition), w<BLOCK_N>x<STAGES> (warp-specialized). Shared memory:
+STAGES * (16 KiB + BLOCK_N * 128 B) + the epilogue's BLOCK_M * BLOCK_N * 2 B; p256x3 (the engine's 8,192-token
+tile) is 208 KiB, 256 x 4 stages would be 256 KiB (over 227).
+Built for sm_90a on the CPU (--build-only), 128-row blocks, Triton 3.6 and 3.8 alike: shared memory, ptxas
+registers (w*: the launch bound; setmaxnreg gives the consumers 232, the loaders 40), no spills in any:
+    p256x3 208.0 KiB 157    p256x2 160.0 KiB 157    p128x4 160.0 KiB 93    p128x5 192.0 KiB 93    p128x6 224.0 KiB 93
+    w256x3 208.2 KiB 168    w128x4 160.2 KiB 168    w128x6 224.2 KiB 168
+No GPU has run these yet: correctness (the barriers' phases across tiles) and speed are the GPU mode's to settle.
 
     python3 benchmarks/gluon_moe_down.py --build-only [--variants p256x3,p128x4]
         # CPU: each variant built for sm_90a: shared memory, ptxas registers and spills, wgmma / TMA counts; exit 1
@@ -65,12 +73,15 @@ import gluon_moe_gate_up as G  # noqa: E402 - after the path set-up above
 GEMMA4 = G.GEMMA4
 BLOCK_K = G.BLOCK_K
 _cta_barrier = G._cta_barrier
-VARIANTS = {  # name: (BLOCK_N, STAGES)
+VARIANTS = {  # name: (BLOCK_N, STAGES[, "ws"])
     "p256x3": (256, 3),  # the engine's 8,192-token tile: 144 KiB of stages + 64 KiB epilogue buffer
     "p128x4": (128, 4), "p128x5": (128, 5), "p128x6": (128, 6),  # 32 KiB a stage + 32 KiB epilogue buffer
     "p256x2": (256, 2),  # prefetch distance 1: what the third stage buys
+    # warp-specialized (_down_ws_kernel: LOADER_WARPS TMA warps besides the consumer warpgroups)
+    "w256x3": (256, 3, "ws"), "w128x4": (128, 4, "ws"), "w128x6": (128, 6, "ws"),
 }
-DEFAULT_VARIANTS = "p256x3,p128x4,p128x6"
+LOADER_WARPS, LOADER_REGS = 4, 40  # a warpgroup (setmaxnreg's unit) of which one thread issues the TMA
+DEFAULT_VARIANTS = "p256x3,p128x4,p128x6,w256x3,w128x4"
 REL_TOL = G.REL_TOL
 SKIPPED_EXPERT = -1  # the GPU mode marks the last expert's blocks as another rank's: their pairs must be zeros
 
@@ -170,11 +181,111 @@ def _down_gluon_kernel(a_desc, w_desc, SortedIds, ExpertIds, NumPadded, TopkWeig
         mbarrier.invalidate(bars.index(s))
 
 
+@gluon.jit
+def _ws_loader(a_desc, w_desc, ExpertIds, a_smem, w_smem, ready, empty, pid, nprog, num_n, total, my_tiles, n_k, N,
+               E, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warps: every K step of the CTA's tiles into the ring, once the consumers released the stage's
+    previous step (j - STAGES); across a tile's epilogue too, so the next tile's first STAGES steps are loaded
+    while the consumers store."""
+    for j in range(0, my_tiles * n_k):
+        st = j % STAGES
+        # a fresh barrier counts its phase before 0 (parity 1) as complete: the first round passes at once
+        mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+        _load_step(j, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem, w_smem, ready, N, E,
+                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+
+@gluon.jit
+def _ws_consumer(a_smem, w_smem, o_smem, ready, empty, SortedIds, ExpertIds, TopkWeights, Y, pid, nprog, num_n,
+                 my_tiles, n_k, num_pairs, N, E, stride_yt, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """The consumer warpgroups (the default partition): one wgmma a K step, one step in flight; a stage is
+    released (one arrive, after a barrier of this partition's warps, so both warpgroups are past it) once the
+    step that read it has retired; then each tile's epilogue."""
+    NW: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = Y.dtype.element_ty
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    TPC: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [NW, 1], [1, 0])
+    it = 0
+    for t in range(0, my_tiles):
+        tile = pid + t * nprog
+        pid_m = tile // num_n
+        pid_n = tile - pid_m * num_n
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for kk in range(0, n_k):
+            st = it % STAGES
+            mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(st), w_smem.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            _cta_barrier()  # (this partition's warps) both warpgroups have retired step it - 1
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)  # the tile's first: done below
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _cta_barrier()  # both warpgroups have retired the tile's last step: its stage goes back before the epilogue
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+
+        e = gl.load(ExpertIds + pid_m)
+        ok = (e >= 0) & (e < E)
+        rw = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        pw = gl.load(SortedIds + rw)
+        w = gl.load(TopkWeights + pw, mask=pw < num_pairs, other=0.0).to(gl.float32)
+        o_smem.store(gl.where(ok, acc * w[:, None], 0.0).to(dtype))  # (a skipped block: zeros, as the engine)
+        _cta_barrier()
+        ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+        co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
+        pair = gl.load(SortedIds + ro)
+        omask = (pair < num_pairs)[:, None] & (co < N)[None, :]
+        gl.store(Y + pair.to(gl.int64)[:, None] * stride_yt + co[None, :], o_smem.load(st_layout), mask=omask)
+        _cta_barrier()  # every warp's reads of o_smem before the next tile's epilogue writes it
+
+
+@gluon.jit(do_not_specialize=["num_pairs", "E"])
+def _down_ws_kernel(a_desc, w_desc, SortedIds, ExpertIds, NumPadded, TopkWeights, Y, num_pairs, N, K, E,
+                    stride_yt, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """_down_gluon_kernel warp-specialized: LOADER_WARPS producer warps (one thread issues the TMA) fill the
+    ring, the BLOCK_M / 16 warps of the default partition multiply and store; hand-offs through mbarriers
+    (ready: the TMA bytes; empty: the consumers' release), no CTA-wide barrier, prefetch distance the whole
+    STAGES, and the loads run on through the epilogue."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW * 16 == BLOCK_M, "a warp a 16-row slice of the wgmma tile")
+    dtype: gl.constexpr = Y.dtype.element_ty
+    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_n = N // BLOCK_N
+    total = gl.cdiv(gl.load(NumPadded), BLOCK_M) * num_n
+    my_tiles = gl.maximum(gl.cdiv(total - pid, nprog), 0)
+    n_k = gl.cdiv(K, BLOCK_K)
+
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], o_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_ws_consumer, (a_smem, w_smem, o_smem, ready, empty, SortedIds, ExpertIds, TopkWeights, Y, pid, nprog,
+                        num_n, my_tiles, n_k, num_pairs, N, E, stride_yt, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_loader, (a_desc, w_desc, ExpertIds, a_smem, w_smem, ready, empty, pid, nprog, num_n, total, my_tiles,
+                      n_k, N, E, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
 def launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m: int, variant: str,
                 programs: int):
     """(grid, args, kwargs): act [len(sorted_ids), I]; down_proj [E, H, I] (contiguous); moe_align's outputs at
     block_m; topk_weights [T, k] (any float dtype, read as fp32); y [T k, H]; programs: the SMs."""
-    bn, stages = VARIANTS[variant]
+    bn, stages = VARIANTS[variant][:2]
     E, H, inter = down_proj.shape
     assert down_proj.is_contiguous() and act.stride(1) == 1 and y.stride(1) == 1 and H % bn == 0
     assert block_m in (64, 128)
@@ -188,7 +299,17 @@ def launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights
             y.stride(0))
     kwargs = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=stages, num_warps=block_m // 16,
                   num_stages=1)
+    if is_ws(variant):
+        kwargs.update(LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS)
     return grid, args, kwargs
+
+
+def is_ws(variant: str) -> bool:
+    return VARIANTS[variant][2:] == ("ws",)
+
+
+def kernel_of(variant: str):
+    return _down_ws_kernel if is_ws(variant) else _down_gluon_kernel
 
 
 def down_gluon(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m, variant):
@@ -196,7 +317,7 @@ def down_gluon(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights,
 
     grid, args, kwargs = launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m,
                                      variant, num_sms(act.device))
-    _down_gluon_kernel[grid](*args, **kwargs)
+    kernel_of(variant)[grid](*args, **kwargs)
     return y
 
 
@@ -218,7 +339,7 @@ def build_sm90(variant: str, block_m: int = 128, T: int = 64):
     y = torch.empty(T * k, H, dtype=torch.bfloat16)
     _, args, kwargs = launch_args(act, w, sorted_ids, expert_ids, torch.zeros(1, dtype=torch.int32), wts, y,
                                   block_m, variant, 132)
-    return build(Launch(_down_gluon_kernel, args, kwargs))
+    return build(Launch(kernel_of(variant), args, kwargs))
 
 
 def build_only(variants: list[str], block_ms: list[int]) -> int:
@@ -448,7 +569,8 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool, dev=None,
                      for c in cols]
             print(f"{row['T']:>6} " + " ".join(f"{x:>18}" for x in cells))
         print("engine: moe_launches' down() (the policy's _down_kernel / _down_persistent_kernel); variants:")
-        print("p<BLOCK_N>x<STAGES>, persistent, 128-row blocks; CUDA-graph replays, 5 calls a graph, 10 replays")
+        print("p<BLOCK_N>x<STAGES> persistent, one partition; w = the same warp-specialized (TMA loader warps);")
+        print("the policy's row blocks (128 from 2,048 tokens on); CUDA-graph replays, 5 calls a graph, 10 replays")
     print("ok" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -333,12 +333,13 @@ def test_the_gluon_moe_down_prototype_builds_for_sm90_without_spills():
     """benchmarks/gluon_moe_down.py: the MoE down grouped GEMM as a persistent Gluon kernel (activation rows and
     weight tiles by TMA, wgmma, the stage ring running across tiles; not in the engine). Gluon has no interpreter,
     so the CPU checks the sm_90 build under the GPU's Triton (3.6) as well as 3.8: the engine's 8,192-token tile
-    (128 x 256, two warpgroups, 3 stages plus the epilogue's buffer) and 128 x 128 at 4 stages, within shared
-    memory and without spills; and the launch: a program an SM (never more than the tiles), descriptors over act
-    in [BLOCK_M, 64] boxes and over the weights as [E * H, I]."""
+    (128 x 256, two warpgroups, 3 stages plus the epilogue's buffer) in one partition and warp-specialized (TMA
+    warps apart, their registers handed to the consumers), and 128 x 128 at 4 stages, within shared memory and
+    without spills; and the launch: a program an SM (never more than the tiles), descriptors over act in
+    [BLOCK_M, 64] boxes and over the weights as [E * H, I]."""
     import gluon_moe_down as D
 
-    for variant in ("p256x3", "p128x4"):
+    for variant in ("p256x3", "w256x3", "p128x4"):
         kernel = D.build_sm90(variant, 128)
         ptx = kernel.asm["ptx"]
         regs, spilled = ptxas_usage(ptx)
@@ -346,6 +347,7 @@ def test_the_gluon_moe_down_prototype_builds_for_sm90_without_spills():
         n = D.VARIANTS[variant][0]
         assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16") == 4, variant  # a 64-deep K step
         assert "cp.async.bulk.tensor" in ptx and "ld.local" not in ptx, variant
+        assert ("setmaxnreg" in ptx) == D.is_ws(variant), variant
 
     act, w = torch.zeros(4 * 128, 704, dtype=torch.bfloat16), torch.zeros(3, 2816, 704, dtype=torch.bfloat16)
     sorted_ids, expert_ids = torch.zeros(4 * 128, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
