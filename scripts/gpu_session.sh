@@ -5,7 +5,7 @@
 # first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"]) rebuild (two 26B-A4B engines in one process)
 # scoring (a 4K-token echo+logprobs request against a plain prefill: time and peak memory)
 # structured (compiled, --jit-monitor error; carry [".whl"] with xgrammar's wheels in .whl/structured/)
-# kernels (check_kernels_gpu.py, KERNELS_ARGS) decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn norm_chain pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
+# kernels (check_kernels_gpu.py, KERNELS_ARGS) gluon_moe (GLUON_MOE_TOKENS, GLUON_UP_VARIANTS) decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn norm_chain pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -103,6 +103,10 @@ for step in $steps; do
                     --out "$OUT/moe_unsorted.json" ;;  # one token's pairs unsorted (no alignment launch) vs aligned
     moe_align) run moe_align${MOE_ALIGN_TAG:-} 100 python3 benchmarks/moe_kernels.py --tokens ${MOE_ALIGN_TOKENS:-128,512,1024,2048,8192} \
                  ${MOE_ALIGN_ARGS:-} --out "$OUT/moe_align${MOE_ALIGN_TAG:-}.json" ;;  # the one-program, sort-based and parallel alignments (prefill sizes); Qwen3.5: MOE_ALIGN_ARGS="--experts 256 --hidden 2048 --inter 512"
+    gluon_moe)  # issue 14: the Gluon MoE prototypes (down, then gate/up) checked against the engine's kernels, timed
+      run gluon_moe_down 150 python3 benchmarks/gluon_moe_down.py --tokens ${GLUON_MOE_TOKENS:-2048,4096,8192}
+      run gluon_moe_gate_up 150 python3 benchmarks/gluon_moe_gate_up.py --tokens ${GLUON_MOE_TOKENS:-2048,4096,8192} \
+        --variants ${GLUON_UP_VARIANTS:-f128x4,w128x4,w64x6} ;;
     prefill_kernels)  # issue 14: router / MoE / attention tiles at prefill sizes (and decode's MoE), PREFILL_ARGS
       # e.g. "--qwen --groups router,moe"; the candidates' kernels are built by 12 processes first (Triton's cache)
       tag=${PREFILL_TAG:-gemma}; b0=$(date +%s)
