@@ -48,7 +48,6 @@ No GPU has run these yet: correctness (the barriers' phases across tiles) and sp
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -58,7 +57,6 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the engine's kernel in the interpreter
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -343,24 +341,7 @@ def build_sm90(variant: str, block_m: int = 128, T: int = 64):
 
 
 def build_only(variants: list[str], block_ms: list[int]) -> int:
-    from compiled_llm.runtime.kernel_check import SMEM_LIMIT
-
-    print(f"triton {triton.__version__} torch {torch.__version__}: built for sm_90a")
-    bad = 0
-    for bm in block_ms:
-        for v in variants:
-            try:
-                u = G.usage(build_sm90(v, bm))
-            except Exception as exc:  # noqa: BLE001 - every variant is reported
-                print(f"  BLOCK_M={bm:<3} {v:<8} FAILED {type(exc).__name__}: {str(exc).strip()[-400:]}")
-                bad += 1
-                continue
-            fits = u["shared"] <= SMEM_LIMIT and u["spilled"] == 0
-            bad += not fits
-            print(f"  BLOCK_M={bm:<3} {v:<8} shared {u['shared']:6d} B ({u['shared'] / 1024:5.1f} KiB of 227) "
-                  f"regs {u['regs']:3d} spill {u['spilled']:4d} B wgmma {u['wgmma']:3d} TMA {u['tma']:2d} "
-                  f"local ld/st {u['local']}{'' if fits else '  OVER/SPILLS'}")
-    return 1 if bad else 0
+    return G.build_only(variants, block_ms, build=build_sm90)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,7 +394,7 @@ def dry_run(tokens: list[int], variants: list[str]) -> int:
     the tokens, at the policy of the real token count; the alignment by torch (moe_align_sorted). The engine's
     and each variant's launches are recorded (as on an H100, 132 programs) and built for sm_90a."""
     from compiled_llm.ops.triton import moe as M
-    from compiled_llm.runtime.kernel_check import SMEM_LIMIT, check_launch, recorded_launches
+    from compiled_llm.runtime.kernel_check import recorded_launches
 
     ok = True
     S = dict(GEMMA4, E=16, H=256)
@@ -440,26 +421,8 @@ def dry_run(tokens: list[int], variants: list[str]) -> int:
               f"{pol.b_block_n} (persistent {pol.persistent}), padded {int(num_padded)} rows in {expert_ids.numel()} "
               f"blocks ({skipped} skipped), fp32 reference of 64 pairs max {float(ref.abs().max()):.2f}"
               f"{'' if good else ' FAILED'}")
-        for lz in launches:
-            if lz.name == "_gate_up_kernel":
-                continue  # the gate/up prototype's dry run builds it
-            b = check_launch(lz)
-            good = not b.error and b.shared <= SMEM_LIMIT and b.spilled == 0
-            ok &= good
-            what = b.error or f"{b.shared} B shared, {b.registers} regs, {b.spilled} B spilled, wgmma {b.wgmma}"
-            tiles = (lz.kwargs.get("BLOCK_M"), lz.kwargs.get("BLOCK_N"), lz.kwargs.get("STAGES", lz.kwargs.get(
-                "num_stages")))
-            print(f"  {lz.name:<24} grid {lz.grid} tiles {tiles}: {what}{'' if good else '  FAILED'}")
-    import subprocess
-
-    # the engine's kernels run under the Triton interpreter of 3.7 on (the gate/up prototype's finding for 3.6)
-    if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7):
-        print("--smoke (the GPU mode's code on the CPU, the engine's kernel in the interpreter):", flush=True)
-        ok &= subprocess.run([sys.executable, __file__, "--smoke", "--variants", ",".join(variants)]).returncode == 0
-    else:
-        print(f"  (--smoke, the GPU mode's code on the CPU: Triton 3.7+ only, this is {triton.__version__})")
-    print("ok" if ok else "FAILED")
-    return 0 if ok else 1
+        ok &= G.build_recorded(launches, skip=("_gate_up_kernel",))  # (the gate/up prototype's dry run builds it)
+    return G.finish_dry_run(ok, __file__, variants)
 
 
 def torch_down(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m, variant):
@@ -559,44 +522,13 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool, dev=None,
                     ok = False
         rows.append(row)
     if not check_only:
-        cols = ["engine"] + variants
-        name = torch.cuda.get_device_name() if dev.type == "cuda" else str(dev)
-        print(f"\n{name}, triton {triton.__version__}; us a call (TFLOP/s, "
-              f"2 * pairs * H * I)")
-        print(f"{'T':>6} " + " ".join(f"{c:>18}" for c in cols))
-        for row in rows:
-            cells = [f"{row[c]:>8.1f} ({row['flops'] / row[c] / 1e6:>5.0f})" if row.get(c) else f"{'-':>18}"
-                     for c in cols]
-            print(f"{row['T']:>6} " + " ".join(f"{x:>18}" for x in cells))
-        print("engine: moe_launches' down() (the policy's _down_kernel / _down_persistent_kernel); variants:")
-        print("p<BLOCK_N>x<STAGES> persistent, one partition; w = the same warp-specialized (TMA loader warps);")
-        print("the policy's row blocks (128 from 2,048 tokens on); CUDA-graph replays, 5 calls a graph, 10 replays")
+        G.print_table(dev, rows, variants, "2 * pairs * H * I", [
+            "engine: moe_launches' down() (the policy's _down_kernel / _down_persistent_kernel); variants:",
+            "p<BLOCK_N>x<STAGES> persistent, one partition; w = the same warp-specialized (TMA loader warps);",
+            "the policy's row blocks (128 from 2,048 tokens on); CUDA-graph replays, 5 calls a graph, 10 replays"])
     print("ok" if ok else "FAILED")
     return 0 if ok else 1
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build-only", action="store_true", help="compile for sm_90a on the CPU, print usage")
-    ap.add_argument("--dry-run", action="store_true", help="CPU: the GPU mode's launches recorded and built")
-    ap.add_argument("--tokens", default="2048,4096,8192")
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
-    ap.add_argument("--block-m", default="128", help="--build-only: row blocks to build")
-    ap.add_argument("--check-only", action="store_true", help="GPU: correctness only, no timing")
-    ap.add_argument("--smoke", action="store_true", help="CPU (Triton 3.7+): the GPU mode's code, the engine in the "
-                    "interpreter, the Gluon kernel stood in by torch")
-    a = ap.parse_args()
-    variants = a.variants.split(",")
-    assert all(v in VARIANTS for v in variants), variants
-    if a.build_only:
-        return build_only(variants, [int(b) for b in a.block_m.split(",")])
-    tokens = [int(t) for t in a.tokens.split(",")]
-    if a.smoke:
-        return smoke(variants)
-    if a.dry_run:
-        return dry_run(tokens, variants)
-    return gpu_main(tokens, variants, a.check_only)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(G.cli(sys.modules[__name__], "2048,4096,8192", "128"))

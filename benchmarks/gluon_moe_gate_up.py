@@ -377,15 +377,19 @@ def usage(kernel) -> dict:
                 + ptx.count("cp.async.ca.shared.global"), local=ptx.count("ld.local") + ptx.count("st.local"))
 
 
-def build_only(variants: list[str], block_ms: list[int]) -> int:
+def build_only(variants: list[str], block_ms: list[int], build=None) -> int:
+    """Each variant at each row block built for sm_90a (build: variant, block_m -> kernel; this file's build_sm90 by
+    default, gluon_moe_down.py passes its own), its usage printed; 1 on a failure, a spill or too much shared
+    memory."""
     from compiled_llm.runtime.kernel_check import SMEM_LIMIT
 
+    build = build or build_sm90
     print(f"triton {triton.__version__} torch {torch.__version__}: built for sm_90a")
     bad = 0
     for bm in block_ms:
         for v in variants:
             try:
-                u = usage(build_sm90(v, bm))
+                u = usage(build(v, bm))
             except Exception as exc:  # noqa: BLE001 - every variant is reported
                 print(f"  BLOCK_M={bm:<3} {v:<8} FAILED {type(exc).__name__}: {str(exc).strip()[-400:]}")
                 bad += 1
@@ -449,7 +453,7 @@ def dry_run(tokens: list[int], variants: list[str]) -> int:
     (moe_align_sorted: moe_align's outputs without a Triton launch), so sorted_ids and the fp32 reference are
     real. The engine's and each variant's launches are recorded (as on an H100) and built for sm_90a."""
     from compiled_llm.ops.triton import moe as M
-    from compiled_llm.runtime.kernel_check import SMEM_LIMIT, check_launch, recorded_launches
+    from compiled_llm.runtime.kernel_check import recorded_launches
 
     ok = True
     S = dict(GEMMA4, E=16, H=256)
@@ -470,20 +474,37 @@ def dry_run(tokens: list[int], variants: list[str]) -> int:
         print(f"T={T} (on the CPU: {small} tokens, E {S['E']}, H {S['H']}): block_m {pol.block_m}, padded "
               f"{int(num_padded)} rows in {expert_ids.numel()} blocks, fp32 reference of 64 rows max "
               f"{float(ref.abs().max()):.2f}{'' if good else ' FAILED'}")
-        for lz in launches:
-            b = check_launch(lz)
-            good = not b.error and b.shared <= SMEM_LIMIT and b.spilled == 0
-            ok &= good
-            what = b.error or f"{b.shared} B shared, {b.registers} regs, {b.spilled} B spilled, wgmma {b.wgmma}"
-            tiles = (lz.kwargs.get("BLOCK_M"), lz.kwargs.get("BLOCK_N"), lz.kwargs.get("STAGES", lz.kwargs.get(
-                "num_stages")), "TMA" if lz.kwargs.get("TMA") or "w_desc" in str(lz.kernel.arg_names) else "")
-            print(f"  {lz.name:<22} grid {lz.grid} tiles {tiles}: {what}{'' if good else '  FAILED'}")
+        ok &= build_recorded(launches)
+    return finish_dry_run(ok, __file__, variants)
+
+
+def build_recorded(launches, skip: tuple = ()) -> bool:
+    """Each recorded launch (but the kernels named in skip) built for sm_90a, a line each; all within shared
+    memory and without spills."""
+    from compiled_llm.runtime.kernel_check import SMEM_LIMIT, check_launch
+
+    ok = True
+    for lz in launches:
+        if lz.name in skip:
+            continue
+        b = check_launch(lz)
+        good = not b.error and b.shared <= SMEM_LIMIT and b.spilled == 0
+        ok &= good
+        what = b.error or f"{b.shared} B shared, {b.registers} regs, {b.spilled} B spilled, wgmma {b.wgmma}"
+        tiles = (lz.kwargs.get("BLOCK_M"), lz.kwargs.get("BLOCK_N"), lz.kwargs.get("STAGES", lz.kwargs.get(
+            "num_stages")), "TMA" if lz.kwargs.get("TMA") or "w_desc" in str(lz.kernel.arg_names) else "")
+        print(f"  {lz.name:<24} grid {lz.grid} tiles {tiles}: {what}{'' if good else '  FAILED'}")
+    return ok
+
+
+def finish_dry_run(ok: bool, script: str, variants: list[str]) -> int:
+    """The dry run's end: the script's --smoke where the interpreter runs the engine's kernels (Triton 3.7 on;
+    3.6's fails inside the gate/up kernel's K loop), then the verdict."""
     import subprocess
 
-    # the engine's kernel runs under the Triton interpreter of 3.7 on (3.6's fails inside its K loop)
     if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7):
         print("--smoke (the GPU mode's code on the CPU, the engine's kernel in the interpreter):", flush=True)
-        ok &= subprocess.run([sys.executable, __file__, "--smoke", "--variants", ",".join(variants)]).returncode == 0
+        ok &= subprocess.run([sys.executable, script, "--smoke", "--variants", ",".join(variants)]).returncode == 0
     else:
         print(f"  (--smoke, the GPU mode's code on the CPU: Triton 3.7+ only, this is {triton.__version__})")
     print("ok" if ok else "FAILED")
@@ -599,46 +620,52 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool, dev=None,
                     ok = False
         rows.append(row)
     if not check_only:
-        cols = ["engine"] + variants
-        name = torch.cuda.get_device_name() if dev.type == "cuda" else str(dev)
-        print(f"\n{name}, triton {triton.__version__}; us a call (TFLOP/s of useful work, "
-              f"2 * pairs * 2I * H)")
-        print(f"{'T':>6} " + " ".join(f"{c:>18}" for c in cols))
-        for row in rows:
-            cells = []
-            for c in cols:
-                us = row.get(c)
-                cells.append(f"{us:>8.1f} ({row['flops'] / us / 1e6:>5.0f})" if us else f"{'-':>18}")
-            print(f"{row['T']:>6} " + " ".join(f"{x:>18}" for x in cells))
-        print("engine: moe_launches' gate_up() (_gate_up_kernel at the policy's tiles); variants: BLOCK_N x STAGES,")
-        print("f = gate and up in one wgmma of N = 2 BLOCK_N, s = two wgmma, w = f warp-specialized (loader warps);")
-        print("CUDA-graph replays, 5 calls a graph, 10 replays")
+        print_table(dev, rows, variants, "2 * pairs * 2I * H", [
+            "engine: moe_launches' gate_up() (_gate_up_kernel at the policy's tiles); variants: BLOCK_N x STAGES,",
+            "f = gate and up in one wgmma of N = 2 BLOCK_N, s = two wgmma, w = f warp-specialized (loader warps);",
+            "CUDA-graph replays, 5 calls a graph, 10 replays"])
     print("ok" if ok else "FAILED")
     return 0 if ok else 1
 
 
-def main() -> int:
+def print_table(dev, rows: list[dict], variants: list[str], flops_of: str, legend: list[str]) -> None:
+    """The GPU mode's table: a row a token count, us a call of the engine and each variant (TFLOP/s of useful
+    work, flops_of saying how it is counted), then the legend."""
+    cols = ["engine"] + variants
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else str(dev)
+    print(f"\n{name}, triton {triton.__version__}; us a call (TFLOP/s of useful work, {flops_of})")
+    print(f"{'T':>6} " + " ".join(f"{c:>18}" for c in cols))
+    for row in rows:
+        cells = [f"{row[c]:>8.1f} ({row['flops'] / row[c] / 1e6:>5.0f})" if row.get(c) else f"{'-':>18}" for c in cols]
+        print(f"{row['T']:>6} " + " ".join(f"{x:>18}" for x in cells))
+    for line in legend:
+        print(line)
+
+
+def cli(module, tokens: str, block_m: str) -> int:
+    """Both prototypes' command line: module (this one, or gluon_moe_down) gives VARIANTS, DEFAULT_VARIANTS and the
+    modes build_only, smoke, dry_run, gpu_main; tokens and block_m are its defaults."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-only", action="store_true", help="compile for sm_90a on the CPU, print usage")
     ap.add_argument("--dry-run", action="store_true", help="CPU: the GPU mode's launches recorded and built")
-    ap.add_argument("--tokens", default="1024,2048,4096,8192")
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
-    ap.add_argument("--block-m", default="128,64", help="--build-only: row blocks to build")
+    ap.add_argument("--tokens", default=tokens)
+    ap.add_argument("--variants", default=module.DEFAULT_VARIANTS, help=f"of {','.join(module.VARIANTS)}")
+    ap.add_argument("--block-m", default=block_m, help="--build-only: row blocks to build")
     ap.add_argument("--check-only", action="store_true", help="GPU: correctness only, no timing")
-    ap.add_argument("--smoke", action="store_true", help="CPU: the GPU mode's code, the engine in the interpreter, "
-                    "the Gluon kernels stood in by torch")
+    ap.add_argument("--smoke", action="store_true", help="CPU (Triton 3.7+): the GPU mode's code, the engine in the "
+                    "interpreter, the Gluon kernels stood in by torch")
     a = ap.parse_args()
     variants = a.variants.split(",")
-    assert all(v in VARIANTS for v in variants), variants
+    assert all(v in module.VARIANTS for v in variants), variants
     if a.build_only:
-        return build_only(variants, [int(b) for b in a.block_m.split(",")])
+        return module.build_only(variants, [int(b) for b in a.block_m.split(",")])
     tokens = [int(t) for t in a.tokens.split(",")]
     if a.smoke:
-        return smoke(variants)
+        return module.smoke(variants)
     if a.dry_run:
-        return dry_run(tokens, variants)
-    return gpu_main(tokens, variants, a.check_only)
+        return module.dry_run(tokens, variants)
+    return module.gpu_main(tokens, variants, a.check_only)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(sys.modules[__name__], "1024,2048,4096,8192", "128,64"))
