@@ -1,33 +1,14 @@
-"""Prototype (not wired into the engine): the MoE grouped GEMM's gate/up half (ops/triton/moe.py _gate_up_kernel)
-as a Gluon kernel (Hopper wgmma + TMA, explicit layouts), at prefill sizes of Gemma 4 26B-A4B (E 128, H 2,816,
-I 704, top-8). The engine's Triton kernel (TMA weight tiles, 128 x 64 tiles, 8 warps) reaches ~486 TFLOP/s at
-8,192 tokens on an H100; this asks whether hand-placed layouts and a deeper pipeline get further. H100, session 65
+"""Prototype: the MoE grouped GEMM's gate/up half (ops/triton/moe.py _gate_up_kernel) as a Gluon kernel (Hopper
+wgmma + TMA, explicit layouts), at prefill sizes of Gemma 4 26B-A4B (E 128, H 2,816, I 704, top-8; --qwen: Qwen3.5
+35B-A3B's E 256, H 2,048, I 512, SwiGLU). Its f and s variants are the engine's kernel now (ops/triton/gluon_moe.py;
+f128x4 is the 128-row tiers' default on Hopper from session 66); the warp-specialized ones live here. The baseline
+("engine" below) is the Triton kernel (TMA weight tiles, 128 x 64 tiles, 8 warps), ~486 TFLOP/s at 8,192 tokens on
+an H100; this asks whether hand-placed layouts and a deeper pipeline get further. H100, session 65
 (benchmarks/NOTES.md): every variant equal to the engine's output on every real row; at 8,192 tokens f128x4 and
 w128x4 3-8% faster than the engine's kernel (two machines), 2-5% at 4,096, tied below (the weights' bytes bind).
 
-Semantics as the engine's: pairs p = t * k + j sorted by expert into blocks of BLOCK_M rows (moe_align:
-sorted_ids, padding entries = num_pairs; expert_ids a block; num_padded), act[row] = gelu_tanh(x[p // k] @
-gate[e].T) * (x[p // k] @ up[e].T) in bf16, padding rows not stored, blocks of expert -1 skipped.
-
-Design. A CTA owns one row block (BLOCK_M = 128 rows: two warpgroups of 64 rows, wgmma accumulators in
-NVMMADistributedLayout(warps_per_cta=[8, 1]); BLOCK_M = 64: one warpgroup) and BLOCK_N columns of both gate and up.
-The column blocks of a row block are grid axis 0 (the engine's n_fast order), so a block's gathered token rows
-come from L2 after the first column block reads them.
-  - A: the block's token rows, gathered (Hopper's TMA has no row gather): 16-byte cp.async copies from every
-    thread (async_copy, zero-filled for padding rows and past K) into an NVMMA-swizzled [BLOCK_M, 64] buffer.
-  - W: the descriptor views gate_up_proj as [E * 2I, H]; the gate tile and the up tile of a K step ([BLOCK_N, 64]
-    each) land by TMA in one [2 * BLOCK_N, 64] buffer (gate rows first), one mbarrier a stage.
-  - FUSED: one wgmma of N = 2 * BLOCK_N over that buffer per K step (acc columns [0, BN) gate, [BN, 2BN) up; the
-    A tile read once, and wide-N wgmma reads less shared memory per flop); else two wgmma of N = BLOCK_N. The
-    epilogue splits the fused accumulator: a column and the one BLOCK_N to its right sit in the same thread.
-  - Pipeline (one partition, every warp loads and multiplies): STAGES buffers; at K step i the CTA waits for its
-    own cp.async group of tile i (wait_group), fences (cp.async writes are generic-proxy, wgmma reads through
-    the async proxy) and meets at a CTA barrier; past that barrier both warpgroups have retired step i - 2's
-    wgmma (each keeps one step in flight: warpgroup_mma_wait(<wgmma a step>)), so tile i + STAGES - 2 loads into
-    its stage. Prefetch distance STAGES - 2 for one barrier a step.
-  - Epilogue: GEGLU in fp32 registers, bf16 into shared memory (the stage buffers' space, free by then), then
-    16-byte row-masked stores.
-  - Warp-specialized (_gate_up_ws_kernel, variants w*): LOADER_WARPS producer warps (gl.warp_specialize) issue the
+Semantics, layout and the one-partition pipeline (the f and s variants): ops/triton/gluon_moe.py's docstring.
+Warp-specialized (_gate_up_ws_kernel, variants w*): LOADER_WARPS producer warps (gl.warp_specialize) issue the
     cp.async rows and the TMA tiles; each loader thread's copies arrive on the stage's `ready` mbarrier through
     cp.async.mbarrier.arrive.noinc (so `ready` expects LOADER_WARPS * 32 arrivals plus the TMA's expect); the two
     consumer warpgroups only wait, fence, multiply, and release the stage of the step retired (`empty`, one
@@ -61,6 +42,7 @@ Built for sm_90a on the CPU (--build-only), 128-row blocks, Triton 3.6 / 3.8: sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import threading
@@ -79,11 +61,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from compiled_llm.ops.triton import gluon_moe  # noqa: E402 - after the path set-up above
+from compiled_llm.ops.triton.gluon_moe import BLOCK_K, gated_act, store_act  # noqa: E402
 
 # a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.6, gl.barrier from Triton 3.7 on
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-GEMMA4 = dict(E=128, H=2816, I=704, k=8)
-BLOCK_K = 64
+GEMMA4 = dict(E=128, H=2816, I=704, k=8, silu=False)
+QWEN35 = dict(E=256, H=2048, I=512, k=8, silu=True)  # Qwen3.5 35B-A3B's routed experts (SwiGLU): --qwen
 LOADER_WARPS, LOADER_REGS = 4, 88  # the warp-specialized variants' producer warps and their register budget
 VARIANTS = {  # name: (BLOCK_N, STAGES, FUSED)
     "f64x6": (64, 6, True), "f64x4": (64, 4, True), "f128x4": (128, 4, True), "f128x3": (128, 3, True),
@@ -95,118 +79,6 @@ VARIANTS = {  # name: (BLOCK_N, STAGES, FUSED)
 }
 DEFAULT_VARIANTS = "f64x6,f64x3,f128x4,s64x6,w64x4,w64x6,w128x4"
 REL_TOL = 2e-2  # max |variant - engine| / max |engine| over the real rows (bf16 outputs, different fp32 sum order)
-
-
-@gluon.jit
-def _issue_loads(x_ptrs, rmask, kk, k0, K, w_desc, n0, N, a_buf, w_buf, bar, pred, BLOCK_N: gl.constexpr):
-    """K step at column k0: the gathered A rows by cp.async (one commit group a step, also when nothing is
-    copied, so that wait_group's count stays one group a step) and the gate / up tiles by TMA onto bar."""
-    amask = rmask[:, None] & (kk < K - k0)[None, :] & pred
-    async_copy.async_copy_global_to_shared(a_buf, x_ptrs + k0, mask=amask)
-    async_copy.commit_group()
-    mbarrier.expect(bar, 2 * w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(w_desc, [n0, k0], bar, w_buf.slice(0, BLOCK_N), pred=pred)
-    tma.async_copy_global_to_shared(w_desc, [n0 + N, k0], bar, w_buf.slice(BLOCK_N, BLOCK_N), pred=pred)
-
-
-@gluon.jit
-def _gelu_tanh(x):
-    # 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the engine's form (_common.py)
-    z = 1.5957691216057308 * (x + 0.044715 * x * x * x)
-    return x / (1.0 + gl.exp(-z))
-
-
-@gluon.jit(do_not_specialize=["num_pairs"])
-def _gate_up_gluon_kernel(X, w_desc, SortedIds, ExpertIds, NumPadded, Act, num_pairs, N, K, stride_xt, stride_an,
-                          TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          BLOCK_K: gl.constexpr, STAGES: gl.constexpr, FUSED: gl.constexpr):
-    """X [T, K]; w_desc: gate_up_proj as [E * 2N, K] in [BLOCK_N, BLOCK_K] boxes; Act [padded rows, N].
-    Program (column block, row block)."""
-    gl.static_assert(gl.num_warps() * 16 == BLOCK_M, "a warp a 16-row slice of the wgmma tile")
-    gl.static_assert(STAGES >= 3, "the prefetch distance is STAGES - 2")
-    gl.static_assert(BLOCK_K == 64, "the row loads: 8 threads x 16 bytes a 128-byte row")
-    NW: gl.constexpr = gl.num_warps()
-    dtype: gl.constexpr = X.dtype.element_ty
-    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])  # 16-byte chunks, 128 B a row
-    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [NW, 1], [1, 0])
-    a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-
-    pid_n = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    if pid_m * BLOCK_M >= gl.load(NumPadded):
-        return
-    e = gl.load(ExpertIds + pid_m)
-    if e < 0:  # another rank's pairs (expert parallelism): the down kernel zeroes their rows
-        return
-
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-    pair = gl.load(SortedIds + rows)
-    rmask = pair < num_pairs
-    tok = gl.where(rmask, pair // TOP_K, 0).to(gl.int64)
-    kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld_layout))
-    x_ptrs = X + tok[:, None] * stride_xt + kk[None, :]
-    n0 = e * 2 * N + pid_n * BLOCK_N  # the gate tile's first row of W [E * 2N, K]; the up tile's is n0 + N
-
-    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_sl)
-    w_smem = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()  # the initialised barriers are visible to the TMA unit before the first copy
-
-    n_k = gl.cdiv(K, BLOCK_K)
-    for s in gl.static_range(STAGES - 2):
-        _issue_loads(x_ptrs, rmask, kk, s * BLOCK_K, K, w_desc, n0, N, a_smem.index(s), w_smem.index(s),
-                     bars.index(s), s < n_k, BLOCK_N)
-
-    if FUSED:
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                             instr_shape=[16, 2 * BLOCK_N, 16])
-        acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, acc_layout)
-    else:
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-
-    for i in range(0, n_k):
-        st = i % STAGES
-        async_copy.wait_group(STAGES - 3)  # this thread's copies of tile i are in (tiles i + 1 .. may still run)
-        fence_async_shared()  # ... and visible to the async proxy that wgmma reads through
-        _cta_barrier()  # every thread's part of tile i; both warpgroups past step i - 2's wgmma
-        nxt = i + STAGES - 2
-        sn = nxt % STAGES
-        _issue_loads(x_ptrs, rmask, kk, nxt * BLOCK_K, K, w_desc, n0, N, a_smem.index(sn), w_smem.index(sn),
-                     bars.index(sn), nxt < n_k, BLOCK_N)
-        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
-        a_s = a_smem.index(st)
-        w_s = w_smem.index(st)
-        if FUSED:
-            acc = warpgroup_mma(a_s, w_s.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=[acc])
-        else:
-            acc_g = warpgroup_mma(a_s, w_s.slice(0, BLOCK_N).permute((1, 0)), acc_g, is_async=True)
-            acc_u = warpgroup_mma(a_s, w_s.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u, is_async=True)
-            acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
-    if FUSED:
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        # columns c and c + BLOCK_N (gate and up of one output column) are in the same thread: a register split
-        acc_g, acc_u = acc.reshape([BLOCK_M, 2, BLOCK_N]).permute((0, 2, 1)).split()
-    else:
-        acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
-    async_copy.wait_group(0)  # the tail's empty groups
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
-
-    act = (_gelu_tanh(acc_g) * acc_u).to(dtype)
-    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], o_sl)
-    o_smem.store(act)
-    _cta_barrier()
-    ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-    co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
-    omask = (gl.load(SortedIds + ro) < num_pairs)[:, None] & (co < N)[None, :]
-    gl.store(Act + ro.to(gl.int64)[:, None] * stride_an + co[None, :], o_smem.load(st_layout), mask=omask)
 
 
 @gluon.jit
@@ -264,16 +136,14 @@ def _ws_mma(a_smem, w_smem, ready, empty, K, acc_layout: gl.constexpr, BLOCK_M: 
 def _gate_up_ws_kernel(X, w_desc, SortedIds, ExpertIds, NumPadded, Act, num_pairs, N, K, stride_xt, stride_an,
                        TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                       LOADER_REGS: gl.constexpr):
-    """_gate_up_gluon_kernel (FUSED) warp-specialized: LOADER_WARPS producer warps fill STAGES stages, the
+                       LOADER_REGS: gl.constexpr, SILU: gl.constexpr):
+    """gluon_moe._gate_up_gluon_kernel (FUSED) warp-specialized: LOADER_WARPS producer warps fill STAGES stages, the
     BLOCK_M / 16 warps of the default partition only multiply; stage hand-offs through mbarriers (ready: the
     rows' async arrives and the TMA bytes; empty: the consumers' release), no CTA-wide barrier in the loop."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW * 16 == BLOCK_M, "a warp a 16-row slice of the wgmma tile")
     dtype: gl.constexpr = X.dtype.element_ty
-    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [NW, 1], [1, 0])
     a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, 2 * BLOCK_N, 16])
 
@@ -306,21 +176,18 @@ def _gate_up_ws_kernel(X, w_desc, SortedIds, ExpertIds, NumPadded, Act, num_pair
         mbarrier.invalidate(empty.index(s))
 
     acc_g, acc_u = acc.reshape([BLOCK_M, 2, BLOCK_N]).permute((0, 2, 1)).split()
-    act = (_gelu_tanh(acc_g) * acc_u).to(dtype)
-    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], o_sl)
-    o_smem.store(act)
-    _cta_barrier()
-    ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-    co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
-    omask = (gl.load(SortedIds + ro) < num_pairs)[:, None] & (co < N)[None, :]
-    gl.store(Act + ro.to(gl.int64)[:, None] * stride_an + co[None, :], o_smem.load(st_layout), mask=omask)
+    store_act(gated_act(acc_g, acc_u, SILU).to(dtype), SortedIds, Act, pid_m, pid_n, num_pairs, N, stride_an,
+              BLOCK_M, BLOCK_N)
 
 
 def launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k: int, block_m: int,
-                variant: str):
+                variant: str, silu: bool = False):
     """(grid, args, kwargs) of the Gluon kernel: x [T, H]; gate_up_proj [E, 2I, H] (contiguous); moe_align's
-    outputs at block_m; act [len(sorted_ids), I]."""
+    outputs at block_m; act [len(sorted_ids), I]. f and s variants: the engine's kernel (gluon_moe.py)."""
     bn, stages, fused = VARIANTS[variant]
+    if fused != "ws":
+        return gluon_moe.launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m,
+                                     silu=silu, block_n=bn, stages=stages, fused=fused)
     E, two_i, H = gate_up_proj.shape
     inter = two_i // 2
     assert gate_up_proj.is_contiguous() and x.stride(1) == 1 and act.stride(1) == 1 and block_m in (64, 128)
@@ -331,18 +198,18 @@ def launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k:
     args = (x, wd, sorted_ids, expert_ids, num_padded, act, top_k * x.shape[0], inter, H,
             x.stride(0), act.stride(0))
     kwargs = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=stages,
-                  num_warps=block_m // 16, num_stages=1)
-    kwargs.update(dict(LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS) if fused == "ws" else dict(FUSED=fused))
+                  num_warps=block_m // 16, num_stages=1, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
+                  SILU=silu)
     return grid, args, kwargs
 
 
 def kernel_of(variant: str):
-    return _gate_up_ws_kernel if VARIANTS[variant][2] == "ws" else _gate_up_gluon_kernel
+    return _gate_up_ws_kernel if VARIANTS[variant][2] == "ws" else gluon_moe._gate_up_gluon_kernel
 
 
-def gate_up_gluon(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m, variant):
+def gate_up_gluon(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m, variant, silu=False):
     grid, args, kwargs = launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m,
-                                     variant)
+                                     variant, silu)
     kernel_of(variant)[grid](*args, **kwargs)
     return act
 
@@ -420,9 +287,11 @@ def make_case(T: int, dev, S: dict, seed: int = 1, pol=None, align=None, dtype=t
     down = torch.empty(E, H, I, device=dev, dtype=dtype)
     ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices.to(torch.int32)
     wts = torch.full((T, k), 1.0 / k, device=dev)
-    pol = pol or M.moe_launch_policy(T, k, E, H, I)
+    # the engine's Triton kernel, the baseline (the 128-row tiers' default on Hopper is gluon_moe.py's f128x4)
+    pol = dataclasses.replace(pol or M.moe_launch_policy(T, k, E, H, I), gluon=False)
     alignment = (align or M.moe_align)(ids, E, pol.block_m)
-    gate_up, _ = M.moe_launches(x, w, down, wts, ids, policy=pol, alignment=alignment)
+    gate_up, _ = M.moe_launches(x, w, down, wts, ids, policy=pol, alignment=alignment,
+                                activation="silu" if S["silu"] else "gelu_tanh")
     return dict(x=x, w=w, ids=ids, pol=pol, alignment=alignment, engine=gate_up, T=T, S=S)
 
 
@@ -432,8 +301,14 @@ def engine_act(case) -> torch.Tensor:
     return fn.__closure__[fn.__code__.co_freevars.index("act")].cell_contents
 
 
+def gated(h: torch.Tensor, inter: int, silu: bool) -> torch.Tensor:
+    """act_fn(h[:, :inter]) * h[:, inter:]: SwiGLU or GEGLU (tanh GELU) of the fused gate/up product."""
+    g = torch.nn.functional.silu(h[:, :inter]) if silu else torch.nn.functional.gelu(h[:, :inter], approximate="tanh")
+    return g * h[:, inter:]
+
+
 def reference_rows(case, rows: torch.Tensor) -> torch.Tensor:
-    """fp32 torch of the given padded rows (real ones): gelu_tanh(x gate^T) * (x up^T)."""
+    """fp32 torch of the given padded rows (real ones): act_fn(x gate^T) * (x up^T)."""
     sorted_ids, expert_ids, _ = case["alignment"]
     k, I = case["S"]["k"], case["S"]["I"]
     pairs = sorted_ids[rows].long()
@@ -443,7 +318,7 @@ def reference_rows(case, rows: torch.Tensor) -> torch.Tensor:
     for ex in e.unique().tolist():
         sel = e == ex
         h = xs[sel] @ case["w"][ex].float().T
-        out[sel] = torch.nn.functional.gelu(h[:, :I], approximate="tanh") * h[:, I:]
+        out[sel] = gated(h, I, case["S"]["silu"])
     return out
 
 
@@ -511,7 +386,7 @@ def finish_dry_run(ok: bool, script: str, variants: list[str]) -> int:
     return 0 if ok else 1
 
 
-def torch_gate_up(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m, variant):
+def torch_gate_up(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, block_m, variant, silu=False):
     """gate_up_gluon's semantics in torch, block by block (--smoke's stand-in for the Gluon kernels, which have no
     interpreter): real rows written, padding rows and skipped blocks left alone."""
     n, inter = x.shape[0] * top_k, gate_up_proj.shape[1] // 2
@@ -523,7 +398,7 @@ def torch_gate_up(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_
         if e < 0 or not bool(real.any()):
             continue
         h = x[pair[real] // top_k].float() @ gate_up_proj[e].float().T
-        act[rows[real]] = (torch.nn.functional.gelu(h[:, :inter], approximate="tanh") * h[:, inter:]).to(act.dtype)
+        act[rows[real]] = gated(h, inter, silu).to(act.dtype)
     return act
 
 
@@ -596,7 +471,7 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool, dev=None,
                 watchdog = threading.Timer(HANG_S, _hung, (T, v))
                 watchdog.start()
                 try:
-                    gate_up_gluon(*inputs, act, S["k"], bm, v)
+                    gate_up_gluon(*inputs, act, S["k"], bm, v, S["silu"])
                     _sync(dev)  # (torch.cuda.synchronize releases the GIL: the watchdog's thread runs meanwhile)
                 finally:
                     watchdog.cancel()
@@ -613,7 +488,7 @@ def gpu_main(tokens: list[int], variants: list[str], check_only: bool, dev=None,
                   flush=True)
             if good and not check_only:
                 try:
-                    row[v] = time_fn(lambda: gate_up_gluon(*inputs, act, S["k"], bm, v))
+                    row[v] = time_fn(lambda: gate_up_gluon(*inputs, act, S["k"], bm, v, S["silu"]))
                     print(f"T={T} {v}: {row[v]:.1f} us ({flops / row[v] / 1e6:.0f} TFLOP/s)", flush=True)
                 except Exception as exc:  # noqa: BLE001 - e.g. a capture failure: reported, the others still run
                     print(f"T={T} {v}: timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
@@ -652,6 +527,7 @@ def cli(module, tokens: str, block_m: str) -> int:
     ap.add_argument("--variants", default=module.DEFAULT_VARIANTS, help=f"of {','.join(module.VARIANTS)}")
     ap.add_argument("--block-m", default=block_m, help="--build-only: row blocks to build")
     ap.add_argument("--check-only", action="store_true", help="GPU: correctness only, no timing")
+    ap.add_argument("--qwen", action="store_true", help="GPU: Qwen3.5 35B-A3B's experts (SwiGLU), not Gemma 4's")
     ap.add_argument("--smoke", action="store_true", help="CPU (Triton 3.7+): the GPU mode's code, the engine in the "
                     "interpreter, the Gluon kernels stood in by torch")
     a = ap.parse_args()
@@ -664,7 +540,7 @@ def cli(module, tokens: str, block_m: str) -> int:
         return module.smoke(variants)
     if a.dry_run:
         return module.dry_run(tokens, variants)
-    return module.gpu_main(tokens, variants, a.check_only)
+    return module.gpu_main(tokens, variants, a.check_only, **(dict(S=QWEN35) if a.qwen else {}))
 
 
 if __name__ == "__main__":

@@ -303,6 +303,65 @@ def test_the_global_layers_prefill_runs_the_gluon_kernel_on_hopper_and_it_builds
     assert triton_tile[1].kwargs["TMA"] and triton_tile[1].kwargs["BLOCK_N"] == 32 and not caplog.text
 
 
+def _prefill_moe_launches(tokens, activation="gelu_tanh", hidden=2816, inter=704, hopper=True):
+    """fused_moe at the policy of a `tokens`-token prefill of Gemma 4 26B-A4B's experts (128 experts, top-8),
+    on 40 stand-in tokens over 3 experts, recorded as on an H100/H200 (hopper=False: an sm_90+ GPU that is not
+    Hopper, e.g. a B200's sm_100, which has no wgmma); the alignment made by torch's ops."""
+    from compiled_llm.ops.triton import _common, moe as M
+
+    T, E, k = 40, 3, 8
+    x = torch.zeros(T, hidden, dtype=torch.bfloat16)
+    w, d = torch.zeros(E, 2 * inter, hidden, dtype=torch.bfloat16), torch.zeros(E, hidden, inter, dtype=torch.bfloat16)
+    ids = (torch.arange(T * k, dtype=torch.int32) % E).view(T, k)
+    pol = M.moe_launch_policy(tokens, k, 128, hidden, inter)
+    with recorded_launches(as_sm90=True) as launches, torch.inference_mode():
+        _common.hopper = lambda device: hopper  # (recorded_launches puts the real one back)
+        M.fused_moe(x, w, d, torch.rand(T, k), ids, activation=activation, policy=pol,
+                    alignment=M.moe_align_sorted(ids, E, pol.block_m))
+    return pol, launches
+
+
+def test_the_prefill_moe_gate_up_runs_the_gluon_kernel_on_hopper_and_it_builds(monkeypatch, caplog):
+    """On an H100/H200 the 128-row prefill tiers (2,048 and 8,192 tokens of Gemma 4) launch the gate/up GEMM on
+    the Gluon kernel (ops/triton/gluon_moe.py: a program a 128-column block of gate and up and a row block, the
+    descriptor over the weights as [E * 2I, H] in [128, 64] boxes), which builds for sm_90 with one N = 256 wgmma a
+    16-deep K slice, TMA and cp.async, within shared memory and without spills, under the GPU's Triton (3.6) as well
+    as 3.8; SwiGLU (Qwen3.5) takes the same kernel with SILU. The 64-row tier (1,024 tokens) and the A/B switch run
+    the Triton kernel without a word; a GPU that is not Hopper (no wgmma) runs it and says why."""
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
+    for tokens, down in [(2048, "_down_kernel"), (8192, "_down_persistent_kernel")]:
+        pol, launches = _prefill_moe_launches(tokens)
+        assert pol.block_m == 128 and pol.gluon
+        assert [lz.name for lz in launches] == ["_gate_up_gluon_kernel", down, "_topk_sum_kernel"]
+        up = launches[0]
+        assert isinstance(up.kernel, GluonJITFunction) and up.grid == (6, up.args[3].numel())
+        assert (up.kwargs["BLOCK_M"], up.kwargs["BLOCK_N"], up.kwargs["STAGES"], up.kwargs["num_warps"]) == (
+            128, 128, 4, 8)
+        assert not up.kwargs["SILU"] and up.args[6:10] == (40 * 8, 704, 2816, 3)
+        assert list(up.args[1].shape) == [3 * 2 * 704, 2816] and list(up.args[1].block_shape) == [128, 64]
+    kernel = build_sm90(up)
+    ptx = kernel.asm["ptx"]
+    regs, spilled = ptxas_usage(ptx)
+    assert kernel.metadata.shared <= SMEM_LIMIT and spilled == 0 and regs > 0, (kernel.metadata.shared, regs, spilled)
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16") == 4
+    assert "cp.async.bulk.tensor" in ptx and "cp.async.cg.shared.global" in ptx and "ld.local" not in ptx
+    _, (swiglu, *_) = _prefill_moe_launches(8192, "silu", hidden=2048, inter=512)
+    assert swiglu.name == "_gate_up_gluon_kernel" and swiglu.kwargs["SILU"] and swiglu.grid[0] == 4
+
+    caplog.set_level("WARNING", logger="compiled_llm")
+    pol, launches = _prefill_moe_launches(1024)
+    assert not pol.gluon and launches[0].name == "_gate_up_kernel" and launches[0].kwargs["BLOCK_M"] == 64
+    monkeypatch.setenv("COMPILED_LLM_MOE_GLUON", "0")
+    pol, launches = _prefill_moe_launches(8192)
+    assert not pol.gluon and launches[0].name == "_gate_up_kernel" and launches[0].kwargs["TMA"]
+    assert not caplog.text
+    monkeypatch.delenv("COMPILED_LLM_MOE_GLUON")
+    _, launches = _prefill_moe_launches(8192, hopper=False)
+    assert launches[0].name == "_gate_up_kernel" and launches[0].kwargs["TMA"]
+    assert "not a Hopper GPU" in caplog.text and "not the Gluon one" in caplog.text
+
+
 def test_the_gluon_moe_gate_up_prototype_builds_for_sm90_without_spills():
     """benchmarks/gluon_moe_gate_up.py: the MoE gate/up grouped GEMM as a Gluon kernel (gathered token rows by
     cp.async, gate and up tiles by TMA into one buffer, wgmma; not in the engine). Gluon has no interpreter, so the

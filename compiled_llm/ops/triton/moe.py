@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from compiled_llm.ops.triton import _common
+from compiled_llm.ops.triton import _common, gluon_moe
 from compiled_llm.ops.triton._common import _dot, _gelu_tanh, dot_f32, dot_precision, ticket_counters
 from compiled_llm.ops.triton.skinny_gemm import num_sms
 
@@ -363,6 +363,10 @@ class MoELaunch:
     # the prefill is bound by energy, so work removed counts). An experiment (COMPILED_LLM_MOE_HALF_TAIL=1), off
     # by default, not measured on a GPU yet
     half_tail: bool = False
+    # the aligned TMA gate/up GEMM on gluon_moe.py's kernel (one wgmma over gate and up, 128 x 128 tiles at four
+    # stages) where it runs (a Hopper GPU: gluon_fits); the Triton kernel elsewhere. H100, session 65's prototype:
+    # 3-8% faster at 8,192 tokens, 2-5% at 4,096, tied at 2,048 (the 128-row tiers)
+    gluon: bool = False
 
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
@@ -383,6 +387,9 @@ PERSISTENT_ENV = "COMPILED_LLM_MOE_PERSISTENT"
 PERSISTENT = int(os.environ[PERSISTENT_ENV]) if os.environ.get(PERSISTENT_ENV) else None
 HALF_TAIL_ENV = "COMPILED_LLM_MOE_HALF_TAIL"  # 1: the prefill tiers' MoELaunch.half_tail
 HALF_TAIL = os.environ.get(HALF_TAIL_ENV, "0") == "1"
+# 0: the 128-row prefill tiers' gate/up GEMM on the Triton kernel (an A/B; read at each prefill-sized launch, so
+# latency.py --alternate-env can flip it between runs)
+GLUON_ENV = "COMPILED_LLM_MOE_GLUON"
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -409,6 +416,7 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
     # every prefill tier: the launch order, the experiments' switches (the persistent down kernel is the top tier's
     # default, below)
     prefill = dict(n_fast=N_FAST, half_tail=HALF_TAIL, persistent=PERSISTENT or 0)
+    gluon = TMA and os.environ.get(GLUON_ENV, "1") != "0"
     if pairs_per_expert <= 96:
         return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, tma=TMA, **prefill)
     if pairs_per_expert <= 256:
@@ -416,13 +424,13 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
             # with TMA, 128-row blocks at 8 warps (H200, prefill_kernels --moe-tma): at 256 pairs an expert (session
             # 25) Gemma 4 at 4,096 tokens 1,190 -> 1,078 us, Qwen3.5 at 8,192 1,304 -> 1,252; the tier's lower end
             # (session 26, Gemma 4) at 2,048 tokens (128 pairs) 728 -> 716 us, at 3,072 (192) 967 -> 926
-            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, tma=True, **prefill)
+            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, tma=True, gluon=gluon, **prefill)
         return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, tma=TMA, **prefill)
     # the down kernel persistent here (MoELaunch.persistent), not below: H200, session 36, latency.py's 8,192-token
     # prompt, its 30 down launches 17.96 -> 15.37 ms and 17.84 -> 16.21 (two machines); at 1,024 tokens (64-row
     # blocks) 4.64 -> 6.49 ms; prefill_kernels.py's whole MoE at 1,024 / 2,048 / 4,096 / 8,192 tokens 473 -> 544,
     # 619 -> 680, 1,083 -> 1,131, 1,879 -> 1,866 us
-    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, tma=TMA,
+    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, tma=TMA, gluon=gluon,
                      **dict(prefill, persistent=1 if PERSISTENT is None else PERSISTENT))
 
 
@@ -631,6 +639,22 @@ def _down_persistent_kernel(
 
 ACTIVATIONS = ("gelu_tanh", "silu")
 _TMA_WARNED: set = set()
+_GLUON_WARNED: set = set()
+
+
+def gluon_fits(x: torch.Tensor, gate_up_proj: torch.Tensor, pol: MoELaunch) -> bool:
+    """MoELaunch.gluon can run here: a Hopper GPU (wgmma; Gluon has no interpreter) and operands gluon_moe.fits
+    takes. An sm_90+ device that misses one is told which, once (the gate/up GEMM then runs on the Triton kernel,
+    3-8% slower at 8K tokens on an H100)."""
+    if not _common.sm90(x.device):
+        return False
+    why = "not a Hopper GPU (sm_90)" if not _common.hopper(x.device) else gluon_moe.fits(x, gate_up_proj,
+                                                                                          pol.block_m)
+    if why and gate_up_proj.stride(0) != 0 and why not in _GLUON_WARNED:
+        _GLUON_WARNED.add(why)
+        log.warning("grouped MoE gate/up GEMM (experts %s): the Triton kernel runs, not the Gluon one: %s",
+                    tuple(gate_up_proj.shape), why)
+    return why is None
 
 
 def tma_usable(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, pol: MoELaunch) -> bool:
@@ -729,6 +753,8 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
         up_tma = dict(Wd=TensorDescriptor.from_tensor(gu2, [pol.a_block_n, pol.a_block_k]), TMA=True)
         if pol.half_tail and not route and not pol.unsorted:
             up_tma["HALF_TAIL"] = True
+        elif pol.gluon and not route and not pol.unsorted and gluon_fits(x, gate_up_proj, pol):
+            up_tma = dict(w_desc=gluon_moe.weight_descriptor(gate_up_proj))
         down_tma = dict(Ad=TensorDescriptor.from_tensor(act, [pol.block_m, pol.b_block_k]),
                         Wd=TensorDescriptor.from_tensor(dn2, [pol.b_block_n, pol.b_block_k]), TMA=True)
 
@@ -736,6 +762,10 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
         return (n_blocks, num_blocks) if n_fast else (num_blocks, n_blocks)
 
     def gate_up() -> None:
+        if "w_desc" in up_tma:
+            gluon_moe.gate_up(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k, pol.block_m,
+                              silu=activation == "silu", num_experts=num_experts, w_desc=up_tma["w_desc"])
+            return
         _gate_up_kernel[grid(triton.cdiv(inter, pol.a_block_n))](
             x, gate_up_proj, sorted_ids, expert_ids, num_padded, act,
             num_pairs, inter, hidden, num_experts,
