@@ -5,7 +5,7 @@
 # first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"]) rebuild (two 26B-A4B engines in one process)
 # scoring (a 4K-token echo+logprobs request against a plain prefill: time and peak memory)
 # structured (compiled, --jit-monitor error; carry [".whl"] with xgrammar's wheels in .whl/structured/)
-# kernels (check_kernels_gpu.py, KERNELS_ARGS) gluon_moe (GLUON_MOE_TOKENS, GLUON_UP_VARIANTS) decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn norm_chain pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
+# kernels (check_kernels_gpu.py, KERNELS_ARGS) gluon_moe (GLUON_MOE_TOKENS, GLUON_UP_VARIANTS) gluon_moe_engine decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn norm_chain pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -107,6 +107,13 @@ for step in $steps; do
       run gluon_moe_down 150 python3 benchmarks/gluon_moe_down.py --tokens ${GLUON_MOE_TOKENS:-2048,4096,8192}
       run gluon_moe_gate_up 150 python3 benchmarks/gluon_moe_gate_up.py --tokens ${GLUON_MOE_TOKENS:-2048,4096,8192} \
         --variants ${GLUON_UP_VARIANTS:-f128x4,w128x4,w64x6} ;;
+    gluon_moe_engine)  # issue 14 (session 66): the engine's Gluon gate/up (MoELaunch.gluon) checked against fp32, its
+      # SwiGLU form (Qwen3.5's shapes) checked and timed against the Triton kernel, then TTFT with it on and off
+      run kernels_moe 120 python3 scripts/check_kernels_gpu.py --only moe --no-time
+      run gluon_up_qwen 90 python3 benchmarks/gluon_moe_gate_up.py --qwen --tokens 4096,8192 --variants f128x4
+      run latency_moe_gluon 300 python3 benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 4096,8192 \
+        --alternate-env COMPILED_LLM_MOE_GLUON=1,0 --warmup 1 --runs 7 --decode-tokens 16 \
+        --out "$OUT/latency_moe_gluon.json" ;;
     prefill_kernels)  # issue 14: router / MoE / attention tiles at prefill sizes (and decode's MoE), PREFILL_ARGS
       # e.g. "--qwen --groups router,moe"; the candidates' kernels are built by 12 processes first (Triton's cache)
       tag=${PREFILL_TAG:-gemma}; b0=$(date +%s)

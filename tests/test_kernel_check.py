@@ -97,6 +97,8 @@ def test_every_kernel_start_up_builds_on_an_h200_builds_for_sm90(name):
         # the global layers' prefill (head_dim 512, K=V) is the Gluon kernel (wgmma, its tiles through TMA)
         assert not [b for b in built if b.launch.name == "_prefill_kernel" and b.launch.kwargs["K_EQ_V"]]
         assert [b.wgmma > 0 for b in built if b.launch.name == "_prefill_d512_kernel"] == [True]
+        # the 128-row prefill tiers' MoE gate/up GEMM is the Gluon kernel (ops/triton/gluon_moe.py), one build
+        assert [b.wgmma > 0 for b in built if b.launch.name == "_gate_up_gluon_kernel"] == [True]
     assert any(b.wgmma for b in built if b.launch.name == "_gate_up_kernel")
     assert all(b.registers > 0 for b in built)  # ptxas read each one
 
