@@ -753,7 +753,7 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
         up_tma = dict(Wd=TensorDescriptor.from_tensor(gu2, [pol.a_block_n, pol.a_block_k]), TMA=True)
         if pol.half_tail and not route and not pol.unsorted:
             up_tma["HALF_TAIL"] = True
-        elif pol.gluon and not route and not pol.unsorted and gluon_fits(x, gate_up_proj, pol):
+        elif pol.gluon and not route and not pol.unsorted and num_blocks < 65536 and gluon_fits(x, gate_up_proj, pol):
             up_tma = dict(w_desc=gluon_moe.weight_descriptor(gate_up_proj))
         down_tma = dict(Ad=TensorDescriptor.from_tensor(act, [pol.block_m, pol.b_block_k]),
                         Wd=TensorDescriptor.from_tensor(dn2, [pol.b_block_n, pol.b_block_k]), TMA=True)
