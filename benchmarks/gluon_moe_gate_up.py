@@ -62,7 +62,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from compiled_llm.ops.triton import gluon_moe  # noqa: E402 - after the path set-up above
-from compiled_llm.ops.triton.gluon_moe import BLOCK_K, gated_act, store_act  # noqa: E402
+from compiled_llm.ops.triton.gluon_moe import BLOCK_K, gated_act, gathered_rows, store_act  # noqa: E402
 
 # a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.6, gl.barrier from Triton 3.7 on
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -90,12 +90,7 @@ def _ws_loader(X, SortedIds, w_desc, a_smem, w_smem, ready, empty, pid_m, n0, nu
     its gate / up tiles (TMA, the last arrival with the expected bytes), once the consumers freed the stage."""
     gl.static_assert(BLOCK_K == 64, "the row loads: 8 threads x 16 bytes a 128-byte row")
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-    pair = gl.load(SortedIds + rows)
-    rmask = pair < num_pairs
-    tok = gl.where(rmask, pair // TOP_K, 0).to(gl.int64)
-    kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld_layout))
-    x_ptrs = X + tok[:, None] * stride_xt + kk[None, :]
+    x_ptrs, rmask, kk = gathered_rows(X, SortedIds, pid_m, num_pairs, stride_xt, ld_layout, TOP_K, BLOCK_M, BLOCK_K)
     n_k = gl.cdiv(K, BLOCK_K)
     for i in range(0, n_k):
         st = i % STAGES

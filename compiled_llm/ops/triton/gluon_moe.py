@@ -65,6 +65,19 @@ def _issue_loads(x_ptrs, rmask, kk, k0, K, w_desc, n0, N, a_buf, w_buf, bar, pre
 
 
 @gluon.jit
+def gathered_rows(X, SortedIds, pid_m, num_pairs, stride_xt, ld_layout: gl.constexpr, TOP_K: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Row block pid_m's token rows of X at the first K slice, [BLOCK_M, BLOCK_K] pointers in ld_layout (padding
+    rows point at token 0, masked off by rmask), with the mask and the slice's column offsets kk."""
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+    pair = gl.load(SortedIds + rows)
+    rmask = pair < num_pairs
+    tok = gl.where(rmask, pair // TOP_K, 0).to(gl.int64)
+    kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld_layout))
+    return X + tok[:, None] * stride_xt + kk[None, :], rmask, kk
+
+
+@gluon.jit
 def gated_act(acc_g, acc_u, SILU: gl.constexpr):
     """SwiGLU (SILU) or GEGLU of the two products, in moe.py's _gated_act form: the tanh GELU as
     x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)."""
@@ -97,12 +110,7 @@ def _gate_up_gluon_kernel(X, w_desc, SortedIds, ExpertIds, NumPadded, Act, num_p
     if (e < 0) | (e >= E):  # skipped pairs (another rank's experts): the down kernel zeroes their rows
         return
 
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-    pair = gl.load(SortedIds + rows)
-    rmask = pair < num_pairs
-    tok = gl.where(rmask, pair // TOP_K, 0).to(gl.int64)
-    kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld_layout))
-    x_ptrs = X + tok[:, None] * stride_xt + kk[None, :]
+    x_ptrs, rmask, kk = gathered_rows(X, SortedIds, pid_m, num_pairs, stride_xt, ld_layout, TOP_K, BLOCK_M, BLOCK_K)
     n0 = e * 2 * N + pid_n * BLOCK_N  # the gate tile's first row of W [E * 2N, K]; the up tile's is n0 + N
 
     a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_sl)
