@@ -104,6 +104,26 @@ def _load_step(j, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_sm
                                     pred=pred)
 
 
+@gluon.jit
+def _store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E, stride_yt,
+                acc_layout: gl.constexpr, st_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A tile's epilogue (both kernels): rows scaled by their pick's weight in fp32, bf16 through o_smem, stored
+    with 16-byte row-masked stores to the pairs' rows of Y. Another rank's block stores zeros: its activation rows
+    were never written (NaN, maybe: not 0 * acc)."""
+    e = gl.load(ExpertIds + pid_m)
+    ok = (e >= 0) & (e < E)
+    rw = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    pw = gl.load(SortedIds + rw)
+    w = gl.load(TopkWeights + pw, mask=pw < num_pairs, other=0.0).to(gl.float32)
+    o_smem.store(gl.where(ok, acc * w[:, None], 0.0).to(Y.dtype.element_ty))
+    _cta_barrier()
+    ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+    co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
+    pair = gl.load(SortedIds + ro)
+    omask = (pair < num_pairs)[:, None] & (co < N)[None, :]
+    gl.store(Y + pair.to(gl.int64)[:, None] * stride_yt + co[None, :], o_smem.load(st_layout), mask=omask)
+
+
 @gluon.jit(do_not_specialize=["num_pairs", "E"])
 def _down_gluon_kernel(a_desc, w_desc, SortedIds, ExpertIds, NumPadded, TopkWeights, Y, num_pairs, N, K, E,
                        stride_yt, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -161,19 +181,8 @@ def _down_gluon_kernel(a_desc, w_desc, SortedIds, ExpertIds, NumPadded, TopkWeig
         acc = warpgroup_mma_wait(0, deps=[acc])
 
         # epilogue (the next tile's first STAGES - 1 loads are in flight meanwhile)
-        e = gl.load(ExpertIds + pid_m)
-        ok = (e >= 0) & (e < E)
-        rw = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        pw = gl.load(SortedIds + rw)
-        w = gl.load(TopkWeights + pw, mask=pw < num_pairs, other=0.0).to(gl.float32)
-        # another rank's block: its activation rows were never written (NaN, maybe: not 0 * acc), store zeros
-        o_smem.store(gl.where(ok, acc * w[:, None], 0.0).to(dtype))
-        _cta_barrier()
-        ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-        co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
-        pair = gl.load(SortedIds + ro)
-        omask = (pair < num_pairs)[:, None] & (co < N)[None, :]
-        gl.store(Y + pair.to(gl.int64)[:, None] * stride_yt + co[None, :], o_smem.load(st_layout), mask=omask)
+        _store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E, stride_yt,
+                    acc_layout, st_layout, BLOCK_M, BLOCK_N)
 
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
@@ -201,7 +210,6 @@ def _ws_consumer(a_smem, w_smem, o_smem, ready, empty, SortedIds, ExpertIds, Top
     released (one arrive, after a barrier of this partition's warps, so both warpgroups are past it) once the
     step that read it has retired; then each tile's epilogue."""
     NW: gl.constexpr = gl.num_warps()
-    dtype: gl.constexpr = Y.dtype.element_ty
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     TPC: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
@@ -224,18 +232,8 @@ def _ws_consumer(a_smem, w_smem, o_smem, ready, empty, SortedIds, ExpertIds, Top
         _cta_barrier()  # both warpgroups have retired the tile's last step: its stage goes back before the epilogue
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
 
-        e = gl.load(ExpertIds + pid_m)
-        ok = (e >= 0) & (e < E)
-        rw = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        pw = gl.load(SortedIds + rw)
-        w = gl.load(TopkWeights + pw, mask=pw < num_pairs, other=0.0).to(gl.float32)
-        o_smem.store(gl.where(ok, acc * w[:, None], 0.0).to(dtype))  # (a skipped block: zeros, as the engine)
-        _cta_barrier()
-        ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-        co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
-        pair = gl.load(SortedIds + ro)
-        omask = (pair < num_pairs)[:, None] & (co < N)[None, :]
-        gl.store(Y + pair.to(gl.int64)[:, None] * stride_yt + co[None, :], o_smem.load(st_layout), mask=omask)
+        _store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E, stride_yt,
+                    acc_layout, st_layout, BLOCK_M, BLOCK_N)
         _cta_barrier()  # every warp's reads of o_smem before the next tile's epilogue writes it
 
 
