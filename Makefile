@@ -33,6 +33,7 @@ KERNEL_BUILD_TESTS := tests/test_kernel_check.py::test_a_kernel_the_interpreter_
 	tests/test_kernel_check.py::test_the_decodes_query_norm_reduces_once_before_its_loop \
 	tests/test_kernel_check.py::test_the_global_layers_prefill_runs_the_gluon_kernel_on_hopper_and_it_builds \
 	tests/test_kernel_check.py::test_the_prefill_moe_gate_up_runs_the_gluon_kernel_on_hopper_and_it_builds \
+	tests/test_kernel_check.py::test_the_prefill_moe_down_runs_the_gluon_kernel_under_its_switch_and_it_builds \
 	tests/test_kernel_check.py::test_the_gluon_moe_gate_up_prototype_builds_for_sm90_without_spills \
 	tests/test_kernel_check.py::test_the_gluon_moe_down_prototype_builds_for_sm90_without_spills
 # version-independent bookkeeping (the look-alike sharing report, the dry-run CLI, the report of a pass switched

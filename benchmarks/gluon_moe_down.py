@@ -1,6 +1,5 @@
-"""Prototype (not wired into the engine): the MoE grouped GEMM's down half (ops/triton/moe.py _down_kernel's TMA
-path and _down_persistent_kernel) as a persistent Gluon kernel (Hopper wgmma + TMA, explicit layouts), at prefill
-sizes of Gemma 4 26B-A4B (E 128, H 2,816, I 704, top-8). The gate/up half's prototype is gluon_moe_gate_up.py,
+"""The MoE grouped GEMM's down half (ops/triton/moe.py _down_kernel's TMA path and _down_persistent_kernel) as a
+persistent Gluon kernel (Hopper wgmma + TMA, explicit layouts), at prefill sizes of Gemma 4 26B-A4B (E 128, H 2,816, I 704, top-8). The gate/up half's prototype is gluon_moe_gate_up.py,
 whose helpers (the build's usage numbers, the gate/up inputs, the hang watchdog's length) this file imports. The
 engine's persistent kernel reaches ~455 TFLOP/s at 8,192 tokens on an H100 (~570 us a layer).
 
@@ -34,6 +33,9 @@ registers (w*: the launch bound; setmaxnreg gives the consumers 232, the loaders
     p256x3 208.0 KiB 157    p256x2 160.0 KiB 157    p128x4 160.0 KiB 93    p128x5 192.0 KiB 93    p128x6 224.0 KiB 93
     w256x3 208.2 KiB 168    w128x4 160.2 KiB 168    w128x6 224.2 KiB 168
 No GPU has run these yet: correctness (the barriers' phases across tiles) and speed are the GPU mode's to settle.
+The one-partition kernel (p variants) is the engine's, imported: ops/triton/gluon_moe.py _down_gluon_kernel, which
+moe.py runs for the 128-row prefill tiers under COMPILED_LLM_MOE_GLUON_DOWN=1 (off by default until measured);
+the warp-specialized one lives here.
 
     python3 benchmarks/gluon_moe_down.py --build-only [--variants p256x3,p128x4]
         # CPU: each variant built for sm_90a: shared memory, ptxas registers and spills, wgmma / TMA counts; exit 1
@@ -48,6 +50,7 @@ No GPU has run these yet: correctness (the barriers' phases across tiles) and sp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -59,14 +62,15 @@ if "--smoke" in sys.argv:
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import gluon_moe_gate_up as G  # noqa: E402 - after the path set-up above
+from compiled_llm.ops.triton.gluon_moe import (_down_gluon_kernel, _down_load_step,  # noqa: E402
+                                               _down_store_tile, down_launch_args)
 
 GEMMA4 = G.GEMMA4
 BLOCK_K = G.BLOCK_K
@@ -85,110 +89,6 @@ SKIPPED_EXPERT = -1  # the GPU mode marks the last expert's blocks as another ra
 
 
 @gluon.jit
-def _load_step(j, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem, w_smem, bars, N, E,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """TMA of the CTA's global K step j (its (j // n_k)-th tile, K step j % n_k) into stage j % STAGES; nothing
-    past the CTA's last step. The tile's expert is looked up again here (a scalar load, L1-resident) so that
-    the next tile's loads can start before this one's epilogue."""
-    tile = pid + (j // n_k) * nprog
-    pred = tile < total
-    pid_m = tile // num_n
-    e = gl.load(ExpertIds + pid_m, mask=pred, other=0)
-    e = gl.where((e >= 0) & (e < E), e, 0)  # a skipped block's loads read expert 0 (its result is discarded)
-    k0 = (j % n_k) * BLOCK_K
-    st = j % STAGES
-    bar = bars.index(st)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, k0], bar, a_smem.index(st), pred=pred)
-    tma.async_copy_global_to_shared(w_desc, [e * N + (tile - pid_m * num_n) * BLOCK_N, k0], bar, w_smem.index(st),
-                                    pred=pred)
-
-
-@gluon.jit
-def _store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E, stride_yt,
-                acc_layout: gl.constexpr, st_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """A tile's epilogue (both kernels): rows scaled by their pick's weight in fp32, bf16 through o_smem, stored
-    with 16-byte row-masked stores to the pairs' rows of Y. Another rank's block stores zeros: its activation rows
-    were never written (NaN, maybe: not 0 * acc)."""
-    e = gl.load(ExpertIds + pid_m)
-    ok = (e >= 0) & (e < E)
-    rw = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    pw = gl.load(SortedIds + rw)
-    w = gl.load(TopkWeights + pw, mask=pw < num_pairs, other=0.0).to(gl.float32)
-    o_smem.store(gl.where(ok, acc * w[:, None], 0.0).to(Y.dtype.element_ty))
-    _cta_barrier()
-    ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-    co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
-    pair = gl.load(SortedIds + ro)
-    omask = (pair < num_pairs)[:, None] & (co < N)[None, :]
-    gl.store(Y + pair.to(gl.int64)[:, None] * stride_yt + co[None, :], o_smem.load(st_layout), mask=omask)
-
-
-@gluon.jit(do_not_specialize=["num_pairs", "E"])
-def _down_gluon_kernel(a_desc, w_desc, SortedIds, ExpertIds, NumPadded, TopkWeights, Y, num_pairs, N, K, E,
-                       stride_yt, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                       STAGES: gl.constexpr):
-    """a_desc: act [rows, K] in [BLOCK_M, BLOCK_K] boxes; w_desc: down_proj as [E * N, K] in [BLOCK_N, BLOCK_K]
-    boxes (N a multiple of BLOCK_N); Y [num_pairs, N]. Persistent: program pid takes tiles pid, pid + programs,
-    ... of cdiv(NumPadded, BLOCK_M) row blocks x N / BLOCK_N column blocks."""
-    NW: gl.constexpr = gl.num_warps()
-    gl.static_assert(NW * 16 == BLOCK_M, "a warp a 16-row slice of the wgmma tile")
-    gl.static_assert(STAGES >= 2, "prefetch distance STAGES - 1")
-    dtype: gl.constexpr = Y.dtype.element_ty
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    # row-major for the stores: a thread 8 consecutive columns (16 bytes), a warp's lanes along one row's columns
-    TPC: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
-    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [NW, 1], [1, 0])
-    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_n = N // BLOCK_N
-    total = gl.cdiv(gl.load(NumPadded), BLOCK_M) * num_n
-    my_tiles = gl.cdiv(total - pid, nprog)  # programs never outnumber the tiles' upper bound; may be 0 here
-    n_k = gl.cdiv(K, BLOCK_K)
-
-    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], o_sl)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()  # the initialised barriers are visible to the TMA unit before the first copy
-
-    for s in gl.static_range(STAGES - 1):
-        _load_step(s, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem, w_smem, bars, N, E,
-                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-
-    it = 0  # the CTA's global K step: the ring's stage and phase continue across tiles
-    for t in range(0, my_tiles):
-        tile = pid + t * nprog
-        pid_m = tile // num_n
-        pid_n = tile - pid_m * num_n
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        for kk in range(0, n_k):
-            st = it % STAGES
-            mbarrier.wait(bars.index(st), (it // STAGES) & 1)
-            acc = warpgroup_mma(a_smem.index(st), w_smem.index(st).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=[acc])
-            # this warpgroup has retired step it - 1; the barrier: the other one too, so its stage is free (it also
-            # orders the previous epilogue's reads of o_smem before the next one's writes)
-            _cta_barrier()
-            _load_step(it + STAGES - 1, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem, w_smem,
-                       bars, N, E, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-            it += 1
-        acc = warpgroup_mma_wait(0, deps=[acc])
-
-        # epilogue (the next tile's first STAGES - 1 loads are in flight meanwhile)
-        _store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E, stride_yt,
-                    acc_layout, st_layout, BLOCK_M, BLOCK_N)
-
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
-
-
-@gluon.jit
 def _ws_loader(a_desc, w_desc, ExpertIds, a_smem, w_smem, ready, empty, pid, nprog, num_n, total, my_tiles, n_k, N,
                E, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """The producer warps: every K step of the CTA's tiles into the ring, once the consumers released the stage's
@@ -198,8 +98,8 @@ def _ws_loader(a_desc, w_desc, ExpertIds, a_smem, w_smem, ready, empty, pid, npr
         st = j % STAGES
         # a fresh barrier counts its phase before 0 (parity 1) as complete: the first round passes at once
         mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
-        _load_step(j, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem, w_smem, ready, N, E,
-                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        _down_load_step(j, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem, w_smem, ready, N, E,
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
 
 @gluon.jit
@@ -232,8 +132,8 @@ def _ws_consumer(a_smem, w_smem, o_smem, ready, empty, SortedIds, ExpertIds, Top
         _cta_barrier()  # both warpgroups have retired the tile's last step: its stage goes back before the epilogue
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
 
-        _store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E, stride_yt,
-                    acc_layout, st_layout, BLOCK_M, BLOCK_N)
+        _down_store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E,
+                         stride_yt, acc_layout, st_layout, BLOCK_M, BLOCK_N)
         _cta_barrier()  # every warp's reads of o_smem before the next tile's epilogue writes it
 
 
@@ -279,22 +179,10 @@ def _down_ws_kernel(a_desc, w_desc, SortedIds, ExpertIds, NumPadded, TopkWeights
 
 def launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m: int, variant: str,
                 programs: int):
-    """(grid, args, kwargs): act [len(sorted_ids), I]; down_proj [E, H, I] (contiguous); moe_align's outputs at
-    block_m; topk_weights [T, k] (any float dtype, read as fp32); y [T k, H]; programs: the SMs."""
+    """(grid, args, kwargs): the engine's (gluon_moe.down_launch_args) at the variant's tile and stages."""
     bn, stages = VARIANTS[variant][:2]
-    E, H, inter = down_proj.shape
-    assert down_proj.is_contiguous() and act.stride(1) == 1 and y.stride(1) == 1 and H % bn == 0
-    assert block_m in (64, 128)
-    a_box, w_box = [block_m, BLOCK_K], [bn, BLOCK_K]
-    ad = TensorDescriptor.from_tensor(act, a_box, gl.NVMMASharedLayout.get_default_for(a_box, gl.bfloat16))
-    wd = TensorDescriptor.from_tensor(down_proj.view(E * H, inter), w_box,
-                                      gl.NVMMASharedLayout.get_default_for(w_box, gl.bfloat16))
-    tiles = expert_ids.numel() * (H // bn)  # the alignment's upper bound; the kernel reads the real count
-    grid = (max(1, min(programs, tiles)),)
-    args = (ad, wd, sorted_ids, expert_ids, num_padded, topk_weights.contiguous(), y, y.shape[0], H, inter, E,
-            y.stride(0))
-    kwargs = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=stages, num_warps=block_m // 16,
-                  num_stages=1)
+    grid, args, kwargs = down_launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y,
+                                          block_m, bn, programs, stages=stages)
     if is_ws(variant):
         kwargs.update(LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS)
     return grid, args, kwargs
@@ -354,7 +242,8 @@ def make_case(T: int, dev, S: dict, seed: int = 1, pol=None, align=None, skip_ex
     (the gate/up prototype's reason: the engine's kernels in the interpreter)."""
     from compiled_llm.ops.triton import moe as M
 
-    pol = pol or M.moe_launch_policy(T, S["k"], S["E"], S["H"], S["I"])
+    # the baseline is the Triton down kernel, whatever COMPILED_LLM_MOE_GLUON_DOWN says
+    pol = dataclasses.replace(pol or M.moe_launch_policy(T, S["k"], S["E"], S["H"], S["I"]), gluon_down=False)
     case = G.make_case(T, dev, S, seed=seed, pol=pol, align=align, dtype=dtype)  # (runs its gate/up once)
     expert_ids = case["alignment"][1]
     if skip_expert:

@@ -5,7 +5,7 @@
 # first_wave (FIRST_WAVE_VARIANTS) first_wave_server (carry [".whl"]) rebuild (two 26B-A4B engines in one process)
 # scoring (a 4K-token echo+logprobs request against a plain prefill: time and peak memory)
 # structured (compiled, --jit-monitor error; carry [".whl"] with xgrammar's wheels in .whl/structured/)
-# kernels (check_kernels_gpu.py, KERNELS_ARGS) gluon_moe (GLUON_MOE_TOKENS, GLUON_UP_VARIANTS) gluon_moe_engine decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn norm_chain pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
+# kernels (check_kernels_gpu.py, KERNELS_ARGS) gluon_moe (GLUON_MOE_TOKENS, GLUON_UP_VARIANTS) gluon_moe_engine gluon_moe_down_engine decode_qk decode_qk_ab (QK_AB, QK_AB_SHAPES) kernel_check (KCHECK_CONFIG) moe_unsorted moe_align router prefill_kernels ffn_overlap sparse sparse_host sparse_check sparse_kv decode_attn norm_chain pdl_chain qwen_tiny qwen_tiny32 qwen_bisect state_kernels qwen_smoke qwen_big big26 big26_none skinny moe_stream moe_routing serving offline32 aot_tput startup_json env; env_ab (AB_ENV, AB_VALUES, AB_SHAPES);
 # throughput_quick (the three shapes, async, one warm-up and two runs each);
 # two GPUs: par_modes par_compiled par_bf16 (PAR_MODES) par_kill arnorm arnorm_e2e tp2_big tp2_tput (TP_ALLREDUCE, TP_ARGS) one_tput
 # Every step has its own time limit and writes its log under $OUT, so one failure costs only that step.
@@ -114,6 +114,14 @@ for step in $steps; do
       run latency_moe_gluon 300 python3 benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 4096,8192 \
         --alternate-env COMPILED_LLM_MOE_GLUON=1,0 --warmup 1 --runs 7 --decode-tokens 16 \
         --out "$OUT/latency_moe_gluon.json" ;;
+    gluon_moe_down_engine)  # issue 14 (session 67): the engine's Gluon down GEMM (COMPILED_LLM_MOE_GLUON_DOWN=1, off by
+      # default) checked against fp32 in the whole MoE, the prototype's tiles timed beside the Triton kernel, then
+      # TTFT alternating the switch
+      COMPILED_LLM_MOE_GLUON_DOWN=1 run kernels_moe_down 120 python3 scripts/check_kernels_gpu.py --only moe --no-time
+      run gluon_moe_down 120 python3 benchmarks/gluon_moe_down.py --tokens 2048,8192 --variants p128x4,p256x3,w256x3
+      run latency_moe_gluon_down 300 python3 benchmarks/latency.py --config gemma-4-26b-a4b --ttft-lengths 4096,8192 \
+        --alternate-env COMPILED_LLM_MOE_GLUON_DOWN=0,1 --warmup 1 --runs 7 --decode-tokens 16 \
+        --out "$OUT/latency_moe_gluon_down.json" ;;
     prefill_kernels)  # issue 14: router / MoE / attention tiles at prefill sizes (and decode's MoE), PREFILL_ARGS
       # e.g. "--qwen --groups router,moe"; the candidates' kernels are built by 12 processes first (Triton's cache)
       tag=${PREFILL_TAG:-gemma}; b0=$(date +%s)

@@ -364,6 +364,43 @@ def test_the_prefill_moe_gate_up_runs_the_gluon_kernel_on_hopper_and_it_builds(m
     assert "not a Hopper GPU" in caplog.text and "not the Gluon one" in caplog.text
 
 
+def test_the_prefill_moe_down_runs_the_gluon_kernel_under_its_switch_and_it_builds(monkeypatch, caplog):
+    """COMPILED_LLM_MOE_GLUON_DOWN=1 (an experiment, off by default) puts the 128-row prefill tiers' down GEMM on
+    the persistent Gluon kernel (ops/triton/gluon_moe.py _down_gluon_kernel: a CTA an SM walking the tiles, act
+    and the weights through TMA): at 2,048 tokens on 128 x 128 tiles at four stages, at 8,192 on the Triton
+    kernel's 128 x 256 at three, both built for sm_90 with a N = BLOCK_N wgmma a 16-deep K slice, within shared
+    memory and without spills, under the GPU's Triton (3.6) as well as 3.8. Unset, or at the 64-row tier, the
+    Triton kernels run; a GPU that is not Hopper runs them and says why."""
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
+    pol, launches = _prefill_moe_launches(8192)
+    assert not pol.gluon_down and launches[1].name == "_down_persistent_kernel"
+    monkeypatch.setenv("COMPILED_LLM_MOE_GLUON_DOWN", "1")
+    for tokens, block_n, stages in [(2048, 128, 4), (8192, 256, 3)]:
+        pol, launches = _prefill_moe_launches(tokens)
+        assert pol.gluon_down and [lz.name for lz in launches] == [
+            "_gate_up_gluon_kernel", "_down_gluon_kernel", "_topk_sum_kernel"]
+        down = launches[1]
+        blocks = down.args[3].numel()  # 3 experts' blocks of 40 x 8 pairs
+        assert isinstance(down.kernel, GluonJITFunction) and down.grid == (min(132, blocks * 2816 // block_n),)
+        assert (down.kwargs["BLOCK_M"], down.kwargs["BLOCK_N"], down.kwargs["STAGES"]) == (128, block_n, stages)
+        assert down.args[7:11] == (40 * 8, 2816, 704, 3) and list(down.args[1].shape) == [3 * 2816, 704]
+        assert list(down.args[0].block_shape) == [128, 64] and list(down.args[1].block_shape) == [block_n, 64]
+        kernel = build_sm90(down)
+        ptx = kernel.asm["ptx"]
+        regs, spilled = ptxas_usage(ptx)
+        assert kernel.metadata.shared <= SMEM_LIMIT and spilled == 0 and regs > 0, (tokens, regs, spilled)
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{block_n}k16") == 4 and "cp.async.bulk.tensor" in ptx
+        assert "ld.local" not in ptx
+
+    caplog.set_level("WARNING", logger="compiled_llm")
+    pol, launches = _prefill_moe_launches(1024)
+    assert not pol.gluon_down and launches[1].name == "_down_kernel" and not caplog.text
+    _, launches = _prefill_moe_launches(8192, hopper=False)
+    assert launches[1].name == "_down_persistent_kernel"
+    assert "grouped MoE down GEMM" in caplog.text and "not a Hopper GPU" in caplog.text
+
+
 def test_the_gluon_moe_gate_up_prototype_builds_for_sm90_without_spills():
     """benchmarks/gluon_moe_gate_up.py: the MoE gate/up grouped GEMM as a Gluon kernel (gathered token rows by
     cp.async, gate and up tiles by TMA into one buffer, wgmma; not in the engine). Gluon has no interpreter, so the

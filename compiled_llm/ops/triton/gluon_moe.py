@@ -1,6 +1,7 @@
 """The grouped MoE GEMM's gate/up half (moe.py's _gate_up_kernel) as a Gluon kernel for Hopper: wgmma and TMA with
 explicit layouts. moe.moe_launches runs it for the 128-row prefill tiers (MoELaunch.gluon) on sm_90; elsewhere
-the Triton kernel runs.
+the Triton kernel runs. The down half (_down_gluon_kernel, MoELaunch.gluon_down) is an experiment, off by default
+(COMPILED_LLM_MOE_GLUON_DOWN=1): its design is benchmarks/gluon_moe_down.py's docstring.
 
 Semantics as _gate_up_kernel's: pairs p = t * k + j sorted by expert into blocks of BLOCK_M rows (moe_align:
 sorted_ids, padding entries = num_pairs; expert_ids a block; num_padded), act[row] = act_fn(x[p // k] @
@@ -184,6 +185,110 @@ def store_act(act, SortedIds, Act, pid_m, pid_n, num_pairs, N, stride_an, BLOCK_
     gl.store(Act + ro.to(gl.int64)[:, None] * stride_an + co[None, :], o_smem.load(st_layout), mask=omask)
 
 
+@gluon.jit
+def _down_load_step(j, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem, w_smem, bars, N, E,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """TMA of the CTA's global K step j (its (j // n_k)-th tile, K step j % n_k) into stage j % STAGES; nothing
+    past the CTA's last step. The tile's expert is looked up again here (a scalar load, L1-resident) so that
+    the next tile's loads can start before this one's epilogue."""
+    tile = pid + (j // n_k) * nprog
+    pred = tile < total
+    pid_m = tile // num_n
+    e = gl.load(ExpertIds + pid_m, mask=pred, other=0)
+    e = gl.where((e >= 0) & (e < E), e, 0)  # a skipped block's loads read expert 0 (its result is discarded)
+    k0 = (j % n_k) * BLOCK_K
+    st = j % STAGES
+    bar = bars.index(st)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, k0], bar, a_smem.index(st), pred=pred)
+    tma.async_copy_global_to_shared(w_desc, [e * N + (tile - pid_m * num_n) * BLOCK_N, k0], bar, w_smem.index(st),
+                                    pred=pred)
+
+
+@gluon.jit
+def _down_store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E, stride_yt,
+                     acc_layout: gl.constexpr, st_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A down tile's epilogue: rows scaled by their pick's weight in fp32, bf16 through o_smem, stored
+    with 16-byte row-masked stores to the pairs' rows of Y. Another rank's block stores zeros: its activation rows
+    were never written (NaN, maybe: not 0 * acc)."""
+    e = gl.load(ExpertIds + pid_m)
+    ok = (e >= 0) & (e < E)
+    rw = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    pw = gl.load(SortedIds + rw)
+    w = gl.load(TopkWeights + pw, mask=pw < num_pairs, other=0.0).to(gl.float32)
+    o_smem.store(gl.where(ok, acc * w[:, None], 0.0).to(Y.dtype.element_ty))
+    _cta_barrier()
+    ro = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+    co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
+    pair = gl.load(SortedIds + ro)
+    omask = (pair < num_pairs)[:, None] & (co < N)[None, :]
+    gl.store(Y + pair.to(gl.int64)[:, None] * stride_yt + co[None, :], o_smem.load(st_layout), mask=omask)
+
+
+@gluon.jit(do_not_specialize=["num_pairs", "E"])
+def _down_gluon_kernel(a_desc, w_desc, SortedIds, ExpertIds, NumPadded, TopkWeights, Y, num_pairs, N, K, E,
+                       stride_yt, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """a_desc: act [rows, K] in [BLOCK_M, BLOCK_K] boxes; w_desc: down_proj as [E * N, K] in [BLOCK_N, BLOCK_K]
+    boxes (N a multiple of BLOCK_N); Y [num_pairs, N]. Persistent: program pid takes tiles pid, pid + programs,
+    ... of cdiv(NumPadded, BLOCK_M) row blocks x N / BLOCK_N column blocks."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW * 16 == BLOCK_M, "a warp a 16-row slice of the wgmma tile")
+    gl.static_assert(STAGES >= 2, "prefetch distance STAGES - 1")
+    dtype: gl.constexpr = Y.dtype.element_ty
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    # row-major for the stores: a thread 8 consecutive columns (16 bytes), a warp's lanes along one row's columns
+    TPC: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [NW, 1], [1, 0])
+    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_n = N // BLOCK_N
+    total = gl.cdiv(gl.load(NumPadded), BLOCK_M) * num_n
+    my_tiles = gl.cdiv(total - pid, nprog)  # programs never outnumber the tiles' upper bound; may be 0 here
+    n_k = gl.cdiv(K, BLOCK_K)
+
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], o_sl)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()  # the initialised barriers are visible to the TMA unit before the first copy
+
+    for s in gl.static_range(STAGES - 1):
+        _down_load_step(s, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem, w_smem, bars, N, E,
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+    it = 0  # the CTA's global K step: the ring's stage and phase continue across tiles
+    for t in range(0, my_tiles):
+        tile = pid + t * nprog
+        pid_m = tile // num_n
+        pid_n = tile - pid_m * num_n
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for kk in range(0, n_k):
+            st = it % STAGES
+            mbarrier.wait(bars.index(st), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(st), w_smem.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            # this warpgroup has retired step it - 1; the barrier: the other one too, so its stage is free (it also
+            # orders the previous epilogue's reads of o_smem before the next one's writes)
+            _cta_barrier()
+            _down_load_step(it + STAGES - 1, n_k, pid, nprog, num_n, total, a_desc, w_desc, ExpertIds, a_smem,
+                            w_smem, bars, N, E, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=[acc])
+
+        # epilogue (the next tile's first STAGES - 1 loads are in flight meanwhile)
+        _down_store_tile(acc, o_smem, SortedIds, ExpertIds, TopkWeights, Y, pid_m, pid_n, num_pairs, N, E,
+                         stride_yt, acc_layout, st_layout, BLOCK_M, BLOCK_N)
+
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+
 def fits(x: torch.Tensor, gate_up_proj: torch.Tensor, block_m: int) -> str | None:
     """None where the kernel can run these operands; else why not (for the caller's warning). Any intermediate
     size: a column block past I reads the next rows of W (or TMA's zeros past its end) and stores nothing."""
@@ -235,3 +340,56 @@ def launch_args(x, gate_up_proj, sorted_ids, expert_ids, num_padded, act, top_k:
     kwargs = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=stages, FUSED=fused,
                   SILU=silu, num_warps=block_m // 16, num_stages=1)
     return grid, args, kwargs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the down half (MoELaunch.gluon_down): an experiment, off by default until a GPU has checked and timed it
+
+DOWN_STAGES = {128: 4, 256: 3}  # BLOCK_N: stages (128 x 256 at 3: 144 KiB of stages + the 64-KiB epilogue buffer)
+
+
+def down_fits(act: torch.Tensor, down_proj: torch.Tensor, block_m: int, block_n: int) -> str | None:
+    """None where _down_gluon_kernel can run these operands; else why not."""
+    if act.dtype not in _GL_DTYPE or down_proj.dtype != act.dtype:
+        return f"dtype {act.dtype} (bf16 or fp16 only)"
+    if block_m not in (64, 128) or block_n not in DOWN_STAGES:
+        return f"{block_m} x {block_n} tiles ({{64, 128}} x {{{', '.join(map(str, DOWN_STAGES))}}})"
+    E, H, inter = down_proj.shape
+    if H % block_n:
+        return f"hidden size {H} not a multiple of {block_n}-column tiles"
+    if not down_proj.is_contiguous() or act.stride(1) != 1 or inter % 8 or act.stride(0) % 8:
+        return "operands not contiguous in 16-byte rows"
+    if down_proj.data_ptr() % 16 or act.data_ptr() % 16:
+        return "operands not 16-byte aligned"
+    return None
+
+
+def down_launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m: int, block_n: int,
+                     programs: int, *, stages: int | None = None, num_experts: int | None = None):
+    """(grid, args, kwargs) of _down_gluon_kernel: act [len(sorted_ids), I] (a row block's rows contiguous);
+    down_proj [E, H, I]; moe_align's outputs at block_m; topk_weights [T, k] (any float dtype, read as fp32); y
+    [T k, H]; programs: the most CTAs (one an SM), never more than the alignment's tiles."""
+    E, H, inter = down_proj.shape
+    assert y.stride(1) == 1 and down_fits(act, down_proj, block_m, block_n) is None
+    dt = _GL_DTYPE[act.dtype]
+    a_box, w_box = [block_m, BLOCK_K], [block_n, BLOCK_K]
+    ad = TensorDescriptor.from_tensor(act, a_box, gl.NVMMASharedLayout.get_default_for(a_box, dt))
+    wd = TensorDescriptor.from_tensor(down_proj.view(E * H, inter), w_box,
+                                      gl.NVMMASharedLayout.get_default_for(w_box, dt))
+    tiles = expert_ids.numel() * (H // block_n)  # the alignment's upper bound; the kernel reads the real count
+    grid = (max(1, min(programs, tiles)),)
+    args = (ad, wd, sorted_ids, expert_ids, num_padded, topk_weights, y, y.shape[0], H, inter,
+            E if num_experts is None else num_experts, y.stride(0))
+    kwargs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                  STAGES=DOWN_STAGES[block_n] if stages is None else stages, num_warps=block_m // 16, num_stages=1)
+    return grid, args, kwargs
+
+
+def down(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m: int, block_n: int,
+         programs: int, *, num_experts: int | None = None) -> torch.Tensor:
+    """y[pair] = topk_weight[pair] * act[row of pair] @ down_proj[e].T for every real pair (zeros for a block of
+    another rank's experts); moe.py _down_persistent_kernel's semantics."""
+    grid, args, kwargs = down_launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y,
+                                          block_m, block_n, programs, num_experts=num_experts)
+    _down_gluon_kernel[grid](*args, **kwargs)
+    return y

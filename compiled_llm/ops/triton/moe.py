@@ -367,6 +367,9 @@ class MoELaunch:
     # stages) where it runs (a Hopper GPU: gluon_fits); the Triton kernel elsewhere. H100, session 65's prototype:
     # 3-8% faster at 8,192 tokens, 2-5% at 4,096, tied at 2,048 (the 128-row tiers)
     gluon: bool = False
+    # the down GEMM of the same tiers on gluon_moe.py's persistent kernel (b_block_n-wide tiles, the stage ring
+    # running across a CTA's tiles); an experiment (COMPILED_LLM_MOE_GLUON_DOWN=1), off by default: no GPU has run it
+    gluon_down: bool = False
 
 
 UNSORTED_ENV = "COMPILED_LLM_MOE_UNSORTED"  # 0: one token is aligned like any batch (an A/B of the saving)
@@ -390,6 +393,7 @@ HALF_TAIL = os.environ.get(HALF_TAIL_ENV, "0") == "1"
 # 0: the 128-row prefill tiers' gate/up GEMM on the Triton kernel (an A/B; read at each prefill-sized launch, so
 # latency.py --alternate-env can flip it between runs)
 GLUON_ENV = "COMPILED_LLM_MOE_GLUON"
+GLUON_DOWN_ENV = "COMPILED_LLM_MOE_GLUON_DOWN"  # 1: the 128-row tiers' MoELaunch.gluon_down (read as GLUON_ENV)
 
 
 def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoELaunch:
@@ -416,7 +420,8 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
     # every prefill tier: the launch order, the experiments' switches (the persistent down kernel is the top tier's
     # default, below)
     prefill = dict(n_fast=N_FAST, half_tail=HALF_TAIL, persistent=PERSISTENT or 0)
-    gluon = TMA and os.environ.get(GLUON_ENV, "1") != "0"
+    gluon = dict(gluon=TMA and os.environ.get(GLUON_ENV, "1") != "0",
+                 gluon_down=TMA and os.environ.get(GLUON_DOWN_ENV, "0") == "1")
     if pairs_per_expert <= 96:
         return MoELaunch(64, 64, 64, 4, 4, 128, 64, 4, 3, tma=TMA, **prefill)
     if pairs_per_expert <= 256:
@@ -424,13 +429,13 @@ def moe_launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int
             # with TMA, 128-row blocks at 8 warps (H200, prefill_kernels --moe-tma): at 256 pairs an expert (session
             # 25) Gemma 4 at 4,096 tokens 1,190 -> 1,078 us, Qwen3.5 at 8,192 1,304 -> 1,252; the tier's lower end
             # (session 26, Gemma 4) at 2,048 tokens (128 pairs) 728 -> 716 us, at 3,072 (192) 967 -> 926
-            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, tma=True, gluon=gluon, **prefill)
+            return MoELaunch(128, 64, 64, 8, 3, 128, 64, 8, 3, tma=True, **gluon, **prefill)
         return MoELaunch(64, 64, 64, 4, 3, 128, 64, 8, 3, tma=TMA, **prefill)
     # the down kernel persistent here (MoELaunch.persistent), not below: H200, session 36, latency.py's 8,192-token
     # prompt, its 30 down launches 17.96 -> 15.37 ms and 17.84 -> 16.21 (two machines); at 1,024 tokens (64-row
     # blocks) 4.64 -> 6.49 ms; prefill_kernels.py's whole MoE at 1,024 / 2,048 / 4,096 / 8,192 tokens 473 -> 544,
     # 619 -> 680, 1,083 -> 1,131, 1,879 -> 1,866 us
-    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, tma=TMA, gluon=gluon,
+    return MoELaunch(128, 64, 64, 8, 3, 256, 64, 8, 3, tma=TMA, **gluon,
                      **dict(prefill, persistent=1 if PERSISTENT is None else PERSISTENT))
 
 
@@ -642,18 +647,23 @@ _TMA_WARNED: set = set()
 _GLUON_WARNED: set = set()
 
 
-def gluon_fits(x: torch.Tensor, gate_up_proj: torch.Tensor, pol: MoELaunch) -> bool:
-    """MoELaunch.gluon can run here: a Hopper GPU (wgmma; Gluon has no interpreter) and operands gluon_moe.fits
-    takes. An sm_90+ device that misses one is told which, once (the gate/up GEMM then runs on the Triton kernel,
-    3-8% slower at 8K tokens on an H100)."""
+def gluon_fits(x: torch.Tensor, weights: torch.Tensor, pol: MoELaunch, half: str = "gate/up") -> bool:
+    """MoELaunch.gluon (half "gate/up": x the tokens, weights gate_up_proj) or .gluon_down (half "down": x the
+    activations, weights down_proj) can run here: a Hopper GPU (wgmma; Gluon has no interpreter) and operands
+    gluon_moe.fits / down_fits takes. An sm_90+ device that misses one is told which, once (that GEMM then runs on
+    the Triton kernel; the gate/up one is 3-8% slower at 8K tokens on an H100)."""
     if not _common.sm90(x.device):
         return False
-    why = "not a Hopper GPU (sm_90)" if not _common.hopper(x.device) else gluon_moe.fits(x, gate_up_proj,
-                                                                                          pol.block_m)
-    if why and gate_up_proj.stride(0) != 0 and why not in _GLUON_WARNED:
-        _GLUON_WARNED.add(why)
-        log.warning("grouped MoE gate/up GEMM (experts %s): the Triton kernel runs, not the Gluon one: %s",
-                    tuple(gate_up_proj.shape), why)
+    if not _common.hopper(x.device):
+        why = "not a Hopper GPU (sm_90)"
+    elif half == "gate/up":
+        why = gluon_moe.fits(x, weights, pol.block_m)
+    else:
+        why = gluon_moe.down_fits(x, weights, pol.block_m, pol.b_block_n)
+    if why and weights.stride(0) != 0 and (half, why) not in _GLUON_WARNED:
+        _GLUON_WARNED.add((half, why))
+        log.warning("grouped MoE %s GEMM (experts %s): the Triton kernel runs, not the Gluon one: %s", half,
+                    tuple(weights.shape), why)
     return why is None
 
 
@@ -747,7 +757,7 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
 
     n_fast = pol.n_fast and num_blocks < 65536  # (grid axis 1 holds at most 65,535)
-    up_tma, down_tma = {}, {}
+    up_tma, down_tma, gluon_down = {}, {}, None
     if pol.tma and tma_usable(x, gate_up_proj, down_proj, pol):
         gu2, dn2 = gate_up_proj.view(-1, hidden), down_proj.view(-1, inter)
         up_tma = dict(Wd=TensorDescriptor.from_tensor(gu2, [pol.a_block_n, pol.a_block_k]), TMA=True)
@@ -757,6 +767,10 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
             up_tma = dict(w_desc=gluon_moe.weight_descriptor(gate_up_proj))
         down_tma = dict(Ad=TensorDescriptor.from_tensor(act, [pol.block_m, pol.b_block_k]),
                         Wd=TensorDescriptor.from_tensor(dn2, [pol.b_block_n, pol.b_block_k]), TMA=True)
+        if pol.gluon_down and not route and not pol.unsorted and gluon_fits(act, down_proj, pol, "down"):
+            gluon_down = gluon_moe.down_launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, weights, y,
+                                                    pol.block_m, pol.b_block_n, num_sms(x.device),
+                                                    num_experts=num_experts)
 
     def grid(n_blocks: int) -> tuple[int, int]:
         return (n_blocks, num_blocks) if n_fast else (num_blocks, n_blocks)
@@ -776,6 +790,10 @@ def moe_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
         )
 
     def down() -> torch.Tensor:
+        if gluon_down is not None:
+            grid_d, args, kwargs = gluon_down
+            gluon_moe._down_gluon_kernel[grid_d](*args, **kwargs)
+            return y
         if pol.persistent and down_tma and not route and not pol.unsorted:
             programs = num_sms(x.device) * pol.persistent
             _down_persistent_kernel[(min(programs, num_blocks * triton.cdiv(hidden, pol.b_block_n)),)](
