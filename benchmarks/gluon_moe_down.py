@@ -1,7 +1,8 @@
 """The MoE grouped GEMM's down half (ops/triton/moe.py _down_kernel's TMA path and _down_persistent_kernel) as a
-persistent Gluon kernel (Hopper wgmma + TMA, explicit layouts), at prefill sizes of Gemma 4 26B-A4B (E 128, H 2,816, I 704, top-8). The gate/up half's prototype is gluon_moe_gate_up.py,
-whose helpers (the build's usage numbers, the gate/up inputs, the hang watchdog's length) this file imports. The
-engine's persistent kernel reaches ~455 TFLOP/s at 8,192 tokens on an H100 (~570 us a layer).
+persistent Gluon kernel (Hopper wgmma + TMA, explicit layouts), at prefill sizes of Gemma 4 26B-A4B (E 128,
+H 2,816, I 704, top-8). The gate/up half's prototype is gluon_moe_gate_up.py, whose helpers (the build's usage
+numbers, the gate/up inputs, the hang watchdog's length) this file imports. The engine's persistent kernel reaches
+~455 TFLOP/s at 8,192 tokens on an H100 (~570 us a layer).
 
 Semantics as the engine's: act [padded rows, I] (the gate/up output; a row block's rows contiguous), down_proj
 [E, H, I]; y[pair] = topk_weight[pair] * (act[row] @ down[e].T) in bf16 at row `pair` of y [T k, H]; padding rows

@@ -366,9 +366,11 @@ def down_fits(act: torch.Tensor, down_proj: torch.Tensor, block_m: int, block_n:
 
 def down_launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m: int, block_n: int,
                      programs: int, *, stages: int | None = None, num_experts: int | None = None):
-    """(grid, args, kwargs) of _down_gluon_kernel: act [len(sorted_ids), I] (a row block's rows contiguous);
-    down_proj [E, H, I]; moe_align's outputs at block_m; topk_weights [T, k] (any float dtype, read as fp32); y
-    [T k, H]; programs: the most CTAs (one an SM), never more than the alignment's tiles."""
+    """(grid, args, kwargs) of _down_gluon_kernel, which writes y[pair] = topk_weight[pair] * act[row of pair] @
+    down_proj[e].T for every real pair (zeros for a block of another rank's experts; moe.py
+    _down_persistent_kernel's semantics): act [len(sorted_ids), I] (a row block's rows contiguous); down_proj
+    [E, H, I]; moe_align's outputs at block_m; topk_weights [T, k] (any float dtype, read as fp32); y [T k, H];
+    programs: the most CTAs (one an SM), never more than the alignment's tiles."""
     E, H, inter = down_proj.shape
     assert y.stride(1) == 1 and down_fits(act, down_proj, block_m, block_n) is None
     dt = _GL_DTYPE[act.dtype]
@@ -378,18 +380,8 @@ def down_launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_we
                                       gl.NVMMASharedLayout.get_default_for(w_box, dt))
     tiles = expert_ids.numel() * (H // block_n)  # the alignment's upper bound; the kernel reads the real count
     grid = (max(1, min(programs, tiles)),)
-    args = (ad, wd, sorted_ids, expert_ids, num_padded, topk_weights, y, y.shape[0], H, inter,
+    args = (ad, wd, sorted_ids, expert_ids, num_padded, topk_weights.contiguous(), y, y.shape[0], H, inter,
             E if num_experts is None else num_experts, y.stride(0))
     kwargs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                   STAGES=DOWN_STAGES[block_n] if stages is None else stages, num_warps=block_m // 16, num_stages=1)
     return grid, args, kwargs
-
-
-def down(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y, block_m: int, block_n: int,
-         programs: int, *, num_experts: int | None = None) -> torch.Tensor:
-    """y[pair] = topk_weight[pair] * act[row of pair] @ down_proj[e].T for every real pair (zeros for a block of
-    another rank's experts); moe.py _down_persistent_kernel's semantics."""
-    grid, args, kwargs = down_launch_args(act, down_proj, sorted_ids, expert_ids, num_padded, topk_weights, y,
-                                          block_m, block_n, programs, num_experts=num_experts)
-    _down_gluon_kernel[grid](*args, **kwargs)
-    return y
