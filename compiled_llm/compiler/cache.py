@@ -14,7 +14,9 @@ whose hash differs is reported in a warning and the cache is rebuilt, never used
 The manifest names files relative to DIR and Inductor's and Triton's entries are keyed by content, so DIR
 can be moved or copied to a machine with the same versions. Triton's group files do name absolute paths
 (of the temporary build folder); while the cache is in use Triton reads them through
-compiler/triton_cache.py, which finds each file by name beside its group file. A build goes
+compiler/triton_cache.py, which finds each file by name beside its group file. (Inductor before torch 2.14 put
+each graph's repro script, with the build folder's path, into its compiled code: no longer written,
+compiler/codegen.py without_repro_script.) A build goes
 to a sibling temporary folder and is renamed into place under a lock, so concurrent builders leave one
 valid cache.
 """

@@ -95,6 +95,30 @@ def choices(rows: int | None = None):
     return _choices_class()(persistent_rows() if rows is None else rows)
 
 
+def _no_repro_script(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def without_repro_script():
+    """Inductor in torch 2.11-2.13 writes a repro script of every graph it compiles (the graph's code, the
+    process's absolute cache folders, a tensor's address) into the compiled graph, which its FX cache and our
+    compile cache's saved forward (compiler/aot.py) then keep: the cache held its build folder's path. Torch 2.14
+    writes it only for a structured trace (TORCH_TRACE); so do we, on every version."""
+    from torch._dynamo.repro import after_aot
+    from torch._logging._internal import trace_log
+
+    write = after_aot.save_graph_repro
+    if trace_log.handlers or write is _no_repro_script:  # a structured trace logs it; or swapped already
+        yield
+        return
+    after_aot.save_graph_repro = _no_repro_script  # compile_fx looks it up at each compile
+    try:
+        yield
+    finally:
+        after_aot.save_graph_repro = write
+
+
 @contextlib.contextmanager
 def heuristics():
     """Our choices for the compiles inside (Inductor reads them per thread, at code generation)."""

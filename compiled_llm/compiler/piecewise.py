@@ -11,7 +11,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx
@@ -140,7 +140,8 @@ class PieceRunner:
         passes = self.backend.pass_manager
         calls = passes.calls
         t0 = time.perf_counter()
-        with codegen.heuristics():  # our Inductor code-generation choices (compiler/codegen.py)
+        # our Inductor code-generation choices; no repro script saved in the compiled code (compiler/codegen.py)
+        with codegen.heuristics(), codegen.without_repro_script():
             fn = self._run_inductor(gm, args, shape)
         self.inputs[self.label(shape)] = passes.last_input if passes.calls != calls else None
         self.compile_seconds += time.perf_counter() - t0
